@@ -1,0 +1,39 @@
+"""specroll_mcore: lossless speculative GRPO rollouts on megatron-core.
+
+Pins, and why:
+  * torch: megatron-core requires torch>=2.6; we need >=2.6 as well (SDPA with enable_gqa). We do not
+    pin a build here: `make` installs torch==2.13.0 first (on CPU machines that is the local CPU
+    build; an unpinned install would pull a multi-GB CUDA build). GPU users bring their own torch.
+  * megatron-core: 0.16.1 is the newest release for Python 3.11 and the version tested in CI.
+    Python 3.12 users (GPU clusters) may use 0.16.1-0.19.x; the model code uses only the public
+    GPTModel / layer-spec / SelfAttention API, which these releases share.
+  * transformers: HF checkpoints, tokenizers and chat templates (>=4.46 for GGUF loading of Llama).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="specroll_mcore",
+    version="0.1.0",
+    description="SpecRoll speculative rollouts for GRPO on megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["specroll_mcore", "specroll_mcore.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core>=0.16.1,<0.20; python_version >= '3.12'",
+        "numpy",
+        "pyyaml",
+        "safetensors",
+        "transformers>=4.46",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "scipy"],
+        # Optional GPU accelerators; the code runs without them (torch SDPA, torch norms).
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["specroll=specroll_mcore.cli:main"]},
+)

@@ -1,0 +1,136 @@
+"""Hugging Face Llama / Qwen2 <-> the full Megatron form: one name table plus named fuse helpers.
+
+HF keeps q/k/v and gate/up as separate matrices; megatron-core fuses them:
+  * ``linear_qkv`` rows are grouped per KV head: for each group g, its np/ng query heads, then its
+    key head, then its value head (``fuse_qkv`` / ``split_qkv``);
+  * ``linear_fc1`` is [gate; up] (``fuse_gate_up`` / ``split_gate_up``).
+Both use the rotate-half RoPE convention, so no permutation of q/k rows is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from specroll_mcore.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+# Megatron name (layer-relative, after "decoder.layers.{i}.") -> HF name (after "model.layers.{i}.")
+LAYER_TABLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+GLOBAL_TABLE = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    """HF q [np*d, ...], k/v [ng*d, ...] -> megatron linear_qkv [ng*(np/ng+2)*d, ...] (weights or biases)."""
+    ng, d = model.num_query_groups, model.kv_channels
+    per = model.num_attention_heads // ng
+    rest = q.shape[1:]
+    qg = q.reshape(ng, per * d, *rest)
+    kg = k.reshape(ng, d, *rest)
+    vg = v.reshape(ng, d, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(ng * (per + 2) * d, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`."""
+    ng, d = model.num_query_groups, model.kv_channels
+    per = model.num_attention_heads // ng
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(ng, (per + 2) * d, *rest)
+    q, k, v = grouped.split([per * d, d, d], dim=1)
+    return q.reshape(ng * per * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.cat([gate, up], dim=0)
+
+
+def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = fc1.chunk(2, dim=0)
+    return gate, up
+
+
+def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> ModelConfig:
+    """ModelConfig from a transformers LlamaConfig / Qwen2Config (or its dict)."""
+    c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+    archs = c.get("architectures") or []
+    model_type = c.get("model_type")
+    if model_type not in ("llama", "qwen2") and not set(archs) & set(SUPPORTED_ARCHITECTURES):
+        raise ValueError(f"unsupported architecture {archs or model_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if c.get("rope_scaling"):
+        raise ValueError(f"rope_scaling {c['rope_scaling']!r} is not supported yet (plain RoPE only)")
+    rope_theta = c.get("rope_theta")
+    if rope_theta is None:  # transformers >= 5 keeps it under rope_parameters
+        rope_theta = (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    is_qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in archs
+    return ModelConfig(
+        num_layers=c["num_hidden_layers"],
+        hidden_size=c["hidden_size"],
+        ffn_hidden_size=c["intermediate_size"],
+        num_attention_heads=c["num_attention_heads"],
+        num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"],
+        vocab_size=c["vocab_size"],
+        max_position_embeddings=c.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_theta),
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        add_qkv_bias=bool(c.get("attention_bias", is_qwen2)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        kv_channels=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+        params_dtype=params_dtype,
+    )
+
+
+def hf_to_full(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF state dict -> full Megatron form. Reads tensors lazily one layer at a time if ``hf`` is a
+    lazy mapping (safetensors), so peak memory stays near one layer plus the output."""
+    out: dict[str, torch.Tensor] = {}
+    for mname, hname in GLOBAL_TABLE.items():
+        if mname == "output_layer.weight" and model.tie_word_embeddings:
+            continue
+        out[mname] = hf[hname]
+    for i in range(model.num_layers):
+        for mname, hname in LAYER_TABLE.items():
+            out[f"decoder.layers.{i}.{mname}"] = hf[f"model.layers.{i}.{hname}"]
+        a = f"model.layers.{i}.self_attn."
+        out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = fuse_qkv(
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], model)
+        if model.add_qkv_bias:
+            out[f"decoder.layers.{i}.self_attention.linear_qkv.bias"] = fuse_qkv(
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], model)
+        mlp = f"model.layers.{i}.mlp."
+        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = fuse_gate_up(
+            hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"])
+    return out
+
+
+def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full Megatron form -> HF state dict (inverse of :func:`hf_to_full`)."""
+    out: dict[str, torch.Tensor] = {}
+    for mname, hname in GLOBAL_TABLE.items():
+        if mname in full:
+            out[hname] = full[mname]
+    for i in range(model.num_layers):
+        for mname, hname in LAYER_TABLE.items():
+            out[f"model.layers.{i}.{hname}"] = full[f"decoder.layers.{i}.{mname}"]
+        a = f"model.layers.{i}.self_attn."
+        q, k, v = split_qkv(full[f"decoder.layers.{i}.self_attention.linear_qkv.weight"], model)
+        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
+        if model.add_qkv_bias:
+            q, k, v = split_qkv(full[f"decoder.layers.{i}.self_attention.linear_qkv.bias"], model)
+            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
+        gate, up = split_gate_up(full[f"decoder.layers.{i}.mlp.linear_fc1.weight"])
+        out[f"model.layers.{i}.mlp.gate_proj.weight"] = gate
+        out[f"model.layers.{i}.mlp.up_proj.weight"] = up
+    return out

@@ -1,0 +1,145 @@
+"""Full (unsharded) Megatron state dicts <-> the shard one rank holds.
+
+The *full* form is what a TP=1, PP=1 ``GPTModel`` would hold, except that the vocabulary rows are
+not padded (``vocab_size`` rows): padding depends on the TP size, so it is added when sharding and
+removed when gathering. Converters (HF <-> Megatron) speak the full form; resharding (a TP=1
+checkpoint loaded at TP=2) is full -> shard with the new layout.
+
+How each parameter is split over TP follows megatron-core's layers:
+  * ColumnParallelLinear / VocabParallelEmbedding: dim 0 (QKV rows are grouped per KV head, so
+    contiguous chunks give each rank whole groups; the SwiGLU fc1 is [gate; up], chunked separately);
+  * RowParallelLinear: dim 1;
+  * norms: replicated.
+Layer numbers are global in the full form and local to the stage in the shard.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import torch
+
+from specroll_mcore.config import ModelConfig
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def shard_tensor(name: str, full: torch.Tensor, model: ModelConfig, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """The TP shard of one full-form tensor (``name`` without the layer prefix for layers)."""
+    if name in _VOCAB:
+        if full.shape[0] != model.vocab_size:
+            raise ValueError(f"{name} has {full.shape[0]} rows, ModelConfig.vocab_size is {model.vocab_size}")
+        return _pad_vocab(full, model.padded_vocab_size(tp_size)).chunk(tp_size, 0)[tp_rank]
+    if name.endswith(_COLUMN_PARALLEL):
+        return full.chunk(tp_size, 0)[tp_rank]
+    if name.endswith("mlp.linear_fc1.weight"):
+        gate, up = full.chunk(2, 0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]])
+    if name.endswith(_ROW_PARALLEL):
+        return full.chunk(tp_size, 1)[tp_rank]
+    return full
+
+
+def unshard_tensor(name: str, shards: list[torch.Tensor], model: ModelConfig) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor`: the TP shards of one tensor, rank order -> full form."""
+    if name in _VOCAB:
+        return torch.cat(shards)[: model.vocab_size]
+    if name.endswith(_COLUMN_PARALLEL):
+        return torch.cat(shards)
+    if name.endswith("mlp.linear_fc1.weight"):
+        gates, ups = zip(*(s.chunk(2, 0) for s in shards))
+        return torch.cat([*gates, *ups])
+    if name.endswith(_ROW_PARALLEL):
+        return torch.cat(shards, 1)
+    return shards[0]
+
+
+def local_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int, tp_rank: int,
+                     pp_size: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    """The state dict one (tp_rank, pp_rank) GPTModel holds, from the full form."""
+    per_stage = model.num_layers // pp_size
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():
+        m = _LAYER.match(name)
+        if m:
+            layer = int(m.group(1))
+            if not pp_rank * per_stage <= layer < (pp_rank + 1) * per_stage:
+                continue
+            local = f"decoder.layers.{layer - pp_rank * per_stage}.{m.group(2)}"
+            out[local] = shard_tensor(m.group(2), tensor, model, tp_size, tp_rank)
+        elif name == "embedding.word_embeddings.weight":
+            shard = shard_tensor(name, tensor, model, tp_size, tp_rank)
+            if first:
+                out[name] = shard
+            if model.tie_word_embeddings and last and not first:
+                out["output_layer.weight"] = shard  # the last stage's copy of the tied weight
+        elif name == "output_layer.weight":
+            if last and not model.tie_word_embeddings:
+                out[name] = shard_tensor(name, tensor, model, tp_size, tp_rank)
+        elif name == "decoder.final_layernorm.weight":
+            if last:
+                out[name] = tensor
+        else:
+            raise KeyError(f"unexpected parameter {name!r} in a full Megatron state dict")
+    return out
+
+
+def expected_full_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the full form (for validation and random init)."""
+    h, d, f = model.hidden_size, model.kv_channels, model.ffn_hidden_size
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
+    shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (model.vocab_size, h)}
+    for i in range(model.num_layers):
+        p = f"decoder.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attention.linear_qkv.weight"] = (qkv, h)
+        if model.add_qkv_bias:
+            shapes[p + "self_attention.linear_qkv.bias"] = (qkv,)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, model.num_attention_heads * d)
+        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
+        shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+    shapes["decoder.final_layernorm.weight"] = (h,)
+    if not model.tie_word_embeddings:
+        shapes["output_layer.weight"] = (model.vocab_size, h)
+    return shapes
+
+
+def check_full_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig) -> None:
+    """Every expected tensor present with the shape the config implies; nothing unexpected."""
+    expected = expected_full_shapes(model)
+    missing = sorted(set(expected) - set(full))
+    extra = sorted(set(full) - set(expected))
+    if missing or extra:
+        raise ValueError(f"state dict does not match the model config: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+                         f"{'...' if len(extra) > 5 else ''}")
+    for name, shape in expected.items():
+        if tuple(full[name].shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(full[name].shape)} but the model config implies "
+                             f"{shape}; does config.json belong to these weights?")
+
+
+def random_full_state_dict(model: ModelConfig, seed: int, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """A seeded random model in the full form (independent of the parallel layout)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in expected_full_shapes(model).items():
+        if name.endswith("layernorm.weight"):
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            out[name] = 0.1 * torch.randn(shape, generator=g)
+        else:
+            out[name] = std * torch.randn(shape, generator=g)
+    return {k: v.to(model.torch_dtype) for k, v in out.items()}

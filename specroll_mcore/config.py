@@ -1,0 +1,204 @@
+"""The configuration tree: plain dataclasses, documented fields, validation in ``__post_init__``.
+
+Every error names the field(s) involved and the values that do not fit together, so a user can fix
+the config without reading the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama / Qwen2 style decoder (RMSNorm, SwiGLU, RoPE, GQA)."""
+
+    num_layers: int
+    """Number of transformer layers."""
+
+    hidden_size: int
+    """Model width h."""
+
+    ffn_hidden_size: int
+    """Width of the SwiGLU MLP (each of gate and up)."""
+
+    num_attention_heads: int
+    """Number of query heads."""
+
+    num_query_groups: int
+    """Number of key/value heads (GQA groups); equals num_attention_heads for plain MHA."""
+
+    vocab_size: int
+    """True vocabulary size (the tokenizer's). The embedding is padded for TP, see padded_vocab_size."""
+
+    max_position_embeddings: int = 2048
+    """Context length: prompt plus response tokens may not exceed it."""
+
+    rope_theta: float = 10000.0
+    """RoPE base."""
+
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    add_qkv_bias: bool = False
+    """Bias on the fused QKV projection (Qwen2)."""
+
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output projection (SmolLM2, Qwen2.5 <= 3B)."""
+
+    kv_channels: Optional[int] = None
+    """Head dimension; defaults to hidden_size // num_attention_heads."""
+
+    params_dtype: str = "float32"
+    """Parameter and activation dtype: float32, float64, bfloat16 or float16."""
+
+    make_vocab_size_divisible_by: int = 128
+    """The embedding rows are padded to a multiple of this times the TP size (Megatron's rule)."""
+
+    init_method_std: float = 0.02
+    """Std of the random initialisation (only used for models not loaded from a checkpoint)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "max_position_embeddings"):
+            _check(getattr(self, name) > 0, f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        _check(self.num_attention_heads % self.num_query_groups == 0,
+               f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+               f"ModelConfig.num_query_groups ({self.num_query_groups})")
+        if self.kv_channels is None:
+            _check(self.hidden_size % self.num_attention_heads == 0,
+                   f"ModelConfig.hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                   f"({self.num_attention_heads}); set ModelConfig.kv_channels explicitly")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        _check(self.kv_channels % 2 == 0, f"ModelConfig.kv_channels must be even for RoPE, got {self.kv_channels}")
+        _check(self.params_dtype in _DTYPES,
+               f"ModelConfig.params_dtype must be one of {sorted(_DTYPES)}, got {self.params_dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.params_dtype]
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Rows of the (vocab-parallel) embedding: vocab_size rounded up to divisible_by * TP."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        _check(not unknown, f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def tiny_llama(**overrides: Any) -> ModelConfig:
+    """A random-initialised Llama-shaped model for tests: GQA, untied embeddings, no bias."""
+    base = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                num_query_groups=2, vocab_size=300, max_position_embeddings=256, rope_theta=10000.0)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_qwen2(**overrides: Any) -> ModelConfig:
+    """A random-initialised Qwen2-shaped model for tests: QKV bias, tied embeddings."""
+    base = dict(num_layers=4, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
+                num_query_groups=2, vocab_size=300, max_position_embeddings=256, rope_theta=1e6,
+                add_qkv_bias=True, tie_word_embeddings=True, norm_eps=1e-6)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel layout. The data-parallel size is what remains of the world size."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: heads, KV heads, MLP and vocabulary are split over this many ranks."""
+
+    pipeline_model_parallel_size: int = 1
+    """PP: layers are split into this many consecutive stages."""
+
+    backend: Optional[str] = None
+    """torch.distributed backend; None picks nccl when CUDA is available, else gloo."""
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_model_parallel_size >= 1,
+               f"ParallelConfig.tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
+        _check(self.pipeline_model_parallel_size >= 1,
+               f"ParallelConfig.pipeline_model_parallel_size must be >= 1, got {self.pipeline_model_parallel_size}")
+        _check(self.backend in (None, "gloo", "nccl"),
+               f"ParallelConfig.backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
+
+    def validate(self, model: ModelConfig, world_size: int) -> int:
+        """Check the layout against the model and the world size; return the data-parallel size."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        _check(world_size % (tp * pp) == 0,
+               f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+               f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes")
+        _check(model.num_attention_heads % tp == 0,
+               f"ModelConfig.num_attention_heads ({model.num_attention_heads}) is not divisible by "
+               f"ParallelConfig.tensor_model_parallel_size ({tp})")
+        _check(model.num_query_groups % tp == 0,
+               f"ModelConfig.num_query_groups ({model.num_query_groups} KV heads) is not divisible by "
+               f"ParallelConfig.tensor_model_parallel_size ({tp}); choose a TP size that divides it")
+        _check(model.ffn_hidden_size % tp == 0,
+               f"ModelConfig.ffn_hidden_size ({model.ffn_hidden_size}) is not divisible by "
+               f"ParallelConfig.tensor_model_parallel_size ({tp})")
+        _check(model.num_layers % pp == 0,
+               f"ModelConfig.num_layers ({model.num_layers}) is not divisible by "
+               f"ParallelConfig.pipeline_model_parallel_size ({pp})")
+        return world_size // (tp * pp)
+
+
+@dataclass
+class SamplingConfig:
+    """How responses are sampled. Tokens depend only on (seed, step, prompt, sample, position)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+
+    top_p: float = 1.0
+    """Nucleus filter: keep the smallest set of tokens whose probability reaches top_p; in (0, 1]."""
+
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables the filter."""
+
+    max_new_tokens: int = 256
+    """Response length limit (also stopped by the context length)."""
+
+    num_samples: int = 1
+    """G: responses per prompt."""
+
+    seed: int = 0
+    """Sampling seed (with the rollout step, the prompt index, the sample index and the position)."""
+
+    stop: Sequence[str] = field(default_factory=tuple)
+    """Stop strings: a response ends at the token whose text completes one of them."""
+
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"SamplingConfig.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _check(self.max_new_tokens >= 1, f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.num_samples >= 1, f"SamplingConfig.num_samples must be >= 1, got {self.num_samples}")
+        _check(0 <= self.seed < 2**32, f"SamplingConfig.seed must be in [0, 2**32), got {self.seed}")
+        self.stop = tuple(self.stop)
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"SamplingConfig.stop must be non-empty strings, got {self.stop!r}")

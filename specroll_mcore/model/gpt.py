@@ -1,0 +1,149 @@
+"""The policy: a megatron-core ``GPTModel`` built from our layer spec, plus stage-to-stage glue.
+
+Parameter names, shapes and TP layout are megatron-core's (``embedding.word_embeddings.weight``,
+``decoder.layers.N.self_attention.linear_qkv.weight``, ... ``output_layer.weight``), so Megatron
+checkpoints and tools apply. The only swaps in the local layer spec are the self-attention class
+(KV cache and tree masks) and its core attention (torch SDPA, runs on CPU and GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict
+from specroll_mcore.config import ModelConfig
+from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
+from specroll_mcore.model.kv_cache import KVCache
+from specroll_mcore.parallel import ParallelContext
+
+
+def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerConfig:
+    """megatron-core TransformerConfig for a Llama/Qwen2 architecture under this layout."""
+    dtype = model.torch_dtype
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=ctx.tp_size,
+        pipeline_model_parallel_size=ctx.pp_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=ctx.device.type == "cpu",
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def layer_spec() -> ModuleSpec:
+    """megatron-core's local GPT layer spec with our self-attention and core attention."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attn = spec.submodules.self_attention
+    attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPACoreAttention)
+    new_attn = dataclasses.replace(attn, module=SpecRollSelfAttention, submodules=attn_sub)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn))
+
+
+class PolicyModel(torch.nn.Module):
+    """One pipeline stage of the policy, with the point-to-point glue for inference.
+
+    ``forward`` runs this stage: the first stage embeds ``input_ids``, the others receive hidden
+    states from the previous stage; the last stage returns vocab-parallel logits [b, s, V/tp]
+    (and, if asked, the final hidden states [s, b, h] that heads read), the others send their
+    output on and return None.
+    """
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.config = config
+        self.ctx = ctx
+        self.padded_vocab_size = config.padded_vocab_size(ctx.tp_size)
+        self.gpt = GPTModel(
+            config=transformer_config(config, ctx),
+            transformer_layer_spec=layer_spec(),
+            vocab_size=self.padded_vocab_size,
+            max_sequence_length=config.max_position_embeddings,
+            pre_process=ctx.is_first_stage,
+            post_process=ctx.is_last_stage,
+            parallel_output=True,
+            share_embeddings_and_output_weights=config.tie_word_embeddings,
+            position_embedding_type="none",
+        ).to(device=ctx.device, dtype=config.torch_dtype)  # torch norms are built in the default dtype
+        self._last_hidden: Optional[torch.Tensor] = None
+        if ctx.is_last_stage:
+            self.gpt.decoder.register_forward_hook(self._keep_hidden)
+
+    def _keep_hidden(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
+        self._last_hidden = output  # [s, b, h], after the final norm
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.torch_dtype
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        return KVCache(num_slots, capacity, self.ctx.device, self.dtype)
+
+    def metadata(self, positions: torch.Tensor, new_token_mask: torch.Tensor,
+                 cache: Optional[KVCache] = None, slots: Optional[torch.Tensor] = None) -> AttentionMetadata:
+        return AttentionMetadata.build(positions, new_token_mask, self.config.kv_channels,
+                                       self.config.rope_theta, self.dtype, cache, slots)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                return_hidden: bool = False):
+        """input_ids [b, s] (read by the first stage only). Returns logits [b, s, V/tp] on the last
+        stage (with hidden [s, b, h] if ``return_hidden``), None elsewhere."""
+        b, s = input_ids.shape
+        if not self.ctx.is_first_stage:
+            hidden_in = self.ctx.recv_forward((s, b, self.config.hidden_size), self.dtype)
+            self.gpt.set_input_tensor(hidden_in)
+        out = self.gpt(input_ids=input_ids, position_ids=meta.positions, attention_mask=meta)
+        if not self.ctx.is_last_stage:
+            self.ctx.send_forward(out)
+            return None
+        hidden, self._last_hidden = self._last_hidden, None
+        return (out, hidden) if return_hidden else out
+
+    def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Load weights given in the full form (see checkpoint/shard.py), sharding for this rank."""
+        check_full_state_dict(full, self.config)
+        local = local_state_dict(full, self.config, self.ctx.tp_size, self.ctx.tp_rank,
+                                 self.ctx.pp_size, self.ctx.pp_rank)
+        own = self.gpt.state_dict()
+        missing = sorted(k for k in own if k not in local and not k.endswith("_extra_state"))
+        if missing:
+            raise KeyError(f"no weights for {missing[:5]}")
+        with torch.no_grad():
+            for name, tensor in local.items():
+                if own[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: shard shape {tuple(tensor.shape)} != parameter shape "
+                                     f"{tuple(own[name].shape)}")
+                own[name].copy_(tensor)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel logits [..., V/tp] -> the true vocabulary [..., vocab_size]."""
+        return self.ctx.gather_vocab(logits)[..., : self.config.vocab_size]

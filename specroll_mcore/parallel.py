@@ -1,0 +1,211 @@
+"""Process groups and the megatron-core parallel state.
+
+This is the only module that reads ``megatron.core.parallel_state`` or calls ``torch.distributed``
+collectives; everything else receives a :class:`ParallelContext`.
+
+Launch with ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, ... in the environment) or as a plain
+single process. gloo on CPU, nccl on GPU, chosen automatically unless the config says otherwise.
+
+megatron-core CPU compatibility
+-------------------------------
+megatron-core 0.16.1 assumes CUDA in a few places we reach. The complete list of what we change,
+and why, is :func:`apply_cpu_compat`; nothing else in the project patches megatron-core.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from specroll_mcore.config import ModelConfig, ParallelConfig
+
+_CPU_COMPAT_APPLIED = False
+
+
+def apply_cpu_compat() -> list[str]:
+    """Make the megatron-core code paths we use run without CUDA. Idempotent; a no-op with CUDA.
+
+    Items (each one is needed by a path we use, and is tested in tests/unit/test_parallel.py):
+
+    1. ``torch.cuda.current_device`` answers the CPU device. megatron-core allocates communication
+       buffers with ``device=torch.cuda.current_device()`` (tensor_parallel/mappings.py all-gathers,
+       tensor_parallel/layers.py) and would raise "Torch not compiled with CUDA enabled"; on a CPU
+       machine the right device for those buffers is the CPU.
+
+    Not patched, replaced instead: megatron's ``DotProductAttention`` (CUDA RNG tracker, global
+    memory buffer) is swapped for our own core attention in the layer spec (model/attention.py), and
+    its RoPE for ours (positions per row, needed for ragged KV caches and trees).
+
+    Returns the list of items applied.
+    """
+    global _CPU_COMPAT_APPLIED
+    if torch.cuda.is_available():
+        return []
+    if not _CPU_COMPAT_APPLIED:
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+        _CPU_COMPAT_APPLIED = True
+    return ["torch.cuda.current_device -> cpu"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ParallelContext:
+    """What a rank knows about the layout: sizes, ranks, groups and the device."""
+
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+    tp_group: Optional[dist.ProcessGroup]
+    pp_group: Optional[dist.ProcessGroup]
+    dp_group: Optional[dist.ProcessGroup]
+    pp_ranks: Sequence[int]
+    """Global ranks of this rank's pipeline, first stage first."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    # -- pipeline point-to-point (inference: hidden states flow first -> last stage) ----------
+    def send_forward(self, tensor: torch.Tensor) -> None:
+        """Send this stage's output hidden states [s, b, h] to the next stage."""
+        dist.send(tensor.contiguous(), dst=self.pp_ranks[self.pp_rank + 1])
+
+    def recv_forward(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Receive the previous stage's hidden states."""
+        buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        dist.recv(buf, src=self.pp_ranks[self.pp_rank - 1])
+        return buf
+
+    def broadcast_from_last_stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Give every stage the last stage's tensors (same shapes and dtypes on all stages)."""
+        if self.pp_size == 1:
+            return list(tensors)
+        out = []
+        for t in tensors:
+            t = t.contiguous()
+            dist.broadcast(t, src=self.pp_ranks[-1], group=self.pp_group)
+            out.append(t)
+        return out
+
+    # -- tensor parallel ------------------------------------------------------------------------
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Concatenate vocab-parallel logits [..., V/tp] into the full padded vocabulary [..., V]."""
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    def all_reduce_tp(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=self.tp_group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
+               timeout_minutes: int = 30) -> ParallelContext:
+    """Initialise torch.distributed (from torchrun's environment, or a 1-process group) and
+    megatron-core's model-parallel state. Validates the layout against ``model`` when given."""
+    from megatron.core import parallel_state as ps
+
+    apply_cpu_compat()
+    use_cuda = torch.cuda.is_available() and parallel.backend != "gloo"
+    backend = parallel.backend or ("nccl" if use_cuda else "gloo")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    # Validate before any process group exists, so a bad layout fails fast and cleanly.
+    if model is not None:
+        parallel.validate(model, world_size)
+    else:
+        if world_size % (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size):
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size "
+                f"({parallel.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+                f"({parallel.pipeline_model_parallel_size})")
+
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            if world_size != 1:
+                raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is not set; launch with torchrun")
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        create_gloo_process_groups=False,
+    )
+    return context_from_parallel_state(device)
+
+
+def context_from_parallel_state(device: torch.device) -> ParallelContext:
+    """Read megatron's parallel state into a ParallelContext."""
+    from megatron.core import parallel_state as ps
+
+    pp_group = ps.get_pipeline_model_parallel_group()
+    return ParallelContext(
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_size=ps.get_data_parallel_world_size(),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        device=device,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=pp_group,
+        dp_group=ps.get_data_parallel_group(),
+        pp_ranks=list(dist.get_process_group_ranks(pp_group)),
+    )
+
+
+def pipeline_layer_offset(model: ModelConfig, ctx: ParallelContext) -> int:
+    """Global index of this stage's first layer (layers split evenly over stages)."""
+    return ctx.pp_rank * (model.num_layers // ctx.pp_size)
+
+
+def destroy() -> None:
+    """Tear down megatron's parallel state and the default process group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,141 @@
+"""What every rollout engine shares: the output record, input validation, finish rules, prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from specroll_mcore.config import SamplingConfig
+from specroll_mcore.model import PolicyModel, causal_mask
+from specroll_mcore.model.kv_cache import KVCache
+from specroll_mcore.sampling import SampleKeys, sample
+
+FINISH_EOS, FINISH_STOP, FINISH_LENGTH = "eos", "stop", "length"
+
+
+@dataclass
+class RolloutOutput:
+    """P prompts x G samples, one entry per response, ordered prompt-major (i * G + j)."""
+
+    prompt_index: list[int]
+    sample_index: list[int]
+    tokens: list[list[int]]
+    logprobs: list[torch.Tensor]
+    """Per-token log-probs of the sampling distribution (float32 [len])."""
+    finish_reason: list[str]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], prompt_ids: Optional[Sequence[int]],
+                     vocab_size: int, max_positions: int) -> list[int]:
+    """Clear errors for bad rollout input; returns the prompt ids (defaults to 0..P-1)."""
+    if len(prompts) == 0:
+        raise ValueError("generate() got an empty prompt list; pass at least one tokenized prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(p) >= max_positions:
+            raise ValueError(f"prompt {i} has {len(p)} tokens but the context length "
+                             f"(ModelConfig.max_position_embeddings) is {max_positions}; it must be "
+                             f"at most {max_positions - 1} to leave room for one generated token")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompt {i} has token id {hi if hi >= vocab_size else lo} outside the "
+                             f"model vocabulary [0, {vocab_size}); was it tokenized for another model?")
+    if prompt_ids is None:
+        return list(range(len(prompts)))
+    if len(prompt_ids) != len(prompts):
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} entries for {len(prompts)} prompts")
+    if len(set(prompt_ids)) != len(prompt_ids):
+        raise ValueError("prompt_ids must be unique: they key the sampling noise of each prompt")
+    return list(prompt_ids)
+
+
+def check_tokenizer_fits(tokenizer: Any, vocab_size: int) -> None:
+    """A tokenizer may have fewer ids than the model (padding), never more."""
+    n = len(tokenizer)
+    if n > vocab_size:
+        raise ValueError(f"the tokenizer has {n} tokens but the model's vocabulary "
+                         f"(ModelConfig.vocab_size) is {vocab_size}: they do not belong together")
+
+
+class FinishRules:
+    """EOS, stop strings, the length limit and the context limit, applied token by token."""
+
+    def __init__(self, sampling: SamplingConfig, eos_token_ids: Sequence[int], tokenizer: Any,
+                 max_positions: int) -> None:
+        if sampling.stop and tokenizer is None:
+            raise ValueError("SamplingConfig.stop needs a tokenizer to match text; pass tokenizer=")
+        self.sampling = sampling
+        self.eos = set() if sampling.ignore_eos else set(int(t) for t in eos_token_ids)
+        self.tokenizer = tokenizer
+        self.max_positions = max_positions
+        self._window = max((len(s) for s in sampling.stop), default=0) + 4
+
+    def limit(self, prompt_len: int) -> int:
+        """Most tokens a response of this prompt may have."""
+        return min(self.sampling.max_new_tokens, self.max_positions - prompt_len)
+
+    def check(self, response: list[int], prompt_len: int) -> Optional[str]:
+        """Finish reason after the response's last token, or None to go on."""
+        if response[-1] in self.eos:
+            return FINISH_EOS
+        if self.sampling.stop:
+            tail = self.tokenizer.decode(response[-self._window:])
+            if any(s in tail for s in self.sampling.stop):
+                return FINISH_STOP
+        if len(response) >= self.limit(prompt_len):
+            return FINISH_LENGTH
+        return None
+
+
+def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]],
+            max_tokens_per_forward: int) -> Optional[torch.Tensor]:
+    """Prefill prompt p into cache slot p; returns the logits at each prompt's last token
+    [P, vocab] on the last stage (None elsewhere). Prompts go in chunks of at most
+    ``max_tokens_per_forward`` padded tokens (at least one prompt per forward)."""
+    device = cache.device
+    out: list[torch.Tensor] = []
+    start = 0
+    while start < len(prompts):
+        end, longest = start, 0
+        while end < len(prompts):
+            longest_next = max(longest, len(prompts[end]))
+            if end > start and longest_next * (end - start + 1) > max_tokens_per_forward:
+                break
+            longest, end = longest_next, end + 1
+        chunk = prompts[start:end]
+        lengths = torch.tensor([len(p) for p in chunk], device=device)
+        ids = torch.zeros(len(chunk), longest, dtype=torch.long, device=device)
+        for r, p in enumerate(chunk):
+            ids[r, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        slots = torch.arange(start, end, device=device)
+        positions = torch.arange(longest, device=device)[None, :].expand(len(chunk), longest)
+        meta = model.metadata(positions, causal_mask(len(chunk), longest, device, lengths), cache, slots)
+        logits = model(ids, meta)
+        cache.commit(slots, lengths)
+        if logits is not None:
+            last = logits[torch.arange(len(chunk), device=device), lengths - 1]  # [p, V/tp]
+            out.append(model.full_logits(last))
+        start = end
+    return torch.cat(out) if out else None
+
+
+def sample_rows(model: PolicyModel, logits: Optional[torch.Tensor], keys: SampleKeys,
+                sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample on the last stage (logits [n, V]) and share tokens and log-probs with all stages."""
+    n = keys.prompt.shape[0]
+    if logits is not None:
+        tokens, logp = sample(logits, keys, sampling.temperature, sampling.top_p, sampling.top_k)
+        logp = logp.float()
+    else:
+        tokens = torch.empty(n, dtype=torch.long, device=keys.prompt.device)
+        logp = torch.empty(n, dtype=torch.float32, device=keys.prompt.device)
+    tokens, logp = model.ctx.broadcast_from_last_stage([tokens, logp])
+    return tokens, logp

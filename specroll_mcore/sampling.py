@@ -1,0 +1,104 @@
+"""Counter-based sampling: the exactness contract's source of randomness.
+
+The token at response position t of (prompt i, sample j) in rollout step ``step`` is
+
+    argmax_v( filtered_logits[v] / T + g[v] ),   g = Gumbel(seed, step, i, j, t, v)
+
+where the Gumbel noise is a pure function of those integers (a stateless hash, no RNG state).
+The sample therefore depends on nothing else: not on batch size or order, on which other rows are
+running, on TP/PP, or on whether a speculative engine produced the logits. T = 0 is greedy.
+
+Pure tensor functions; no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values (full avalanche).
+
+    The products can exceed 2**63 and wrap; only the low 32 bits are kept, which wrapping preserves.
+    """
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _combine(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _fmix32((h * 0x9E3779B1 + (x & _M32) + 0x7F4A7C15) & _M32)
+
+
+@dataclass(frozen=True)
+class SampleKeys:
+    """Counter keys of n tokens to sample: one (prompt, sample, position) each, shared seed/step."""
+
+    seed: int
+    step: int
+    prompt: torch.Tensor  # [n] long
+    sample: torch.Tensor  # [n] long
+    position: torch.Tensor  # [n] long, 0-based index in the response
+
+    def row_hash(self) -> torch.Tensor:
+        h = _fmix32(torch.full_like(self.prompt, (self.seed ^ 0x5BD1E995) & _M32))
+        for field in (torch.full_like(self.prompt, self.step), self.prompt, self.sample, self.position):
+            h = _combine(h, field)
+        return h  # [n]
+
+
+def uniform_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """[n, vocab] uniforms in (0, 1), one per (key, token id)."""
+    v = torch.arange(vocab, dtype=torch.long, device=keys.prompt.device)
+    h = _combine(keys.row_hash()[:, None], v[None, :])
+    h = _fmix32(h ^ 0x2545F491)
+    return (h.to(dtype) + 0.5) * (1.0 / 2**32)
+
+
+def gumbel_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """[n, vocab] standard Gumbel noise, a pure function of (seed, step, prompt, sample, position, v)."""
+    u = uniform_noise(keys, vocab, torch.float64)
+    return (-torch.log(-torch.log(u))).to(dtype)
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """Temperature, then top-k, then top-p; removed tokens get -inf. logits [n, V] -> [n, V].
+
+    Temperature 0 leaves the logits unscaled (greedy sampling takes the argmax)."""
+    x = logits / temperature if temperature > 0 else logits.clone()
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
+        drop_sorted = mass_before >= top_p  # never drops the best token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def sample(logits: torch.Tensor, keys: SampleKeys, temperature: float, top_p: float = 1.0,
+           top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. logits [n, V] (true vocabulary).
+
+    Returns tokens [n] and their log-probs [n] under the sampling distribution (after temperature,
+    top-k and top-p). At T = 0 the token is the argmax and the log-prob is that of the unscaled,
+    unfiltered softmax.
+    """
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+    x = filter_logits(logits, temperature, top_p, top_k)
+    tokens = (x + gumbel_noise(keys, x.shape[-1], x.dtype)).argmax(dim=-1)
+    logp = torch.log_softmax(x.float() if x.dtype != torch.float64 else x, dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
