@@ -1,0 +1,25 @@
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", category=UserWarning)
+
+from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
+from specroll_mcore.config import ModelConfig, ParallelConfig  # noqa: E402
+from specroll_mcore.model import PolicyModel  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ctx():
+    """One process, TP=1, PP=1 (megatron's parallel state is global: set once per session)."""
+    c = parallel.initialize(ParallelConfig())
+    yield c
+
+
+def make_policy(cfg: ModelConfig, ctx, seed: int = 0) -> PolicyModel:
+    """A policy with seeded random weights given in the full form (layout independent)."""
+    model = PolicyModel(cfg, ctx).eval()
+    model.load_full_state_dict(random_full_state_dict(cfg, seed, std=0.08))
+    return model

@@ -1,0 +1,101 @@
+"""Every bad input a user can hit gets a clear error naming the values involved."""
+
+import pytest
+import torch
+
+from conftest import make_policy
+from specroll_mcore import parallel
+from specroll_mcore.config import ModelConfig, ParallelConfig, SamplingConfig, tiny_llama
+from specroll_mcore.rollout import VanillaEngine
+
+
+@pytest.fixture(scope="module")
+def engine(ctx):
+    return VanillaEngine(make_policy(tiny_llama(max_position_embeddings=32), ctx), eos_token_ids=[1])
+
+
+def test_prompt_longer_than_context(engine):
+    with pytest.raises(ValueError, match=r"prompt 1 has 40 tokens .*max_position_embeddings\) is 32"):
+        engine.generate([[2, 3], [4] * 40], SamplingConfig(max_new_tokens=4))
+
+
+def test_empty_prompt_list_and_empty_prompt(engine):
+    with pytest.raises(ValueError, match="empty prompt list"):
+        engine.generate([], SamplingConfig())
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.generate([[]], SamplingConfig())
+
+
+def test_token_id_outside_vocabulary(engine):
+    with pytest.raises(ValueError, match=r"token id 300 outside the model vocabulary \[0, 300\)"):
+        engine.generate([[5, 300]], SamplingConfig())
+
+
+def test_duplicate_prompt_ids(engine):
+    with pytest.raises(ValueError, match="prompt_ids must be unique"):
+        engine.generate([[5], [6]], SamplingConfig(), prompt_ids=[3, 3])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.5), r"temperature must be >= 0, got -0.5"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(top_k=-1), r"top_k must be >= 0"),
+    (dict(max_new_tokens=0), r"max_new_tokens must be >= 1"),
+])
+def test_sampling_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
+
+
+def test_stop_strings_need_a_tokenizer(engine):
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        engine.generate([[5]], SamplingConfig(stop=["\n"]))
+
+
+@pytest.mark.parametrize("tp, pp, world, match", [
+    (2, 1, 3, r"world size 3 is not divisible by tensor_model_parallel_size \(2\) x pipeline_model_parallel_size \(1\)"),
+    (8, 1, 8, r"num_attention_heads \(4\) is not divisible by .*tensor_model_parallel_size \(8\)"),
+    (4, 1, 4, r"num_query_groups \(2 KV heads\) is not divisible by .*tensor_model_parallel_size \(4\)"),
+    (1, 3, 3, r"num_layers \(4\) is not divisible by .*pipeline_model_parallel_size \(3\)"),
+])
+def test_parallel_layout(tp, pp, world, match):
+    cfg = tiny_llama()
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate(cfg, world)
+
+
+def test_initialize_rejects_a_layout_that_does_not_fit_the_world():
+    with pytest.raises(ValueError, match="world size 1 is not divisible"):
+        parallel.initialize(ParallelConfig(tensor_model_parallel_size=2), tiny_llama())
+
+
+def test_tokenizer_larger_than_vocabulary(ctx):
+    class Tok:
+        def __len__(self):
+            return 301
+
+    with pytest.raises(ValueError, match=r"tokenizer has 301 tokens but the model's vocabulary .* is 300"):
+        VanillaEngine(make_policy(tiny_llama(), ctx), tokenizer=Tok())
+
+
+def test_model_config_errors():
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) must be a multiple of .*num_query_groups \(4\)"):
+        tiny_llama(num_attention_heads=6, num_query_groups=4)
+    with pytest.raises(ValueError, match="params_dtype must be one of"):
+        tiny_llama(params_dtype="float8")
+    with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['hidden'\]"):
+        ModelConfig.from_dict({"hidden": 3})
+
+
+def test_weights_that_do_not_fit_the_config(ctx):
+    from specroll_mcore.checkpoint import random_full_state_dict
+
+    model = make_policy(tiny_llama(), ctx)
+    bad = random_full_state_dict(tiny_llama(ffn_hidden_size=96), 0)
+    with pytest.raises(ValueError, match=r"mlp.linear_fc1.weight has shape \(192, 64\) but the model config implies \(256, 64\)"):
+        model.load_full_state_dict(bad)
+    missing = random_full_state_dict(tiny_llama(), 0)
+    del missing["decoder.layers.2.input_layernorm.weight"]
+    with pytest.raises(ValueError, match="missing"):
+        model.load_full_state_dict(missing)
