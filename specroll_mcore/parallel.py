@@ -14,11 +14,12 @@ and why, is :func:`apply_cpu_compat`; nothing else in the project patches megatr
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,11 @@ def apply_cpu_compat() -> list[str]:
        tensor_parallel/layers.py) and would raise "Torch not compiled with CUDA enabled"; on a CPU
        machine the right device for those buffers is the CPU.
 
+    2. Only while megatron-core builds a model (:func:`cpu_model_construction`): ``Tensor.cuda``
+       returns the tensor itself. ``LanguageModule.setup_embeddings_and_output_layer`` moves the
+       tied embedding to CUDA before all-reducing it between the first and last pipeline stages
+       (tied embeddings with PP > 1); on CPU the all-reduce must happen where the tensor is.
+
     Not patched, replaced instead: megatron's ``DotProductAttention`` (CUDA RNG tracker, global
     memory buffer) is swapped for our own core attention in the layer spec (model/attention.py), and
     its RoPE for ours (positions per row, needed for ragged KV caches and trees).
@@ -51,6 +57,20 @@ def apply_cpu_compat() -> list[str]:
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
         _CPU_COMPAT_APPLIED = True
     return ["torch.cuda.current_device -> cpu"]
+
+
+@contextlib.contextmanager
+def cpu_model_construction() -> Iterator[None]:
+    """Item 2 of :func:`apply_cpu_compat`, scoped to model construction. A no-op with CUDA."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[assignment]
 
 
 def _free_port() -> int:

@@ -22,7 +22,7 @@ from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_d
 from specroll_mcore.config import ModelConfig
 from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
 from specroll_mcore.model.kv_cache import KVCache
-from specroll_mcore.parallel import ParallelContext
+from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
 
 def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerConfig:
@@ -83,17 +83,18 @@ class PolicyModel(torch.nn.Module):
         self.config = config
         self.ctx = ctx
         self.padded_vocab_size = config.padded_vocab_size(ctx.tp_size)
-        self.gpt = GPTModel(
-            config=transformer_config(config, ctx),
-            transformer_layer_spec=layer_spec(),
-            vocab_size=self.padded_vocab_size,
-            max_sequence_length=config.max_position_embeddings,
-            pre_process=ctx.is_first_stage,
-            post_process=ctx.is_last_stage,
-            parallel_output=True,
-            share_embeddings_and_output_weights=config.tie_word_embeddings,
-            position_embedding_type="none",
-        ).to(device=ctx.device, dtype=config.torch_dtype)  # torch norms are built in the default dtype
+        with cpu_model_construction():
+            self.gpt = GPTModel(
+                config=transformer_config(config, ctx),
+                transformer_layer_spec=layer_spec(),
+                vocab_size=self.padded_vocab_size,
+                max_sequence_length=config.max_position_embeddings,
+                pre_process=ctx.is_first_stage,
+                post_process=ctx.is_last_stage,
+                parallel_output=True,
+                share_embeddings_and_output_weights=config.tie_word_embeddings,
+                position_embedding_type="none",
+            ).to(device=ctx.device, dtype=config.torch_dtype)  # torch norms are built in the default dtype
         self._last_hidden: Optional[torch.Tensor] = None
         if ctx.is_last_stage:
             self.gpt.decoder.register_forward_hook(self._keep_hidden)

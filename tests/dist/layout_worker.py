@@ -1,0 +1,66 @@
+"""Run under torchrun: build the policy at a TP/PP layout from seeded full weights, compute causal
+logits, tree logits and a vanilla rollout, and save them from the last stage's first TP rank."""
+
+import argparse
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
+from specroll_mcore.config import ParallelConfig, SamplingConfig, tiny_llama, tiny_qwen2  # noqa: E402
+from specroll_mcore.model import PolicyModel, causal_mask  # noqa: E402
+from specroll_mcore.rollout import VanillaEngine  # noqa: E402
+from specroll_mcore.rollout.base import prefill  # noqa: E402
+from specroll_mcore.tree import tree_ancestor_mask, tree_depths  # noqa: E402
+
+PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37]]
+TREE_PARENTS = torch.tensor([[-1, 0, 0, 1, 3], [-1, -1, 1, -2, -2], [-1, 0, 1, 2, 0]])
+TREE_TOKENS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0], [13, 14, 15, 16, 17]])
+
+
+def models():
+    return {"llama": tiny_llama, "qwen2": tiny_qwen2}
+
+
+def run(arch: str, dtype: str, ctx) -> dict:
+    cfg = models()[arch](params_dtype=dtype)
+    model = PolicyModel(cfg, ctx).eval()
+    model.load_full_state_dict(random_full_state_dict(cfg, seed=7, std=0.08))
+    out = {}
+    with torch.no_grad():
+        ids = torch.tensor([p + [1] * (7 - len(p)) for p in PROMPTS])
+        lengths = torch.tensor([len(p) for p in PROMPTS])
+        meta = model.metadata(torch.arange(7)[None].expand(3, 7), causal_mask(3, 7, ids.device, lengths))
+        logits = model(ids, meta)
+        out["causal"] = model.full_logits(logits) if logits is not None else None
+        cache = model.new_cache(3, 32)
+        prefill(model, cache, PROMPTS, 64)
+        positions = cache.lengths[:, None] + tree_depths(TREE_PARENTS)
+        logits = model(TREE_TOKENS, model.metadata(positions, tree_ancestor_mask(TREE_PARENTS), cache, torch.arange(3)))
+        out["tree"] = model.full_logits(logits) if logits is not None else None
+    engine = VanillaEngine(model, eos_token_ids=[3])
+    for name, sp in {"t1": SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=16, num_samples=2, seed=5),
+                     "greedy": SamplingConfig(temperature=0.0, max_new_tokens=16)}.items():
+        r = engine.generate(PROMPTS, sp, step=1)
+        out[name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    results = {f"{arch}-{dtype}": run(arch, dtype, ctx) for arch in models() for dtype in ("float32", "float64")}
+    if ctx.is_last_stage and ctx.tp_rank == 0:
+        torch.save(results, args.out)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The megatron-core CPU compatibility items and the single-process context."""
+
+import pytest
+import torch
+
+from specroll_mcore import parallel
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compatibility only applies without CUDA")
+def test_cpu_compat_items(ctx):
+    assert parallel.apply_cpu_compat() == ["torch.cuda.current_device -> cpu"]
+    assert torch.cuda.current_device() == torch.device("cpu")
+    # megatron's TP mappings allocate on torch.cuda.current_device(): they must run on CPU.
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    x = torch.randn(2, 3)
+    assert torch.equal(gather_from_tensor_model_parallel_region(x), x)
+    original = torch.Tensor.cuda
+    with parallel.cpu_model_construction():
+        assert x.cuda() is x
+    assert torch.Tensor.cuda is original
+    with pytest.raises((AssertionError, RuntimeError)):
+        x.cuda()  # outside model construction, CUDA calls still fail loudly
+
+
+def test_single_process_context(ctx):
+    assert (ctx.tp_size, ctx.pp_size, ctx.dp_size, ctx.world_size) == (1, 1, 1, 1)
+    assert ctx.is_first_stage and ctx.is_last_stage
+    t = torch.arange(4)
+    assert ctx.broadcast_from_last_stage([t])[0] is t
+    assert ctx.gather_vocab(t) is t
