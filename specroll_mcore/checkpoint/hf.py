@@ -9,10 +9,11 @@ Both use the rotate-half RoPE convention, so no permutation of q/k rows is neede
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
+from specroll_mcore.checkpoint.shard import _LAYER, expected_full_shapes
 from specroll_mcore.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -69,11 +70,12 @@ def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> Model
     if model_type not in ("llama", "qwen2") and not set(archs) & set(SUPPORTED_ARCHITECTURES):
         raise ValueError(f"unsupported architecture {archs or model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    if c.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {c['rope_scaling']!r} is not supported yet (plain RoPE only)")
-    rope_theta = c.get("rope_theta")
-    if rope_theta is None:  # transformers >= 5 keeps it under rope_parameters
-        rope_theta = (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    rope = dict(c.get("rope_parameters") or {})  # transformers >= 5
+    scaling = c.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type")) if scaling else rope.get("rope_type", "default")
+    if rope_type not in (None, "default"):
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported yet (plain RoPE only)")
+    rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
     is_qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in archs
     return ModelConfig(
         num_layers=c["num_hidden_layers"],
@@ -92,27 +94,47 @@ def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> Model
     )
 
 
-def hf_to_full(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF state dict -> full Megatron form. Reads tensors lazily one layer at a time if ``hf`` is a
-    lazy mapping (safetensors), so peak memory stays near one layer plus the output."""
-    out: dict[str, torch.Tensor] = {}
-    for mname, hname in GLOBAL_TABLE.items():
-        if mname == "output_layer.weight" and model.tie_word_embeddings:
-            continue
-        out[mname] = hf[hname]
-    for i in range(model.num_layers):
-        for mname, hname in LAYER_TABLE.items():
-            out[f"decoder.layers.{i}.{mname}"] = hf[f"model.layers.{i}.{hname}"]
+class HFToFull(Mapping[str, torch.Tensor]):
+    """The full Megatron form of a HF state dict, computed tensor by tensor on access.
+
+    With a lazy ``hf`` mapping (:class:`HFCheckpointReader`) only the HF tensors a full tensor
+    needs are read, so converting a large model never holds it whole in memory."""
+
+    def __init__(self, hf: Mapping[str, torch.Tensor], model: ModelConfig) -> None:
+        self.hf, self.model = hf, model
+        self._names = list(expected_full_shapes(model))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        hf, model = self.hf, self.model
+        if name in GLOBAL_TABLE:
+            return hf[GLOBAL_TABLE[name]]
+        m = _LAYER.match(name)
+        if not m:
+            raise KeyError(name)
+        i, rel = m.group(1), m.group(2)
+        if rel in LAYER_TABLE:
+            return hf[f"model.layers.{i}.{LAYER_TABLE[rel]}"]
         a = f"model.layers.{i}.self_attn."
-        out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = fuse_qkv(
-            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], model)
-        if model.add_qkv_bias:
-            out[f"decoder.layers.{i}.self_attention.linear_qkv.bias"] = fuse_qkv(
-                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], model)
-        mlp = f"model.layers.{i}.mlp."
-        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = fuse_gate_up(
-            hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"])
-    return out
+        if rel == "self_attention.linear_qkv.weight":
+            return fuse_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], model)
+        if rel == "self_attention.linear_qkv.bias":
+            return fuse_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], model)
+        if rel == "mlp.linear_fc1.weight":
+            mlp = f"model.layers.{i}.mlp."
+            return fuse_gate_up(hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"])
+        raise KeyError(name)
+
+
+def hf_to_full(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF state dict -> full Megatron form, materialised."""
+    lazy = HFToFull(hf, model)
+    return {name: lazy[name] for name in lazy}
 
 
 def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:

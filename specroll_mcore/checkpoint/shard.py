@@ -66,30 +66,33 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], model: ModelConfig) ->
 
 def local_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int, tp_rank: int,
                      pp_size: int, pp_rank: int) -> dict[str, torch.Tensor]:
-    """The state dict one (tp_rank, pp_rank) GPTModel holds, from the full form."""
+    """The state dict one (tp_rank, pp_rank) GPTModel holds, from the full form.
+
+    ``full`` may compute its tensors lazily (see checkpoint/hf.py): only the tensors this stage
+    needs are read, one at a time."""
     per_stage = model.num_layers // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in full.items():
+    for name in full.keys():
         m = _LAYER.match(name)
         if m:
             layer = int(m.group(1))
-            if not pp_rank * per_stage <= layer < (pp_rank + 1) * per_stage:
-                continue
-            local = f"decoder.layers.{layer - pp_rank * per_stage}.{m.group(2)}"
-            out[local] = shard_tensor(m.group(2), tensor, model, tp_size, tp_rank)
+            if pp_rank * per_stage <= layer < (pp_rank + 1) * per_stage:
+                local = f"decoder.layers.{layer - pp_rank * per_stage}.{m.group(2)}"
+                out[local] = shard_tensor(m.group(2), full[name], model, tp_size, tp_rank)
         elif name == "embedding.word_embeddings.weight":
-            shard = shard_tensor(name, tensor, model, tp_size, tp_rank)
-            if first:
-                out[name] = shard
-            if model.tie_word_embeddings and last and not first:
-                out["output_layer.weight"] = shard  # the last stage's copy of the tied weight
+            if first or (model.tie_word_embeddings and last):
+                shard = shard_tensor(name, full[name], model, tp_size, tp_rank)
+                if first:
+                    out[name] = shard
+                if model.tie_word_embeddings and last and not first:
+                    out["output_layer.weight"] = shard  # the last stage's copy of the tied weight
         elif name == "output_layer.weight":
             if last and not model.tie_word_embeddings:
-                out[name] = shard_tensor(name, tensor, model, tp_size, tp_rank)
+                out[name] = shard_tensor(name, full[name], model, tp_size, tp_rank)
         elif name == "decoder.final_layernorm.weight":
             if last:
-                out[name] = tensor
+                out[name] = full[name]
         else:
             raise KeyError(f"unexpected parameter {name!r} in a full Megatron state dict")
     return out

@@ -132,12 +132,16 @@ class PolicyModel(torch.nn.Module):
     def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load weights given in the full form (see checkpoint/shard.py), sharding for this rank."""
         check_full_state_dict(full, self.config)
-        local = local_state_dict(full, self.config, self.ctx.tp_size, self.ctx.tp_rank,
-                                 self.ctx.pp_size, self.ctx.pp_rank)
+        self.load_local_state_dict(local_state_dict(full, self.config, self.ctx.tp_size, self.ctx.tp_rank,
+                                                    self.ctx.pp_size, self.ctx.pp_rank))
+
+    def load_local_state_dict(self, local: Mapping[str, torch.Tensor]) -> None:
+        """Load this rank's shard (megatron names, local layer numbers); every parameter must be given."""
         own = self.gpt.state_dict()
         missing = sorted(k for k in own if k not in local and not k.endswith("_extra_state"))
-        if missing:
-            raise KeyError(f"no weights for {missing[:5]}")
+        unexpected = sorted(k for k in local if k not in own)
+        if missing or unexpected:
+            raise KeyError(f"shard does not fit this stage: missing {missing[:5]}, unexpected {unexpected[:5]}")
         with torch.no_grad():
             for name, tensor in local.items():
                 if own[name].shape != tensor.shape:

@@ -1,0 +1,198 @@
+"""Hugging Face <-> Megatron checkpoint conversion (Llama, Qwen2/2.5; safetensors, .bin or GGUF).
+
+HF -> Megatron streams: tensors are read lazily from safetensors (or memory-mapped .bin) and each
+TP/PP shard is built and written on its own. GGUF files are dequantized through ``transformers``
+into a plain ``LlamaForCausalLM``/``Qwen2ForCausalLM`` first (a GGUF-loaded model carries a
+quantization flag that trainers refuse; the plain form trains).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+
+from specroll_mcore.checkpoint.hf import HFToFull, full_to_hf, model_config_from_hf
+from specroll_mcore.checkpoint.megatron import (atomic_directory, load_full_state_dict, read_checkpoint_config,
+                                                write_checkpoint_files)
+from specroll_mcore.checkpoint.shard import check_full_state_dict
+from specroll_mcore.config import ModelConfig, ParallelConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json",
+                   "added_tokens.json")
+
+
+class HFCheckpointReader(Mapping[str, torch.Tensor]):
+    """Lazy name -> tensor view of a HF checkpoint directory (safetensors or .bin, sharded or not)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise FileNotFoundError(f"{self.path} has no config.json: not a Hugging Face model directory")
+        self._where: dict[str, Path] = {}
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = self.path / index_name
+            if index.is_file():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._where = {k: self.path / v for k, v in weight_map.items()}
+                break
+        else:
+            for single in ("model.safetensors", "pytorch_model.bin"):
+                if (self.path / single).is_file():
+                    self._where = {k: self.path / single for k in self._keys_of(self.path / single)}
+                    break
+        if not self._where:
+            raise FileNotFoundError(f"{self.path} has no weights (model.safetensors, pytorch_model.bin or an "
+                                    f"index of shards)")
+        missing = sorted({str(p) for p in self._where.values() if not p.is_file()})
+        if missing:
+            raise FileNotFoundError(f"weight shards listed in the index are missing: {missing[:3]}")
+        self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def _keys_of(file: Path) -> list[str]:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                return list(f.keys())
+        return list(torch.load(file, map_location="cpu", mmap=True, weights_only=True).keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"{name} not found in the checkpoint at {self.path}")
+        file = self._where[name]
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                return f.get_tensor(name)
+        if file not in self._bin_cache:  # memory-mapped: pages are read on access
+            self._bin_cache = {file: torch.load(file, map_location="cpu", mmap=True, weights_only=True)}
+        return self._bin_cache[file][name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def config(self) -> dict[str, Any]:
+        return json.loads((self.path / "config.json").read_text())
+
+
+def gguf_to_hf(gguf_file: Path, out_dir: Path, overwrite: bool = False) -> Path:
+    """Dequantize a GGUF Llama/Qwen2 file into a plain HF directory (safetensors + tokenizer)."""
+    import transformers
+
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_file} does not exist")
+
+    def write(tmp: Path) -> None:
+        kw = dict(gguf_file=gguf_file.name)
+        config = transformers.AutoConfig.from_pretrained(gguf_file.parent, **kw)
+        model_config_from_hf(config)  # fail early on an unsupported architecture
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, **kw)
+        plain = transformers.AutoModelForCausalLM.from_config(config)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(tmp)
+        transformers.AutoTokenizer.from_pretrained(gguf_file.parent, **kw).save_pretrained(tmp)
+
+    return atomic_directory(Path(out_dir), write, overwrite)
+
+
+def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                        params_dtype: Optional[str] = None, overwrite: bool = False) -> Path:
+    """Convert a HF directory into a Megatron checkpoint sharded for TP x PP (see checkpoint/megatron.py)."""
+    reader = HFCheckpointReader(Path(src))
+    hf_config = reader.config()
+    first = reader[next(iter(reader))]
+    dtype = params_dtype or {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                             torch.float64: "float64"}[first.dtype]
+    model = model_config_from_hf(hf_config, dtype)
+    ParallelConfig(tensor_model_parallel_size=tensor_parallel_size,
+                   pipeline_model_parallel_size=pipeline_parallel_size).validate(
+        model, tensor_parallel_size * pipeline_parallel_size)
+    _check_hf_shapes(reader, model)
+    full = _CastMapping(HFToFull(reader, model), model.torch_dtype)
+
+    def write(tmp: Path) -> None:
+        write_checkpoint_files(tmp, full, model, tensor_parallel_size, pipeline_parallel_size,
+                               extra_config={"hf_config": hf_config, "source": str(Path(src).resolve())})
+        for name in TOKENIZER_FILES:
+            if (Path(src) / name).is_file():
+                shutil.copy2(Path(src) / name, tmp / name)
+
+    return atomic_directory(Path(out_dir), write, overwrite)
+
+
+def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False) -> Path:
+    """Convert a Megatron checkpoint (any TP/PP) back into a HF directory ``transformers`` loads."""
+    from safetensors.torch import save_file
+
+    meta = read_checkpoint_config(Path(ckpt_dir))
+    full = load_full_state_dict(Path(ckpt_dir))
+    model = ModelConfig.from_dict(meta["model"])
+    check_full_state_dict(full, model)
+    hf = {k: v.contiguous() for k, v in full_to_hf(full, model).items()}
+    hf_config = dict(meta.get("hf_config") or _hf_config_from_model(model))
+    hf_config["torch_dtype"] = model.params_dtype
+
+    def write(tmp: Path) -> None:
+        save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        for name in TOKENIZER_FILES:
+            if (Path(ckpt_dir) / name).is_file():
+                shutil.copy2(Path(ckpt_dir) / name, tmp / name)
+
+    return atomic_directory(Path(out_dir), write, overwrite)
+
+
+def _hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
+    arch = "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
+    return {"architectures": [arch], "model_type": "qwen2" if model.add_qkv_bias else "llama",
+            "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
+            "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
+            "num_key_value_heads": model.num_query_groups, "head_dim": model.kv_channels,
+            "vocab_size": model.vocab_size, "max_position_embeddings": model.max_position_embeddings,
+            "rope_theta": model.rope_theta, "rms_norm_eps": model.norm_eps,
+            "tie_word_embeddings": model.tie_word_embeddings, "attention_bias": model.add_qkv_bias,
+            "hidden_act": "silu"}
+
+
+def _check_hf_shapes(reader: HFCheckpointReader, model: ModelConfig) -> None:
+    """Shapes of the HF tensors that determine the fused ones, checked against config.json."""
+    h, d = model.hidden_size, model.kv_channels
+    expect = {
+        "model.embed_tokens.weight": (model.vocab_size, h),
+        "model.layers.0.self_attn.q_proj.weight": (model.num_attention_heads * d, h),
+        "model.layers.0.self_attn.k_proj.weight": (model.num_query_groups * d, h),
+        "model.layers.0.mlp.gate_proj.weight": (model.ffn_hidden_size, h),
+        f"model.layers.{model.num_layers - 1}.mlp.down_proj.weight": (h, model.ffn_hidden_size),
+    }
+    for name, shape in expect.items():
+        if name not in reader:
+            raise ValueError(f"{name} is missing from {reader.path}; does config.json belong to these weights?")
+        got = tuple(reader[name].shape)
+        if got != shape:
+            raise ValueError(f"{name} has shape {got} but config.json implies {shape}; "
+                             f"does config.json belong to these weights?")
+
+
+class _CastMapping(Mapping[str, torch.Tensor]):
+    def __init__(self, inner: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.inner, self.dtype = inner, dtype
+
+    def __getitem__(self, k: str) -> torch.Tensor:
+        return self.inner[k].to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)

@@ -1,0 +1,163 @@
+"""Megatron checkpoints on disk: the layout Megatron-LM's own tools read, written atomically.
+
+    DIR/
+      specroll_config.json              ModelConfig, the TP/PP layout, tokenizer and source info
+      latest_checkpointed_iteration.txt "release"
+      release/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt   {"model": shard, "checkpoint_version": 3.0}
+      tokenizer files (tokenizer.json, tokenizer_config.json, chat template, ...)
+
+A checkpoint is written into a temporary sibling directory and renamed into place when complete
+(after fsync), so a crash or kill never leaves a directory that looks whole. Loading at another
+TP/PP layout gathers the full form from the shards and reshards it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from specroll_mcore.checkpoint.shard import (_LAYER, expected_full_shapes, local_state_dict,
+                                             unshard_tensor)
+from specroll_mcore.config import ModelConfig
+
+CONFIG_FILE = "specroll_config.json"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Megatron-LM's shard directory name."""
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def atomic_directory(out_dir: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
+    """Run ``write(tmp)`` into a temporary sibling of ``out_dir``, fsync it, then rename it into place."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists; pass overwrite=True (--overwrite) to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def write_checkpoint_files(root: Path, full: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int,
+                           pp_size: int, extra_config: Optional[dict[str, Any]] = None) -> None:
+    """Write every TP/PP shard of ``full`` (a mapping that may compute tensors lazily) into ``root``.
+
+    One shard is built and saved at a time: peak memory is about one shard plus one full tensor.
+    """
+    release = root / "release"
+    for pp_rank in range(pp_size):
+        for tp_rank in range(tp_size):
+            shard = local_state_dict(full, model, tp_size, tp_rank, pp_size, pp_rank)
+            d = release / shard_dir_name(tp_rank, pp_rank, pp_size)
+            d.mkdir(parents=True)
+            torch.save({"model": {k: v.contiguous().clone() for k, v in shard.items()},
+                        "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0},
+                       d / "model_optim_rng.pt")
+            del shard
+    (root / TRACKER_FILE).write_text("release")
+    meta = {"model": model.to_dict(), "tensor_model_parallel_size": tp_size,
+            "pipeline_model_parallel_size": pp_size, **(extra_config or {})}
+    (root / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def read_checkpoint_config(ckpt_dir: Path) -> dict[str, Any]:
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{ckpt_dir} is not a specroll Megatron checkpoint: {CONFIG_FILE} is missing "
+                                f"(convert a Hugging Face model with `specroll convert`)")
+    return json.loads(path.read_text())
+
+
+def model_config_of(ckpt_dir: Path, params_dtype: Optional[str] = None) -> ModelConfig:
+    d = dict(read_checkpoint_config(ckpt_dir)["model"])
+    if params_dtype:
+        d["params_dtype"] = params_dtype
+    return ModelConfig.from_dict(d)
+
+
+def _load_shard(ckpt_dir: Path, tp_rank: int, pp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:
+    path = Path(ckpt_dir) / "release" / shard_dir_name(tp_rank, pp_rank, pp_size) / "model_optim_rng.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def load_full_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """Gather the full (unsharded, unpadded) form from all shards of a checkpoint."""
+    meta = read_checkpoint_config(ckpt_dir)
+    model = ModelConfig.from_dict(meta["model"])
+    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
+    per_stage = model.num_layers // pp
+    full: dict[str, torch.Tensor] = {}
+    for pp_rank in range(pp):
+        shards = [_load_shard(ckpt_dir, t, pp_rank, pp) for t in range(tp)]
+        for local_name in shards[0]:
+            m = _LAYER.match(local_name)
+            if m:
+                name = f"decoder.layers.{int(m.group(1)) + pp_rank * per_stage}.{m.group(2)}"
+                key = m.group(2)
+            else:
+                name = key = local_name
+            if name == "output_layer.weight" and model.tie_word_embeddings:
+                continue  # the last stage's copy of the tied embedding
+            full[name] = unshard_tensor(key, [s[local_name] for s in shards], model)
+    missing = sorted(set(expected_full_shapes(model)) - set(full))
+    if missing:
+        raise ValueError(f"checkpoint {ckpt_dir} lacks {missing[:5]}")
+    return full
+
+
+def load_local_state_dict(ckpt_dir: Path, model: ModelConfig, tp_size: int, tp_rank: int, pp_size: int,
+                          pp_rank: int) -> Optional[dict[str, torch.Tensor]]:
+    """This rank's shard read directly when the layouts match, else None (reshard from the full form)."""
+    meta = read_checkpoint_config(ckpt_dir)
+    if (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]) != (tp_size, pp_size):
+        return None
+    if model.padded_vocab_size(tp_size) != ModelConfig.from_dict(meta["model"]).padded_vocab_size(tp_size):
+        return None
+    return _load_shard(ckpt_dir, tp_rank, pp_rank, pp_size)
+
+
+def load_policy(ckpt_dir: Path, ctx: Any, params_dtype: Optional[str] = None) -> Any:
+    """Build the policy for this rank's layout and load a checkpoint into it (resharding if the
+    checkpoint was written for another TP/PP layout)."""
+    from specroll_mcore.model import PolicyModel
+
+    model = model_config_of(ckpt_dir, params_dtype)
+    policy = PolicyModel(model, ctx).eval()
+    local = load_local_state_dict(ckpt_dir, model, ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank)
+    if local is None:
+        policy.load_full_state_dict({k: v.to(model.torch_dtype) for k, v in load_full_state_dict(ckpt_dir).items()})
+    else:
+        policy.load_local_state_dict({k: v.to(model.torch_dtype) for k, v in local.items()})
+    return policy
