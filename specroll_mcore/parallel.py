@@ -142,6 +142,14 @@ class ParallelContext:
             dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=self.tp_group)
         return tensor
 
+    def gather_to_rank0(self, items: list) -> list:
+        """Concatenate each data-parallel rank's list on global rank 0 (others get an empty list)."""
+        if self.dp_size == 1:
+            return items if self.rank == 0 else []
+        parts: list = [None] * self.dp_size if self.rank == 0 else None  # type: ignore[assignment]
+        dist.gather_object(items, parts, dst=0, group=self.dp_group) if self.tp_rank == 0 and self.pp_rank == 0 else None
+        return [x for p in parts for x in p] if self.rank == 0 else []
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

@@ -1,0 +1,129 @@
+"""The ``specroll`` command: ``generate`` and ``convert`` (``train`` and ``bench`` come with GRPO and SpecRoll).
+
+Run with torchrun for TP/PP/DP, e.g.
+    torchrun --nproc_per_node 2 -m specroll_mcore.cli generate --set parallel.tensor_model_parallel_size=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from specroll_mcore import parallel
+    from specroll_mcore.checkpoint.megatron import load_policy
+    from specroll_mcore.checkpoint.smollm2 import default_checkpoint
+    from specroll_mcore.config import load_generate_config
+    from specroll_mcore.rollout import VanillaEngine
+
+    cfg = load_generate_config(args.config, args.set)
+    ckpt = Path(default_checkpoint() if cfg.checkpoint == "smollm2" else cfg.checkpoint)
+    ctx = parallel.initialize(cfg.parallel)
+    policy = load_policy(ckpt, ctx, cfg.params_dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
+    if cfg.chat:
+        prompts = [_ids(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+                   for p in cfg.prompts]
+    else:
+        prompts = [tokenizer(p)["input_ids"] for p in cfg.prompts]
+    # Data parallel: each DP rank takes every dp_size-th prompt; ids stay global, so the tokens do not
+    # depend on the DP size.
+    mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
+    engine = VanillaEngine(policy, eos_token_ids=_eos_ids(tokenizer), tokenizer=tokenizer)
+    out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
+    rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p], "response": tokenizer.decode(t, skip_special_tokens=True),
+             "tokens": t, "logprobs": [round(float(x), 6) for x in lp], "finish_reason": f}
+            for p, s, t, lp, f in zip(out.prompt_index, out.sample_index, out.tokens, out.logprobs, out.finish_reason)]
+    rows = ctx.gather_to_rank0(rows)
+    if ctx.rank == 0:
+        rows.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
+        for r in rows:
+            print(f"--- prompt {r['prompt_index']} sample {r['sample_index']} ({r['finish_reason']}, "
+                  f"{len(r['tokens'])} tokens)\n{r['prompt']}\n>>> {r['response']}")
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.stats.items()}))
+        if cfg.output:
+            with open(cfg.output, "w", encoding="utf-8") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+    parallel.destroy()
+    del torch
+    return 0
+
+
+def _ids(encoded) -> list[int]:
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    return sorted(ids)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from specroll_mcore.checkpoint import convert
+
+    if args.direction == "hf-to-mcore":
+        src = Path(args.src)
+        if src.suffix == ".gguf":
+            hf_dir = Path(args.out).with_name(Path(args.out).name + "-hf")
+            src = convert.gguf_to_hf(src, hf_dir, overwrite=args.overwrite)
+        out = convert.convert_hf_to_mcore(src, Path(args.out), args.tp, args.pp, args.dtype, args.overwrite)
+    elif args.direction == "mcore-to-hf":
+        out = convert.convert_mcore_to_hf(Path(args.src), Path(args.out), args.overwrite)
+    else:  # smollm2
+        from specroll_mcore.checkpoint.smollm2 import default_checkpoint
+
+        out = default_checkpoint(Path(args.cache) if args.cache else None, args.tp, args.pp)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specroll", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="sample responses with the rollout engine")
+    g.add_argument("--config", help="YAML file (see examples/configs/demo_cpu.yaml)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. sampling.temperature=0.7 (repeatable)")
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron")
+    c.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "smollm2"])
+    c.add_argument("src", nargs="?", help="HF directory or .gguf file (hf-to-mcore), Megatron checkpoint (mcore-to-hf)")
+    c.add_argument("out", nargs="?", help="output directory")
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output")
+    c.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output")
+    c.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], help="output dtype")
+    c.add_argument("--cache", help="cache directory for `smollm2` (default $SPECROLL_CACHE or ~/.cache/specroll_mcore)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    c.set_defaults(func=cmd_convert)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    _quiet()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "convert" and args.direction != "smollm2" and not (args.src and args.out):
+        parser.error(f"convert {args.direction} needs SRC and OUT")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"specroll {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
