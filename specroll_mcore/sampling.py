@@ -53,18 +53,24 @@ class SampleKeys:
         return h  # [n]
 
 
+def _token_hash(keys: SampleKeys, vocab: int) -> torch.Tensor:
+    """[n, vocab] uint32 values (in int64): one avalanche round of (row hash, token id)."""
+    v = torch.arange(vocab, dtype=torch.long, device=keys.prompt.device)
+    return _fmix32(keys.row_hash()[:, None] ^ ((v * 0x9E3779B1) & _M32)[None, :])
+
+
 def uniform_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """[n, vocab] uniforms in (0, 1), one per (key, token id)."""
-    v = torch.arange(vocab, dtype=torch.long, device=keys.prompt.device)
-    h = _combine(keys.row_hash()[:, None], v[None, :])
-    h = _fmix32(h ^ 0x2545F491)
-    return (h.to(dtype) + 0.5) * (1.0 / 2**32)
+    return ((_token_hash(keys, vocab).to(torch.float64) + 0.5) * (1.0 / 2**32)).to(dtype)
 
 
 def gumbel_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """[n, vocab] standard Gumbel noise, a pure function of (seed, step, prompt, sample, position, v)."""
-    u = uniform_noise(keys, vocab, torch.float64)
-    return (-torch.log(-torch.log(u))).to(dtype)
+    """[n, vocab] standard Gumbel noise, a pure function of (seed, step, prompt, sample, position, v).
+
+    g = -log(E) with E = -log(u) ~ Exp(1). E is computed in float64 (u close to 1 needs it: those
+    are the largest g); its logarithm in float32 is exact to float32 precision."""
+    exp1 = -torch.log(uniform_noise(keys, vocab, torch.float64))
+    return (-torch.log(exp1.to(torch.float32))).to(dtype)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:

@@ -79,6 +79,8 @@ class AttentionMetadata:
     kv_len: int = 0
     positions: Optional[torch.Tensor] = None
     """[b, s] RoPE positions."""
+    slot_range: Optional[tuple[int, int]] = None
+    """(first, end) when ``slots`` is a contiguous range (the cache is then read without a copy)."""
 
     @classmethod
     def build(cls, positions: torch.Tensor, new_token_mask: torch.Tensor, head_dim: int, theta: float,
@@ -98,8 +100,10 @@ class AttentionMetadata:
         cols = torch.arange(kv_len, device=positions.device)
         mask = (cols[None, :] < committed[:, None])[:, None, :].expand(b, s, kv_len).clone()
         mask.scatter_(2, write_index[:, None, :].expand(b, s, s), new_token_mask)
-        return cls(cos=cos, sin=sin, mask=mask[:, None], cache=cache, slots=slots,
-                   write_index=write_index, kv_len=kv_len, positions=positions)
+        first = int(slots[0])
+        contiguous = bool(torch.equal(slots, torch.arange(first, first + b, device=slots.device)))
+        return cls(cos=cos, sin=sin, mask=mask[:, None], cache=cache, slots=slots, write_index=write_index,
+                   kv_len=kv_len, positions=positions, slot_range=(first, first + b) if contiguous else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -149,6 +153,6 @@ class SpecRollSelfAttention(SelfAttention):
         key = apply_rope(key, meta.cos, meta.sin)
         if meta.cache is not None:
             key, value = meta.cache.write_and_read(self.layer_number, meta.slots, meta.write_index,
-                                                   meta.kv_len, key, value)
+                                                   meta.kv_len, key, value, meta.slot_range)
         context = self.core_attention(query, key, value, meta.mask)
         return self.linear_proj(context)

@@ -95,12 +95,6 @@ class PolicyModel(torch.nn.Module):
                 share_embeddings_and_output_weights=config.tie_word_embeddings,
                 position_embedding_type="none",
             ).to(device=ctx.device, dtype=config.torch_dtype)  # torch norms are built in the default dtype
-        self._last_hidden: Optional[torch.Tensor] = None
-        if ctx.is_last_stage:
-            self.gpt.decoder.register_forward_hook(self._keep_hidden)
-
-    def _keep_hidden(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
-        self._last_hidden = output  # [s, b, h], after the final norm
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,19 +109,33 @@ class PolicyModel(torch.nn.Module):
                                        self.config.rope_theta, self.dtype, cache, slots)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                return_hidden: bool = False):
-        """input_ids [b, s] (read by the first stage only). Returns logits [b, s, V/tp] on the last
-        stage (with hidden [s, b, h] if ``return_hidden``), None elsewhere."""
+                logits_index: Optional[torch.Tensor] = None, return_hidden: bool = False):
+        """Run this pipeline stage for new tokens ``input_ids`` [b, s] (read by the first stage).
+
+        Inference path: embedding -> decoder (final norm included) -> output layer, the same
+        submodules ``GPTModel.forward`` chains, but the vocab projection is applied only where
+        logits are wanted: ``logits_index`` [b] picks one position per row (the last prompt token
+        in prefill), else all positions. Returns vocab-parallel logits [b, s|1, V/tp] on the last
+        stage (and hidden states [s, b, h] if ``return_hidden``); other stages send their output to
+        the next stage and return None.
+        """
         b, s = input_ids.shape
-        if not self.ctx.is_first_stage:
-            hidden_in = self.ctx.recv_forward((s, b, self.config.hidden_size), self.dtype)
-            self.gpt.set_input_tensor(hidden_in)
-        out = self.gpt(input_ids=input_ids, position_ids=meta.positions, attention_mask=meta)
+        gpt = self.gpt
+        if self.ctx.is_first_stage:
+            hidden = gpt.embedding(input_ids=input_ids, position_ids=meta.positions)  # [s, b, h]
+        else:
+            gpt.decoder.set_input_tensor(self.ctx.recv_forward((s, b, self.config.hidden_size), self.dtype))
+            hidden = None
+        hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta)
         if not self.ctx.is_last_stage:
-            self.ctx.send_forward(out)
+            self.ctx.send_forward(hidden)
             return None
-        hidden, self._last_hidden = self._last_hidden, None
-        return (out, hidden) if return_hidden else out
+        selected = hidden if logits_index is None else \
+            hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        logits, _ = gpt.output_layer(selected, weight=weight)
+        logits = logits.transpose(0, 1)  # [b, s, V/tp]
+        return (logits, hidden) if return_hidden else logits
 
     def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load weights given in the full form (see checkpoint/shard.py), sharding for this rank."""

@@ -36,16 +36,21 @@ class KVCache:
         return self._k[layer], self._v[layer]
 
     def write_and_read(self, layer: int, slots: torch.Tensor, write_index: torch.Tensor, kv_len: int,
-                       key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       key: torch.Tensor, value: torch.Tensor,
+                       slot_range: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' key/value and return each row's cache prefix, new tokens included.
 
-        key, value: [s, b, g, d] (megatron layout); write_index: [b, s] cache positions.
+        key, value: [s, b, g, d] (megatron layout); write_index: [b, s] cache positions;
+        slot_range: (first, end) when ``slots`` is that contiguous range, read as a view (no copy).
         Returns keys, values: [kv_len, b, g, d].
         """
         k_buf, v_buf = self._buffers(layer, key.shape[2], key.shape[3])
         rows = slots[:, None].expand_as(write_index)
         k_buf[rows, write_index] = key.transpose(0, 1).to(self.dtype)
         v_buf[rows, write_index] = value.transpose(0, 1).to(self.dtype)
+        if slot_range is not None:
+            first, end = slot_range
+            return k_buf[first:end, :kv_len].transpose(0, 1), v_buf[first:end, :kv_len].transpose(0, 1)
         return k_buf[slots, :kv_len].transpose(0, 1), v_buf[slots, :kv_len].transpose(0, 1)
 
     def commit(self, slots: torch.Tensor, num_new: torch.Tensor,

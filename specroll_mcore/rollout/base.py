@@ -118,11 +118,10 @@ def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]]
         slots = torch.arange(start, end, device=device)
         positions = torch.arange(longest, device=device)[None, :].expand(len(chunk), longest)
         meta = model.metadata(positions, causal_mask(len(chunk), longest, device, lengths), cache, slots)
-        logits = model(ids, meta)
+        logits = model(ids, meta, logits_index=lengths - 1)  # [p, 1, V/tp]: last prompt token only
         cache.commit(slots, lengths)
         if logits is not None:
-            last = logits[torch.arange(len(chunk), device=device), lengths - 1]  # [p, V/tp]
-            out.append(model.full_logits(last))
+            out.append(model.full_logits(logits[:, 0]))
         start = end
     return torch.cat(out) if out else None
 

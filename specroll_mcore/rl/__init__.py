@@ -1,0 +1,1 @@
+"""GRPO pieces: data sources (the offline GSM8K-style generator for now)."""
