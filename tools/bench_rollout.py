@@ -101,28 +101,31 @@ def time_hf(hf, prompts, new_tokens: int, pad_id: int) -> float:
 
 
 def forward_latency(policy, sizes: list[int], reps: int, context: int = 128) -> dict:
-    """Median seconds of one forward holding N new tokens: as a tree on one row, and as N decode rows."""
+    """Median seconds of one forward holding N new tokens: as a tree on one row, and as N decode rows,
+    each on a ``context``-token committed prefix."""
     device = policy.ctx.device
-    res = {"tokens": sizes, "tree_row_s": [], "decode_rows_s": []}
-    ctx_prompt = [list(range(5, 5 + context))]
+    res = {"tokens": sizes, "context": context, "tree_row_s": [], "decode_rows_s": []}
+    prompt = [list(range(5, 5 + context))]
     with torch.inference_mode():
         for n in sizes:
-            cache = policy.new_cache(num_slots=max(sizes), capacity=context + max(sizes) + 1)
-            prefill(policy, cache, ctx_prompt, 4096)
-            cache.copy_slots(torch.zeros(n - 1, dtype=torch.long) if n > 1 else torch.zeros(0, dtype=torch.long),
-                             torch.arange(1, n))
-            one = torch.zeros(1, dtype=torch.long)
-            tree_mask = causal_mask(1, n, device)
-            rows = torch.arange(n)
+            tree_cache = policy.new_cache(num_slots=1, capacity=context + n)
+            prefill(policy, tree_cache, prompt, 4096)
+            rows = torch.arange(n, device=device)
+            dec_cache = policy.new_cache(num_slots=n, capacity=context + 1)
+            prefill(policy, dec_cache, prompt, 4096)
+            dec_cache.copy_slots(torch.zeros(n, dtype=torch.long, device=device), rows)
+            one = torch.zeros(1, dtype=torch.long, device=device)
             tree_t, dec_t = [], []
-            for _ in range(reps):
-                meta = policy.metadata(cache.lengths[one][:, None] + torch.arange(n)[None], tree_mask, cache, one)
+            for _ in range(reps):  # alternate the two shapes
                 t0 = time.perf_counter()
-                policy.full_logits(policy(torch.full((1, n), 7), meta))
+                meta = policy.metadata(tree_cache.lengths[one][:, None] + torch.arange(n, device=device)[None],
+                                       causal_mask(1, n, device), tree_cache, one)
+                policy.full_logits(policy(torch.full((1, n), 7, device=device), meta))
                 tree_t.append(time.perf_counter() - t0)
-                meta = policy.metadata(cache.lengths[rows][:, None], torch.ones(n, 1, 1, dtype=torch.bool), cache, rows)
                 t0 = time.perf_counter()
-                policy.full_logits(policy(torch.full((n, 1), 7), meta))
+                meta = policy.metadata(dec_cache.lengths[rows][:, None],
+                                       torch.ones(n, 1, 1, dtype=torch.bool, device=device), dec_cache, rows)
+                policy.full_logits(policy(torch.full((n, 1), 7, device=device), meta))
                 dec_t.append(time.perf_counter() - t0)
             res["tree_row_s"].append(statistics.median(tree_t))
             res["decode_rows_s"].append(statistics.median(dec_t))

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
 
 import layout_worker  # noqa: E402
 

@@ -1,0 +1,38 @@
+"""Run under torchrun: load a converted checkpoint at a TP/PP layout (resharding when the checkpoint
+was written for another) and save the logits of a fixed batch from the last stage's first TP rank."""
+
+import argparse
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore.checkpoint.megatron import load_policy  # noqa: E402
+from specroll_mcore.config import ParallelConfig  # noqa: E402
+from specroll_mcore.model import causal_mask  # noqa: E402
+
+IDS = torch.tensor([[5, 17, 33, 2, 8, 100, 250, 7, 9, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    policy = load_policy(args.ckpt, ctx)
+    s = IDS.shape[1]
+    with torch.no_grad():
+        logits = policy(IDS, policy.metadata(torch.arange(s)[None].expand(2, s), causal_mask(2, s, IDS.device)))
+        full = policy.full_logits(logits) if logits is not None else None
+    if ctx.is_last_stage and ctx.tp_rank == 0:
+        torch.save(full, args.out)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

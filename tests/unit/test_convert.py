@@ -1,0 +1,143 @@
+"""HF <-> Megatron conversion: logits parity with transformers, bit-exact round trip, bad input."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from hf_fixtures import save_tiny_hf
+from specroll_mcore.checkpoint import convert
+from specroll_mcore.checkpoint.hf import fuse_qkv, model_config_from_hf, split_qkv
+from specroll_mcore.checkpoint.megatron import load_policy
+from specroll_mcore.config import SamplingConfig
+from specroll_mcore.model import causal_mask
+from specroll_mcore.rollout import VanillaEngine
+
+CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True)]
+
+
+def our_logits(policy, ids):
+    s = ids.shape[1]
+    meta = policy.metadata(torch.arange(s)[None].expand(ids.shape[0], s), causal_mask(ids.shape[0], s, ids.device))
+    return policy.full_logits(policy(ids, meta))
+
+
+@pytest.mark.parametrize("arch, tied", CASES)
+def test_logits_and_greedy_parity_with_transformers(tmp_path, ctx, arch, tied):
+    hf = save_tiny_hf(tmp_path / "hf", arch, tied)
+    out = convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore")
+    policy = load_policy(out, ctx)
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf(ids).logits - our_logits(policy, ids)).abs().max().item()
+    print(f"{arch} tied={tied}: max |logits diff| = {diff:.2e}")
+    assert diff < 1e-4  # float32; HF computes RoPE tables in float32 as we do
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    ours = VanillaEngine(policy).generate(prompts, SamplingConfig(temperature=0, max_new_tokens=12, ignore_eos=True))
+    for p, toks in zip(prompts, ours.tokens):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):]
+        assert ref.tolist() == toks
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_round_trip_is_bit_exact(tmp_path, safe):
+    hf = save_tiny_hf(tmp_path / "hf", "qwen2", tied=False, safe=safe)
+    convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert (tmp_path / "mcore/release/mp_rank_01_001/model_optim_rng.pt").is_file()
+    convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    ref, got = hf.state_dict(), back.state_dict()
+    assert set(ref) == set(got)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+def test_qkv_fuse_split_inverse():
+    cfg = model_config_from_hf(transformers.LlamaConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                                                        intermediate_size=8, num_hidden_layers=1, vocab_size=10))
+    q, k, v = torch.randn(48, 48), torch.randn(16, 48), torch.randn(16, 48)
+    fused = fuse_qkv(q, k, v, cfg)
+    # Group 0 is [q heads 0-2, k head 0, v head 0], as megatron-core splits it.
+    assert torch.equal(fused[:24], q[:24]) and torch.equal(fused[24:32], k[:8]) and torch.equal(fused[32:40], v[:8])
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, cfg), (q, k, v)))
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_unknown_architecture(tmp_path):
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    cfg = json.loads((tmp_path / "hf/config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (tmp_path / "hf/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        convert.convert_hf_to_mcore(tmp_path, tmp_path / "out")
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    (tmp_path / "hf/model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="has no weights"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="not a specroll Megatron checkpoint"):
+        convert.convert_mcore_to_hf(tmp_path / "hf", tmp_path / "back")
+    with pytest.raises(FileNotFoundError, match="GGUF file .* does not exist"):
+        convert.gguf_to_hf(tmp_path / "nope.gguf", tmp_path / "x")
+
+
+def test_incomplete_checkpoint(tmp_path, ctx):
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tensor_parallel_size=2)
+    shutil.rmtree(tmp_path / "mcore/release/mp_rank_01")
+    with pytest.raises(FileNotFoundError, match="mp_rank_01/model_optim_rng.pt is missing"):
+        load_policy(tmp_path / "mcore", ctx)
+
+
+def test_shape_that_does_not_match_config(tmp_path):
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    cfg = json.loads((tmp_path / "hf/config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (tmp_path / "hf/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"gate_proj.weight has shape \(96, 64\) but config.json implies \(128, 64\)"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+
+
+def test_tp_that_does_not_divide_heads(tmp_path):
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    with pytest.raises(ValueError, match=r"num_query_groups \(2 KV heads\) is not divisible by .*\(4\)"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by .*\(8\)"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out", tensor_parallel_size=8)
+
+
+def test_output_is_atomic(tmp_path, monkeypatch):
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    calls = {"n": 0}
+    real_save = torch.save
+
+    def dying_save(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed while writing the second shard")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out", tensor_parallel_size=2)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no half-written temporary left either
+    monkeypatch.setattr(torch, "save", real_save)
+    convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    with pytest.raises(FileExistsError, match="already exists; pass overwrite=True"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out", overwrite=True)
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    from specroll_mcore.cli import main
+
+    assert main(["convert", "hf-to-mcore", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "no config.json" in capsys.readouterr().err
