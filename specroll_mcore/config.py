@@ -275,3 +275,31 @@ def load_generate_config(path: Optional[str], overrides: Sequence[str] = ()) -> 
         key, raw = item.split("=", 1)
         _set_path(data, key, raw)
     return _build(GenerateConfig, data, "")
+
+
+@dataclass
+class SpecConfig:
+    """The speculative engine: horizon heads, tree budget and proposal width."""
+
+    num_heads: int = 3
+    """H: heads predicting tokens t+2 ... t+H+1 (the tree is at most H deep below its root)."""
+
+    topk: int = 4
+    """Candidates per head the trees may use."""
+
+    c_hw: Optional[int] = None
+    """Tokens one verification forward may hold; None reads the cached profile
+    (tools/profile_capacity.py) for this model, hardware and layout, else uses 64."""
+
+    n_min: int = 1
+    """Smallest tree per row (root included); 1 = plain decoding when the batch is full."""
+
+    n_max: int = 16
+    """Largest tree per row."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_heads >= 1, f"SpecConfig.num_heads must be >= 1, got {self.num_heads}")
+        _check(self.topk >= 1, f"SpecConfig.topk must be >= 1, got {self.topk}")
+        _check(1 <= self.n_min <= self.n_max,
+               f"need 1 <= SpecConfig.n_min ({self.n_min}) <= SpecConfig.n_max ({self.n_max})")
+        _check(self.c_hw is None or self.c_hw >= 1, f"SpecConfig.c_hw must be >= 1, got {self.c_hw}")

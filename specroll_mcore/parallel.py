@@ -137,6 +137,14 @@ class ParallelContext:
         dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
+    def all_gather_tp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stack every TP rank's tensor (same shape): [tp, ...], in rank order."""
+        if self.tp_size == 1:
+            return tensor[None]
+        parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
+        return torch.stack(parts)
+
     def all_reduce_tp(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.tp_size > 1:
             dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=self.tp_group)

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict
 from specroll_mcore.config import ModelConfig
+from specroll_mcore.heads import HorizonHeads, horizon_heads_spec
 from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
 from specroll_mcore.model.kv_cache import KVCache
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
@@ -78,7 +79,7 @@ class PolicyModel(torch.nn.Module):
     output on and return None.
     """
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, num_heads: int = 0) -> None:
         super().__init__()
         self.config = config
         self.ctx = ctx
@@ -95,6 +96,13 @@ class PolicyModel(torch.nn.Module):
                 share_embeddings_and_output_weights=config.tie_word_embeddings,
                 position_embedding_type="none",
             ).to(device=ctx.device, dtype=config.torch_dtype)  # torch norms are built in the default dtype
+        # Horizon heads live beside the output layer they share: on the last pipeline stage.
+        self.heads: Optional[HorizonHeads] = None
+        if num_heads > 0 and ctx.is_last_stage:
+            with cpu_model_construction():
+                self.heads = build_module(horizon_heads_spec(num_heads), config=self.gpt.config)
+            self.heads.to(device=ctx.device, dtype=config.torch_dtype)
+        self.num_heads = num_heads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -135,7 +143,7 @@ class PolicyModel(torch.nn.Module):
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         logits, _ = gpt.output_layer(selected, weight=weight)
         logits = logits.transpose(0, 1)  # [b, s, V/tp]
-        return (logits, hidden) if return_hidden else logits
+        return (logits, selected) if return_hidden else logits
 
     def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load weights given in the full form (see checkpoint/shard.py), sharding for this rank."""
@@ -156,6 +164,21 @@ class PolicyModel(torch.nn.Module):
                     raise ValueError(f"{name}: shard shape {tuple(tensor.shape)} != parameter shape "
                                      f"{tuple(own[name].shape)}")
                 own[name].copy_(tensor)
+
+    @property
+    def vocab_start(self) -> int:
+        """First vocabulary id of this rank's vocab-parallel logits."""
+        return self.ctx.tp_rank * (self.padded_vocab_size // self.ctx.tp_size)
+
+    def head_logits(self, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Vocab-parallel logits of every head: hidden [n, h] -> [H, n, V/tp], through the policy's
+        own output layer in one call (its weight is read once for all heads)."""
+        assert self.heads is not None, "this policy was built without heads (num_heads=0) or is not the last stage"
+        z = self.heads(hidden, delta)  # [H, n, h]
+        gpt = self.gpt
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        logits, _ = gpt.output_layer(z, weight=weight)
+        return logits
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel logits [..., V/tp] -> the true vocabulary [..., vocab_size]."""

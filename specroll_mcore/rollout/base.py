@@ -96,12 +96,14 @@ class FinishRules:
 
 
 def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]],
-            max_tokens_per_forward: int) -> Optional[torch.Tensor]:
+            max_tokens_per_forward: int, return_hidden: bool = False):
     """Prefill prompt p into cache slot p; returns the logits at each prompt's last token
-    [P, vocab] on the last stage (None elsewhere). Prompts go in chunks of at most
-    ``max_tokens_per_forward`` padded tokens (at least one prompt per forward)."""
+    [P, vocab] on the last stage (None elsewhere), with the hidden states there [P, h] if
+    ``return_hidden``. Prompts go in chunks of at most ``max_tokens_per_forward`` padded tokens
+    (at least one prompt per forward)."""
     device = cache.device
     out: list[torch.Tensor] = []
+    hiddens: list[torch.Tensor] = []
     start = 0
     while start < len(prompts):
         end, longest = start, 0
@@ -118,12 +120,16 @@ def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]]
         slots = torch.arange(start, end, device=device)
         positions = torch.arange(longest, device=device)[None, :].expand(len(chunk), longest)
         meta = model.metadata(positions, causal_mask(len(chunk), longest, device, lengths), cache, slots)
-        logits = model(ids, meta, logits_index=lengths - 1)  # [p, 1, V/tp]: last prompt token only
+        result = model(ids, meta, logits_index=lengths - 1, return_hidden=True)  # last prompt token only
         cache.commit(slots, lengths)
-        if logits is not None:
+        if result is not None:
+            logits, hidden = result  # [p, 1, V/tp], [1, p, h]
             out.append(model.full_logits(logits[:, 0]))
+            hiddens.append(hidden[0])
         start = end
-    return torch.cat(out) if out else None
+    if not out:
+        return (None, None) if return_hidden else None
+    return (torch.cat(out), torch.cat(hiddens)) if return_hidden else torch.cat(out)
 
 
 def sample_rows(model: PolicyModel, logits: Optional[torch.Tensor], keys: SampleKeys,
@@ -138,3 +144,65 @@ def sample_rows(model: PolicyModel, logits: Optional[torch.Tensor], keys: Sample
         logp = torch.empty(n, dtype=torch.float32, device=keys.prompt.device)
     tokens, logp = model.ctx.broadcast_from_last_stage([tokens, logp])
     return tokens, logp
+
+
+class RolloutState:
+    """What a rollout keeps per response: slots in the KV cache, sampling keys, tokens so far.
+
+    Slot ``s`` holds response ``s`` = (prompt s // G, sample s % G). Both engines start with
+    :meth:`start` (prefill once per prompt, share the cache with its G samples, sample each
+    response's first token) and record tokens through :meth:`append`, which applies the finish
+    rules token by token and drops whatever follows a finishing token.
+    """
+
+    def __init__(self, model: PolicyModel, prompts: Sequence[Sequence[int]], prompt_ids: list[int],
+                 sampling: SamplingConfig, step: int, rules: FinishRules, extra_capacity: int) -> None:
+        device = model.ctx.device
+        G, P = sampling.num_samples, len(prompts)
+        self.model, self.sampling, self.step, self.rules = model, sampling, step, rules
+        self.num = P * G
+        self.slots = torch.arange(self.num, device=device)
+        self.prompt_of = self.slots // G
+        self.key_prompt = torch.tensor(prompt_ids, device=device)[self.prompt_of]
+        self.key_sample = self.slots % G
+        self.prompt_len = [len(prompts[int(p)]) for p in self.prompt_of]
+        self.prompt_ids = prompt_ids
+        capacity = max(len(p) + rules.limit(len(p)) for p in prompts) + extra_capacity
+        self.cache = model.new_cache(num_slots=self.num, capacity=capacity)
+        self.responses: list[list[int]] = [[] for _ in range(self.num)]
+        self.logprobs: list[list[torch.Tensor]] = [[] for _ in range(self.num)]
+        self.finish: list[Optional[str]] = [None] * self.num
+
+    def start(self, prompts: Sequence[Sequence[int]], max_prefill_tokens: int):
+        """Prefill and sample every response's first token. Returns (tokens [n], hidden [n, h] on the
+        last stage or None)."""
+        last_logits, last_hidden = prefill(self.model, self.cache, prompts, max_prefill_tokens, return_hidden=True)
+        self.cache.copy_slots(self.prompt_of.flip(0), self.slots.flip(0))  # high slots first: sources intact
+        logits = last_logits[self.prompt_of] if last_logits is not None else None
+        tokens, logp = sample_rows(self.model, logits, self.keys(self.slots, torch.zeros_like(self.slots)),
+                                   self.sampling)
+        hidden = last_hidden[self.prompt_of] if last_hidden is not None else None
+        return tokens, logp, hidden
+
+    def keys(self, slots: torch.Tensor, positions: torch.Tensor) -> SampleKeys:
+        return SampleKeys(self.sampling.seed, self.step, self.key_prompt[slots], self.key_sample[slots], positions)
+
+    def append(self, slot: int, tokens: Sequence[int], logps: Sequence[torch.Tensor]) -> bool:
+        """Record tokens for a response until one finishes it; True if it goes on."""
+        for tok, lp in zip(tokens, logps):
+            self.responses[slot].append(int(tok))
+            self.logprobs[slot].append(lp)
+            self.finish[slot] = self.rules.check(self.responses[slot], self.prompt_len[slot])
+            if self.finish[slot] is not None:
+                return False
+        return True
+
+    def output(self, stats: dict[str, Any]) -> RolloutOutput:
+        return RolloutOutput(
+            prompt_index=[self.prompt_ids[int(p)] for p in self.prompt_of],
+            sample_index=self.key_sample.tolist(),
+            tokens=self.responses,
+            logprobs=[torch.stack(lp) if lp else torch.zeros(0) for lp in self.logprobs],
+            finish_reason=[str(f) for f in self.finish],
+            stats=stats,
+        )

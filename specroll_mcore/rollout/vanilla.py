@@ -14,9 +14,8 @@ import torch
 
 from specroll_mcore.config import SamplingConfig
 from specroll_mcore.model import PolicyModel
-from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, check_tokenizer_fits, prefill,
+from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          sample_rows, validate_prompts)
-from specroll_mcore.sampling import SampleKeys
 
 
 class VanillaEngine:
@@ -44,66 +43,34 @@ class VanillaEngine:
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
         device = model.ctx.device
-        G, P = sampling.num_samples, len(prompts)
-        n = P * G
         t0 = time.perf_counter()
 
-        # 1. Prefill each prompt once, then share its cache with its G samples.
-        capacity = max(len(p) + rules.limit(len(p)) for p in prompts)
-        cache = model.new_cache(num_slots=n, capacity=capacity)
-        last_logits = prefill(model, cache, prompts, self.max_prefill_tokens)  # slots 0..P-1
-        slot_of = torch.arange(n, device=device)
-        prompt_of = slot_of // G
-        cache.copy_slots(prompt_of.flip(0), slot_of.flip(0))  # high slots first: sources stay intact
-        prompt_len = [len(prompts[int(p)]) for p in prompt_of]
+        # 1. Prefill each prompt once, share its cache with its G samples, sample the first tokens.
+        state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=0)
+        tokens, logp, _ = state.start(prompts, self.max_prefill_tokens)
         t_prefill = time.perf_counter() - t0
-
-        # 2. First token of every response, from the prompt's last-position logits.
-        key_prompt = torch.tensor(ids, device=device)[prompt_of]
-        key_sample = slot_of % G
-        keys = SampleKeys(sampling.seed, step, key_prompt, key_sample, torch.zeros_like(slot_of))
-        logits = last_logits[prompt_of] if last_logits is not None else None
-        tokens, logp = sample_rows(model, logits, keys, sampling)
-
-        responses: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        finish: list[Optional[str]] = [None] * n
-        active = slot_of
+        active = state.slots
         forwards = 1
         while True:
-            # 3. Record the new tokens and retire finished rows.
-            keep = []
-            for r, slot in enumerate(active.tolist()):
-                responses[slot].append(int(tokens[r]))
-                logprobs[slot].append(logp[r])
-                finish[slot] = rules.check(responses[slot], prompt_len[slot])
-                keep.append(finish[slot] is None)
+            # 2. Record the new tokens; finished responses leave the batch.
+            keep = [state.append(slot, [tokens[r]], [logp[r]]) for r, slot in enumerate(active.tolist())]
             keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
             active, tokens = active[keep_t], tokens[keep_t]
             if active.numel() == 0:
                 break
-            # 4. Decode: feed each active row's last token at its committed length.
+            # 3. Decode: feed each active response's last token at its committed length.
             b = active.numel()
-            positions = cache.lengths[active][:, None]
-            meta = model.metadata(positions, torch.ones(b, 1, 1, dtype=torch.bool, device=device),
-                                  cache, active)
+            meta = model.metadata(state.cache.lengths[active][:, None],
+                                  torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, active)
             out = model(tokens[:, None], meta)
-            cache.commit(active, torch.ones(b, dtype=torch.long, device=device))
+            state.cache.commit(active, torch.ones(b, dtype=torch.long, device=device))
             forwards += 1
             logits = model.full_logits(out[:, 0]) if out is not None else None
-            keys = SampleKeys(sampling.seed, step, key_prompt[active], key_sample[active],
-                              torch.tensor([len(responses[s]) for s in active.tolist()], device=device))
-            tokens, logp = sample_rows(model, logits, keys, sampling)
+            positions = torch.tensor([len(state.responses[s]) for s in active.tolist()], device=device)
+            tokens, logp = sample_rows(model, logits, state.keys(active, positions), sampling)
 
         elapsed = time.perf_counter() - t0
-        num_tokens = sum(len(r) for r in responses)
-        return RolloutOutput(
-            prompt_index=[ids[int(p)] for p in prompt_of],
-            sample_index=key_sample.tolist(),
-            tokens=responses,
-            logprobs=[torch.stack(lp) if lp else torch.zeros(0) for lp in logprobs],
-            finish_reason=[str(f) for f in finish],
-            stats={"engine": "vanilla", "forwards": forwards, "tokens": num_tokens,
-                   "prefill_s": t_prefill, "total_s": elapsed,
-                   "tokens_per_s": num_tokens / max(elapsed, 1e-9)},
-        )
+        num_tokens = sum(len(r) for r in state.responses)
+        return state.output({"engine": "vanilla", "forwards": forwards, "tokens": num_tokens,
+                             "prefill_s": t_prefill, "total_s": elapsed,
+                             "tokens_per_s": num_tokens / max(elapsed, 1e-9)})

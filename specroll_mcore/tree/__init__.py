@@ -1,5 +1,8 @@
-"""Draft trees: buffers (masks, depths) from parent pointers."""
+"""Draft trees: budget (C_hw, N_t), builder, and buffers (masks, depths) from parent pointers."""
 
+from specroll_mcore.tree.budget import capacity_from_latency, node_budget, row_chunks
 from specroll_mcore.tree.buffers import PAD, ROOT, tree_ancestor_mask, tree_depths
+from specroll_mcore.tree.builder import TreeBatch, build_trees
 
-__all__ = ["PAD", "ROOT", "tree_ancestor_mask", "tree_depths"]
+__all__ = ["PAD", "ROOT", "TreeBatch", "build_trees", "capacity_from_latency", "node_budget", "row_chunks",
+           "tree_ancestor_mask", "tree_depths"]

@@ -1,0 +1,96 @@
+"""Horizon heads: H small residual blocks that draft tokens t+2 ... t+H+1 from the policy's h_t.
+
+    z_h = h_t + SiLU(W_h h_t),   W_h zero-initialised (a new head starts as the policy itself)
+    logits_h = output_layer(z_h, weight=shared)        (the policy's own vocab-parallel projection)
+
+The heads own no vocabulary matrix, no KV cache and no backbone. Under TP, ``W_h`` is a megatron
+``ColumnParallelLinear`` (each rank holds h/tp output rows); SiLU is elementwise, so each rank
+activates its slice and the slices are all-gathered before the residual add. The logits stay
+sharded over the vocabulary: :func:`vocab_parallel_topk` and :func:`vocab_parallel_logsumexp`
+never gather the full vocabulary (local top-k plus a small all-gather; a global log-sum-exp by
+all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class HorizonHeadsSubmodules:
+    linear: Any = ColumnParallelLinear
+
+
+class HorizonHeads(MegatronModule):
+    """H residual heads on the final hidden state; parameters ``layers.{h}.weight`` ([h/tp, h])."""
+
+    def __init__(self, config: Any, submodules: HorizonHeadsSubmodules, num_heads: int) -> None:
+        super().__init__(config=config)
+        self.num_heads = num_heads
+        self.layers = torch.nn.ModuleList(
+            build_module(submodules.linear, config.hidden_size, config.hidden_size, config=config,
+                         init_method=torch.nn.init.zeros_, bias=False, gather_output=False, skip_bias_add=True)
+            for _ in range(num_heads))
+
+    def forward(self, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden [n, h] -> z [H, n, h]. ``delta`` [H, n, h] is added to each head's input (Reflex)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            x = hidden if delta is None else hidden + delta[i]
+            y, _ = layer(x)  # [n, h/tp]
+            out.append(x + gather_from_tensor_model_parallel_region(F.silu(y)))
+        return torch.stack(out)
+
+
+def horizon_heads_spec(num_heads: int) -> ModuleSpec:
+    """The heads as a ModuleSpec (swap the linear for another TP implementation via submodules)."""
+    return ModuleSpec(module=HorizonHeads, params={"num_heads": num_heads}, submodules=HorizonHeadsSubmodules())
+
+
+# ------------------------------------------------------------------------------------------------
+# Vocab-parallel reductions. ``vocab_start`` is this rank's first vocabulary id; ids at or past
+# ``vocab_size`` are TP padding and never selected.
+# ------------------------------------------------------------------------------------------------
+def _mask_padding(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    local = logits.shape[-1]
+    if vocab_start + local <= vocab_size:
+        return logits
+    valid = torch.arange(vocab_start, vocab_start + local, device=logits.device) < vocab_size
+    return logits.masked_fill(~valid, float("-inf"))
+
+
+def vocab_parallel_logsumexp(logits: torch.Tensor, vocab_start: int, vocab_size: int, ctx: Any) -> torch.Tensor:
+    """log-sum-exp over the full vocabulary of vocab-parallel logits [..., V/tp] -> [...]."""
+    logits = _mask_padding(logits.float(), vocab_start, vocab_size)
+    m = logits.max(dim=-1).values
+    m = ctx.all_reduce_tp(m.clone(), "max")
+    s = ctx.all_reduce_tp(torch.exp(logits - m[..., None]).sum(-1), "sum")
+    return m + torch.log(s)
+
+
+def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_size: int,
+                        ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over the full vocabulary of vocab-parallel logits [n, V/tp] -> values, global ids [n, k].
+
+    Each rank takes its local top-k; the tp x k candidates are all-gathered (a few numbers per row,
+    never the vocabulary) and reduced to the global top-k. Ties resolve to the lower id, as
+    ``torch.topk`` on the gathered logits would."""
+    logits = _mask_padding(logits, vocab_start, vocab_size)
+    values, idx = torch.topk(logits, k, dim=-1)
+    idx = idx + vocab_start
+    if ctx.tp_size == 1:
+        return values, idx
+    all_values = ctx.all_gather_tp(values)  # [tp, n, k], rank order = vocabulary order
+    all_idx = ctx.all_gather_tp(idx)
+    values = all_values.permute(1, 0, 2).reshape(values.shape[0], -1)
+    idx = all_idx.permute(1, 0, 2).reshape(idx.shape[0], -1)
+    order = torch.argsort(-values, dim=-1, stable=True)[:, :k]
+    return values.gather(-1, order), idx.gather(-1, order)

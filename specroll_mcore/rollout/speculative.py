@@ -1,0 +1,211 @@
+"""The SpecRoll speculative engine: a drop-in for :class:`VanillaEngine` that emits the same tokens.
+
+One round, for all unfinished responses at once:
+  1. propose   heads read each response's last hidden state and draft H tokens (top-k each);
+  2. build     a sparse tree per response under the node budget N_t = clip(C_hw / B_t, N_min, N_max);
+  3. verify    ONE policy forward over every tree (tree attention on top of the KV cache);
+  4. accept    walk each tree with the policy's own counter-based samples (verify.py);
+  5. commit    keep the accepted path's keys/values, compacted; drop the rest;
+  6. feedback  the hidden state where the last token was sampled seeds the next proposal.
+With pipeline parallelism the forward runs stage by stage; proposals, trees and acceptance happen
+on the last stage and are broadcast, so every stage commits the same path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from specroll_mcore.config import SamplingConfig, SpecConfig
+from specroll_mcore.heads import vocab_parallel_logsumexp, vocab_parallel_topk
+from specroll_mcore.model import PolicyModel
+from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
+                                         validate_prompts)
+from specroll_mcore.sampling import sample
+from specroll_mcore.tree import TreeBatch, build_trees, node_budget, row_chunks, tree_ancestor_mask, tree_depths
+from specroll_mcore.verify import accept
+
+DEFAULT_C_HW = 64
+
+
+class SpeculativeEngine:
+    """Same interface as VanillaEngine; ``model`` must carry horizon heads (``num_heads > 0``)."""
+
+    def __init__(self, model: PolicyModel, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
+                 tokenizer: Any = None, max_prefill_tokens: int = 4096) -> None:
+        if model.num_heads != spec.num_heads:
+            raise ValueError(f"SpecConfig.num_heads ({spec.num_heads}) != heads of the policy ({model.num_heads}); "
+                             f"build the PolicyModel with num_heads={spec.num_heads}")
+        if tokenizer is not None:
+            check_tokenizer_fits(tokenizer, model.config.vocab_size)
+        self.model, self.spec = model, spec
+        self.eos_token_ids = list(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.max_prefill_tokens = max_prefill_tokens
+        self.c_hw = spec.c_hw or DEFAULT_C_HW
+
+    # -- 1. propose ---------------------------------------------------------------------------------
+    def propose(self, hidden: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [b, h] -> candidate tokens and draft log-probs [b, H, k] (last stage only)."""
+        model, k = self.model, self.spec.topk
+        logits = model.head_logits(hidden)  # [H, b, V/tp]
+        if temperature > 0:
+            logits = logits / temperature
+        H, b = logits.shape[:2]
+        flat = logits.reshape(H * b, -1)
+        values, ids = vocab_parallel_topk(flat, k, model.vocab_start, model.config.vocab_size, model.ctx)
+        lse = vocab_parallel_logsumexp(flat, model.vocab_start, model.config.vocab_size, model.ctx)
+        logq = values.float() - lse[:, None]
+        return ids.reshape(H, b, k).transpose(0, 1), logq.reshape(H, b, k).transpose(0, 1)
+
+    # -- 3. verify ------------------------------------------------------------------------------------
+    def verify(self, state: RolloutState, active: torch.Tensor, tree: TreeBatch):
+        """One forward per chunk of at most C_hw tree tokens. Returns full logits [b, n, V] and hidden
+        [n, b, h] on the last stage (None elsewhere)."""
+        model = self.model
+        depth = tree_depths(tree.parents)
+        mask = tree_ancestor_mask(tree.parents)
+        positions = state.cache.lengths[active][:, None] + depth
+        logits, hidden = [], []
+        for s, e in row_chunks(active.numel(), tree.shape[1], self.c_hw):
+            meta = model.metadata(positions[s:e], mask[s:e], state.cache, active[s:e])
+            out = model(tree.tokens[s:e], meta, return_hidden=True)
+            if out is not None:
+                logits.append(model.full_logits(out[0]))
+                hidden.append(out[1])
+        if not logits:
+            return None, None
+        return torch.cat(logits), torch.cat(hidden, dim=1)
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int = 0,
+                 prompt_ids: Optional[Sequence[int]] = None) -> RolloutOutput:
+        """Same contract as :meth:`VanillaEngine.generate`: identical tokens for the same seed."""
+        model, cfg, ctx, spec = self.model, self.model.config, self.model.ctx, self.spec
+        ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
+        rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
+        device, H = ctx.device, spec.num_heads
+        timers = dict(prefill=0.0, propose=0.0, build=0.0, verify=0.0, accept=0.0, commit=0.0)
+        t_start = time.perf_counter()
+
+        state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=spec.n_max)
+        roots, logp, hidden = state.start(prompts, self.max_prefill_tokens)
+        keep = [state.append(s, [roots[s]], [logp[s]]) for s in range(state.num)]
+        keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
+        active, roots = state.slots[keep_t], roots[keep_t]
+        hidden = hidden[keep_t] if hidden is not None else None
+        timers["prefill"] = time.perf_counter() - t_start
+
+        def sample_fn(logits_rows: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
+            tok, lp = sample(logits_rows, state.keys(active[rows], positions), sampling.temperature,
+                             sampling.top_p, sampling.top_k)
+            return tok, lp.float()
+
+        steps, per_step = 0, []
+        tried_total = torch.zeros(H, dtype=torch.long)
+        accepted_total = torch.zeros(H, dtype=torch.long)
+        while active.numel() > 0:
+            b = active.numel()
+            n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
+            t0 = time.perf_counter()
+            # 1-2. propose and build the trees on the last stage; every stage gets them.
+            if ctx.is_last_stage and n > 1:
+                cand, logq = self.propose(hidden, sampling.temperature)
+                t1 = time.perf_counter()
+                tree = build_trees(roots, cand, logq, n)
+            else:
+                t1 = time.perf_counter()
+                tree = build_trees(roots, torch.zeros(b, H, 1, dtype=torch.long, device=device),
+                                   torch.zeros(b, H, 1, device=device), 1) if n == 1 else None
+            tree = self._share_tree(tree, b, n)
+            t2 = time.perf_counter()
+            # 3. verify
+            logits, hidden_all = self.verify(state, active, tree)
+            t3 = time.perf_counter()
+            # 4. accept (last stage), shared with every stage
+            if logits is not None:
+                acc = accept(tree, logits, sample_fn, torch.tensor([len(state.responses[s]) for s in active.tolist()],
+                                                                   device=device), max_depth=H)
+                tried_total += acc.tried
+                accepted_total += acc.accepted
+                packed = self._pack(acc, H)
+                next_hidden = hidden_all[acc.last_node, torch.arange(b, device=device)]  # [b, h]
+            else:
+                packed = self._empty_pack(b, H, device)
+                next_hidden = None
+            emitted, emitted_lp, path, counts = ctx.broadcast_from_last_stage(packed)
+            t4 = time.perf_counter()
+            # 5. commit the root and the accepted drafts; record tokens; retire finished responses.
+            path_len = (path >= 0).sum(-1)
+            state.cache.commit(active, path_len, path.clamp(min=0))
+            keep, recorded_before = [], sum(len(state.responses[s]) for s in active.tolist())
+            for r, slot in enumerate(active.tolist()):
+                c = int(counts[r])
+                keep.append(state.append(slot, emitted[r, :c].tolist(), list(emitted_lp[r, :c])))
+            keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
+            last = emitted[torch.arange(b, device=device), counts - 1]
+            recorded = sum(len(state.responses[s]) for s in active.tolist()) - recorded_before
+            per_step.append({"active": b, "nodes_per_row": int(tree.shape[1]), "emitted": int(counts.sum()),
+                             "tokens": recorded, "seconds": time.perf_counter() - t0})
+            active, roots = active[keep_t], last[keep_t]
+            hidden = next_hidden[keep_t] if next_hidden is not None else None
+            t5 = time.perf_counter()
+            timers["propose"] += t1 - t0
+            timers["build"] += t2 - t1
+            timers["verify"] += t3 - t2
+            timers["accept"] += t4 - t3
+            timers["commit"] += t5 - t4
+            steps += 1
+
+        elapsed = time.perf_counter() - t_start
+        num_tokens = sum(len(r) for r in state.responses)
+        return state.output({
+            "engine": "specroll", "forwards": steps + 1, "tokens": num_tokens, "steps": steps,
+            "total_s": elapsed, "tokens_per_s": num_tokens / max(elapsed, 1e-9),
+            # tau: tokens one verification step confirms per response (before EOS / length truncation)
+            "tau": sum(p["emitted"] for p in per_step) / max(1, sum(p["active"] for p in per_step)),
+            "acceptance_per_depth": (accepted_total.double() / tried_total.clamp(min=1).double()).tolist(),
+            "tried_per_depth": tried_total.tolist(), "c_hw": self.c_hw, "time_split_s": timers,
+            "per_step": per_step,
+        })
+
+    # -- helpers: moving trees and acceptance results between pipeline stages --------------------------
+    def _share_tree(self, tree: Optional[TreeBatch], b: int, n: int) -> TreeBatch:
+        ctx = self.model.ctx
+        if ctx.pp_size == 1:
+            return tree
+        device = ctx.device
+        tokens = tree.tokens if tree is not None else torch.zeros(b, n, dtype=torch.long, device=device)
+        parents = tree.parents if tree is not None else torch.zeros(b, n, dtype=torch.long, device=device)
+        width = torch.tensor([tokens.shape[1]], device=device)
+        (width,) = ctx.broadcast_from_last_stage([width])
+        w = int(width)
+        if tokens.shape[1] != w:
+            tokens = torch.zeros(b, w, dtype=torch.long, device=device)
+            parents = torch.zeros(b, w, dtype=torch.long, device=device)
+        tokens, parents = ctx.broadcast_from_last_stage([tokens, parents])
+        return TreeBatch(tokens, parents, tree_depths(parents), (parents != -2).sum(-1))
+
+    @staticmethod
+    def _pack(acc, H: int):
+        b = len(acc.tokens)
+        emitted = torch.full((b, H + 1), -1, dtype=torch.long)
+        lp = torch.zeros(b, H + 1, dtype=torch.float32)
+        path = torch.full((b, H + 1), -1, dtype=torch.long)
+        counts = torch.zeros(b, dtype=torch.long)
+        for r in range(b):
+            c = len(acc.tokens[r])
+            emitted[r, :c] = torch.tensor(acc.tokens[r])
+            lp[r, :c] = torch.stack(acc.logprobs[r])
+            path[r, : len(acc.path[r])] = torch.tensor(acc.path[r])
+            counts[r] = c
+        return [emitted, lp, path, counts]
+
+    @staticmethod
+    def _empty_pack(b: int, H: int, device: torch.device):
+        return [torch.zeros(b, H + 1, dtype=torch.long, device=device),
+                torch.zeros(b, H + 1, dtype=torch.float32, device=device),
+                torch.zeros(b, H + 1, dtype=torch.long, device=device),
+                torch.zeros(b, dtype=torch.long, device=device)]

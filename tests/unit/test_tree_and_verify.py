@@ -1,0 +1,74 @@
+"""Tree builder, node budget and the acceptance walk, as pure functions."""
+
+import random
+
+import torch
+
+from specroll_mcore.tree import PAD, ROOT, build_trees, capacity_from_latency, node_budget, row_chunks
+from specroll_mcore.tree.builder import TreeBatch
+from specroll_mcore.verify import accept
+
+
+def random_candidates(rng, b, H, k, vocab=50):
+    toks = torch.stack([torch.stack([torch.tensor(rng.sample(range(vocab), k)) for _ in range(H)]) for _ in range(b)])
+    logq = torch.log_softmax(torch.randn(b, H, k, generator=torch.Generator().manual_seed(rng.randrange(999))), -1)
+    logq, order = logq.sort(-1, descending=True)
+    return toks, logq
+
+
+def test_trees_are_prefix_closed_within_budget_with_distinct_siblings():
+    rng = random.Random(0)
+    for budget in (1, 2, 3, 5, 8, 13, 40):
+        toks, logq = random_candidates(rng, 6, 3, 4)
+        tree = build_trees(torch.arange(6), toks, logq, budget)
+        assert tree.shape[1] == min(budget, 1 + 4 + 16 + 64)
+        for r in range(6):
+            n = int(tree.num_nodes[r])
+            parents = tree.parents[r, :n].tolist()
+            assert parents[0] == ROOT and all(0 <= p < i for i, p in enumerate(parents) if i > 0)
+            for i in range(1, n):
+                d = int(tree.depth[r, i])
+                assert d == int(tree.depth[r, parents[i]]) + 1 and 1 <= d <= 3
+                assert int(tree.tokens[r, i]) in toks[r, d - 1].tolist()  # a head-d candidate
+            sibling_tokens = {}
+            for i in range(1, n):
+                key = parents[i]
+                assert int(tree.tokens[r, i]) not in sibling_tokens.setdefault(key, set())
+                sibling_tokens[key].add(int(tree.tokens[r, i]))
+
+
+def test_trunk_first_then_greedy_by_cumulative_probability():
+    toks = torch.tensor([[[10, 11, 12], [20, 21, 22], [30, 31, 32]]])
+    logq = torch.log(torch.tensor([[[0.6, 0.3, 0.1], [0.5, 0.4, 0.1], [0.9, 0.05, 0.05]]]))
+    tree = build_trees(torch.tensor([5]), toks, logq, 8)
+    assert tree.tokens[0].tolist() == [5, 10, 20, 30, 11, 21, 30, 20]
+    assert tree.parents[0].tolist() == [ROOT, 0, 1, 2, 0, 1, 5, 4]
+
+
+def test_budget_and_chunks():
+    assert node_budget(256, 64, 1, 16) == 1
+    assert node_budget(8, 64, 1, 16) == 8
+    assert node_budget(1, 64, 1, 16) == 16
+    assert node_budget(100, 64, 2, 16) == 2
+    assert row_chunks(100, 2, 64) == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert capacity_from_latency([1, 2, 4, 8, 16, 32], [1.0, 1.0, 1.1, 1.3, 1.6, 2.5]) == 8
+
+
+def test_accept_walk_matches_children_and_always_emits():
+    # Row 0: root -> 1 (tok 7) -> 2 (tok 8); root -> 3 (tok 9). Row 1: root only.
+    tree = TreeBatch(tokens=torch.tensor([[0, 7, 8, 9], [0, 0, 0, 0]]),
+                     parents=torch.tensor([[ROOT, 0, 1, 0], [ROOT, PAD, PAD, PAD]]),
+                     depth=torch.tensor([[0, 1, 2, 1], [0, 0, 0, 0]]), num_nodes=torch.tensor([4, 1]))
+    logits = torch.zeros(2, 4, 12)
+    # The "policy" samples the argmax of its logits at each node.
+    logits[0, 0, 7] = logits[0, 1, 8] = logits[0, 2, 3] = 5.0
+    logits[1, 0, 4] = 5.0
+
+    def sample_fn(lg, rows, pos):
+        return lg.argmax(-1), torch.zeros(len(rows))
+
+    acc = accept(tree, logits, sample_fn, torch.tensor([5, 9]), max_depth=2)
+    assert acc.tokens == [[7, 8, 3], [4]]
+    assert acc.path == [[0, 1, 2], [0]]
+    assert acc.last_node.tolist() == [2, 0]
+    assert acc.tried.tolist() == [1, 1] and acc.accepted.tolist() == [1, 1]

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Conversion cost: wall time and peak resident memory of HF -> Megatron conversion, each run in its
+own process, for SmolLM2 and for a larger synthetic Llama written shard by shard (never whole in
+memory). Peak RSS is compared with the size of the weights: a streaming converter stays near one
+output shard plus one tensor, not the whole model.
+
+    python tools/bench_convert.py --out bench_convert.json [--synthetic-layers 16 --synthetic-hidden 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import sys, time, resource, json, warnings
+warnings.filterwarnings("ignore")
+from pathlib import Path
+from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
+src, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+t0 = time.perf_counter()
+convert_hf_to_mcore(Path(src), Path(out), tp, pp)
+print(json.dumps({"seconds": time.perf_counter() - t0,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def write_synthetic_llama(path: Path, layers: int, hidden: int, ffn: int, vocab: int, heads: int, kv_heads: int) -> int:
+    """A random bf16 Llama in safetensors shards of one layer each; returns its size in bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    d = hidden // heads
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return (0.02 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
+
+    weight_map, total = {}, 0
+
+    def emit(name: str, tensors: dict) -> None:
+        nonlocal total
+        save_file(tensors, str(path / name))
+        for k, v in tensors.items():
+            weight_map[k] = name
+            total += v.numel() * v.element_size()
+
+    emit("embed.safetensors", {"model.embed_tokens.weight": rnd(vocab, hidden)})
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        emit(f"layer{i:03d}.safetensors", {
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": rnd(heads * d, hidden), p + "self_attn.k_proj.weight": rnd(kv_heads * d, hidden),
+            p + "self_attn.v_proj.weight": rnd(kv_heads * d, hidden), p + "self_attn.o_proj.weight": rnd(hidden, heads * d),
+            p + "mlp.gate_proj.weight": rnd(ffn, hidden), p + "mlp.up_proj.weight": rnd(ffn, hidden),
+            p + "mlp.down_proj.weight": rnd(hidden, ffn)})
+    emit("head.safetensors", {"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16), "lm_head.weight": rnd(vocab, hidden)})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                    "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False}))
+    return total
+
+
+def run_child(src: Path, out: Path, tp: int, pp: int) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), str(tp), str(pp)],
+                          capture_output=True, text=True, env=dict(os.environ))
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_convert.json")
+    ap.add_argument("--synthetic-layers", type=int, default=16)
+    ap.add_argument("--synthetic-hidden", type=int, default=2048)
+    ap.add_argument("--synthetic-ffn", type=int, default=5632)
+    ap.add_argument("--synthetic-vocab", type=int, default=32000)
+    ap.add_argument("--tp", type=int, default=2)
+    args = ap.parse_args()
+    from specroll_mcore.checkpoint.smollm2 import default_hf_dir
+
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        smol = default_hf_dir()
+        size = sum(f.stat().st_size for f in smol.glob("*.safetensors"))
+        r = run_child(smol, tmp / "smol-mcore", 1, 1)
+        report["smollm2"] = {"weights_mb": size / 2**20, **r}
+        print(f"SmolLM2 (float32, {size / 2**20:.0f} MB): {r['seconds']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB")
+        t0 = time.perf_counter()
+        size = write_synthetic_llama(tmp / "synth", args.synthetic_layers, args.synthetic_hidden, args.synthetic_ffn,
+                                     args.synthetic_vocab, heads=16, kv_heads=8)
+        print(f"synthetic Llama written ({size / 2**20:.0f} MB bf16) in {time.perf_counter() - t0:.1f} s")
+        for tp in sorted({1, args.tp}):
+            r = run_child(tmp / "synth", tmp / f"synth-mcore-tp{tp}", tp, 1)
+            report[f"synthetic_tp{tp}"] = {"weights_mb": size / 2**20, "layers": args.synthetic_layers,
+                                           "hidden": args.synthetic_hidden, **r}
+            print(f"synthetic -> TP={tp}: {r['seconds']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB "
+                  f"({r['peak_rss_mb'] / (size / 2**20):.2f} x the weights)")
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
