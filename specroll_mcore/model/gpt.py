@@ -18,7 +18,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict
+from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict, shard_tensor
 from specroll_mcore.config import ModelConfig
 from specroll_mcore.heads import HorizonHeads, horizon_heads_spec
 from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
@@ -164,6 +164,19 @@ class PolicyModel(torch.nn.Module):
                     raise ValueError(f"{name}: shard shape {tuple(tensor.shape)} != parameter shape "
                                      f"{tuple(own[name].shape)}")
                 own[name].copy_(tensor)
+
+    def load_full_heads(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Load head weights given unsharded (``heads.layers.{i}.weight`` [h, h]); no-op off the last stage."""
+        if self.heads is None:
+            return
+        own = {k: v for k, v in self.heads.state_dict().items() if not k.endswith("_extra_state")}
+        expected = {f"heads.{k}" for k in own}
+        if set(full) != expected:
+            raise ValueError(f"head weights {sorted(full)} do not match this policy's heads {sorted(expected)}")
+        with torch.no_grad():
+            for name, tensor in full.items():
+                own[name[len("heads."):]].copy_(shard_tensor(name, tensor, self.config, self.ctx.tp_size,
+                                                             self.ctx.tp_rank))
 
     @property
     def vocab_start(self) -> int:

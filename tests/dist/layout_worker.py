@@ -10,9 +10,10 @@ warnings.filterwarnings("ignore")
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
-from specroll_mcore.config import ParallelConfig, SamplingConfig, tiny_llama, tiny_qwen2  # noqa: E402
+from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2  # noqa: E402
+from specroll_mcore.heads import vocab_parallel_logsumexp, vocab_parallel_topk  # noqa: E402
 from specroll_mcore.model import PolicyModel, causal_mask  # noqa: E402
-from specroll_mcore.rollout import VanillaEngine  # noqa: E402
+from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.base import prefill  # noqa: E402
 from specroll_mcore.tree import tree_ancestor_mask, tree_depths  # noqa: E402
 
@@ -27,8 +28,11 @@ def models():
 
 def run(arch: str, dtype: str, ctx) -> dict:
     cfg = models()[arch](params_dtype=dtype)
-    model = PolicyModel(cfg, ctx).eval()
+    model = PolicyModel(cfg, ctx, num_heads=3).eval()
     model.load_full_state_dict(random_full_state_dict(cfg, seed=7, std=0.08))
+    g = torch.Generator().manual_seed(11)
+    model.load_full_heads({f"heads.layers.{i}.weight": (0.05 * torch.randn(cfg.hidden_size, cfg.hidden_size, generator=g)).to(cfg.torch_dtype)
+                           for i in range(3)})
     out = {}
     with torch.no_grad():
         ids = torch.tensor([p + [1] * (7 - len(p)) for p in PROMPTS])
@@ -41,11 +45,20 @@ def run(arch: str, dtype: str, ctx) -> dict:
         positions = cache.lengths[:, None] + tree_depths(TREE_PARENTS)
         logits = model(TREE_TOKENS, model.metadata(positions, tree_ancestor_mask(TREE_PARENTS), cache, torch.arange(3)))
         out["tree"] = model.full_logits(logits) if logits is not None else None
+        if ctx.is_last_stage:  # vocab-parallel top-k / log-sum-exp of the head logits, never gathered
+            head_logits = model.head_logits(torch.randn(5, cfg.hidden_size, generator=g).to(cfg.torch_dtype))
+            flat = head_logits.reshape(15, -1)
+            values, ids = vocab_parallel_topk(flat, 6, model.vocab_start, cfg.vocab_size, ctx)
+            out["heads_topk"] = (values, ids)
+            out["heads_lse"] = vocab_parallel_logsumexp(flat, model.vocab_start, cfg.vocab_size, ctx)
+            out["heads_full"] = model.full_logits(head_logits)
     engine = VanillaEngine(model, eos_token_ids=[3])
     for name, sp in {"t1": SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=16, num_samples=2, seed=5),
                      "greedy": SamplingConfig(temperature=0.0, max_new_tokens=16)}.items():
         r = engine.generate(PROMPTS, sp, step=1)
         out[name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3]).generate(PROMPTS, sp, step=1)
+        out["spec-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     return out
 
 

@@ -44,8 +44,19 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp):
         tol = 1e-9 if name.endswith("float64") else 1e-4
         for key in ("causal", "tree"):
             assert (got[name][key] - ref[key]).abs().max() < tol, (name, key)
-        for key in ("t1", "greedy"):
-            if name.endswith("float64") or key == "greedy":
+        # vocab-parallel top-k / log-sum-exp equal the gathered ones
+        values, ids = got[name]["heads_topk"]
+        full = got[name]["heads_full"].reshape(15, -1)
+        ref_values, ref_ids = torch.topk(full, 6, dim=-1)
+        assert torch.equal(ids, ref_ids) and torch.allclose(values, ref_values)
+        assert torch.allclose(got[name]["heads_lse"], torch.logsumexp(full.double(), -1).float(), atol=1e-5)
+        assert (got[name]["heads_full"] - ref["heads_full"]).abs().max() < tol
+        for key in ("t1", "greedy", "spec-t1", "spec-greedy"):
+            if key.startswith("spec-"):  # the speculative engine equals the vanilla engine of TP=1/PP=1
+                vanilla = ref[key[5:]]
+                if name.endswith("float64") or key == "spec-greedy":
+                    assert got[name][key]["tokens"] == vanilla["tokens"], (name, key)
+            if name.endswith("float64") or key.endswith("greedy"):
                 assert got[name][key]["tokens"] == ref[key]["tokens"], (name, key)
                 assert got[name][key]["finish"] == ref[key]["finish"]
                 for a, b in zip(got[name][key]["logprobs"], ref[key]["logprobs"]):
