@@ -37,6 +37,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "scipy"],
+        "bench": ["matplotlib"],
         # Optional GPU accelerators; the code runs without them (torch SDPA, torch norms).
         "gpu": ["transformer-engine[pytorch]"],
     },

@@ -7,6 +7,7 @@ Run with torchrun for TP/PP/DP, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
@@ -24,15 +25,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import transformers
 
     from specroll_mcore import parallel
-    from specroll_mcore.checkpoint.megatron import load_policy
+    from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config
     from specroll_mcore.checkpoint.smollm2 import default_checkpoint
     from specroll_mcore.config import load_generate_config
-    from specroll_mcore.rollout import VanillaEngine
+    from specroll_mcore.rollout import make_engine
+    from specroll_mcore.tree.budget import resolve_c_hw
 
     cfg = load_generate_config(args.config, args.set)
     ckpt = Path(default_checkpoint() if cfg.checkpoint == "smollm2" else cfg.checkpoint)
     ctx = parallel.initialize(cfg.parallel)
-    policy = load_policy(ckpt, ctx, cfg.params_dtype)
+    policy = load_policy(ckpt, ctx, cfg.params_dtype, with_heads=cfg.engine == "specroll")
     tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
     if cfg.chat:
         prompts = [_ids(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
@@ -42,7 +44,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Data parallel: each DP rank takes every dp_size-th prompt; ids stay global, so the tokens do not
     # depend on the DP size.
     mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
-    engine = VanillaEngine(policy, eos_token_ids=_eos_ids(tokenizer), tokenizer=tokenizer)
+    spec = None
+    if cfg.engine == "specroll":
+        c_hw = resolve_c_hw(cfg.spec.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"),
+                            ctx.tp_size, ctx.pp_size)
+        spec = dataclasses.replace(cfg.spec, num_heads=policy.num_heads, c_hw=c_hw)
+    engine = make_engine(cfg.engine, policy, spec, eos_token_ids=_eos_ids(tokenizer), tokenizer=tokenizer)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
     rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p], "response": tokenizer.decode(t, skip_special_tokens=True),
              "tokens": t, "logprobs": [round(float(x), 6) for x in lp], "finish_reason": f}
@@ -53,7 +60,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"--- prompt {r['prompt_index']} sample {r['sample_index']} ({r['finish_reason']}, "
                   f"{len(r['tokens'])} tokens)\n{r['prompt']}\n>>> {r['response']}")
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.stats.items()}))
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.stats.items()
+                          if k != "per_step"}))
         if cfg.output:
             with open(cfg.output, "w", encoding="utf-8") as f:
                 for r in rows:

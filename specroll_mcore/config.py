@@ -205,6 +205,34 @@ class SamplingConfig:
 
 
 @dataclass
+class SpecConfig:
+    """The speculative engine: horizon heads, tree budget and proposal width."""
+
+    num_heads: int = 3
+    """H: heads predicting tokens t+2 ... t+H+1 (the tree is at most H deep below its root)."""
+
+    topk: int = 4
+    """Candidates per head the trees may use."""
+
+    c_hw: Optional[int] = None
+    """Tokens one verification forward may hold; None reads the cached profile
+    (tools/profile_capacity.py) for this model, hardware and layout, else uses 64."""
+
+    n_min: int = 1
+    """Smallest tree per row (root included); 1 = plain decoding when the batch is full."""
+
+    n_max: int = 16
+    """Largest tree per row."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_heads >= 1, f"SpecConfig.num_heads must be >= 1, got {self.num_heads}")
+        _check(self.topk >= 1, f"SpecConfig.topk must be >= 1, got {self.topk}")
+        _check(1 <= self.n_min <= self.n_max,
+               f"need 1 <= SpecConfig.n_min ({self.n_min}) <= SpecConfig.n_max ({self.n_max})")
+        _check(self.c_hw is None or self.c_hw >= 1, f"SpecConfig.c_hw must be >= 1, got {self.c_hw}")
+
+
+@dataclass
 class GenerateConfig:
     """``specroll generate``: which model, which layout, how to sample, which prompts."""
 
@@ -225,13 +253,18 @@ class GenerateConfig:
     """Wrap each prompt in the tokenizer's chat template (user turn + generation prompt)."""
 
     engine: str = "vanilla"
-    """Rollout engine."""
+    """Rollout engine: ``vanilla`` or ``specroll`` (needs heads saved beside the checkpoint by
+    tools/train_heads.py); both emit the same tokens for the same seed."""
+
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    """The speculative engine's settings (num_heads comes from the saved heads)."""
 
     output: Optional[str] = None
     """Write one JSON line per response here."""
 
     def __post_init__(self) -> None:
-        _check(self.engine in ("vanilla",), f"GenerateConfig.engine must be 'vanilla', got {self.engine!r}")
+        _check(self.engine in ("vanilla", "specroll"),
+               f"GenerateConfig.engine must be 'vanilla' or 'specroll', got {self.engine!r}")
         _check(len(self.prompts) > 0, "GenerateConfig.prompts is empty; give at least one prompt")
 
 
@@ -244,7 +277,8 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     _check(not unknown, f"unknown field(s) {[f'{path}{u}' for u in unknown]}; known: {sorted(fields)}")
     kwargs = {}
     for name, value in data.items():
-        sub = {"parallel": ParallelConfig, "sampling": SamplingConfig}.get(name) if cls is GenerateConfig else None
+        sub = {"parallel": ParallelConfig, "sampling": SamplingConfig, "spec": SpecConfig}.get(name) \
+            if cls is GenerateConfig else None
         kwargs[name] = _build(sub, value, f"{path}{name}.") if sub else value
     try:
         return cls(**kwargs)
@@ -275,31 +309,3 @@ def load_generate_config(path: Optional[str], overrides: Sequence[str] = ()) -> 
         key, raw = item.split("=", 1)
         _set_path(data, key, raw)
     return _build(GenerateConfig, data, "")
-
-
-@dataclass
-class SpecConfig:
-    """The speculative engine: horizon heads, tree budget and proposal width."""
-
-    num_heads: int = 3
-    """H: heads predicting tokens t+2 ... t+H+1 (the tree is at most H deep below its root)."""
-
-    topk: int = 4
-    """Candidates per head the trees may use."""
-
-    c_hw: Optional[int] = None
-    """Tokens one verification forward may hold; None reads the cached profile
-    (tools/profile_capacity.py) for this model, hardware and layout, else uses 64."""
-
-    n_min: int = 1
-    """Smallest tree per row (root included); 1 = plain decoding when the batch is full."""
-
-    n_max: int = 16
-    """Largest tree per row."""
-
-    def __post_init__(self) -> None:
-        _check(self.num_heads >= 1, f"SpecConfig.num_heads must be >= 1, got {self.num_heads}")
-        _check(self.topk >= 1, f"SpecConfig.topk must be >= 1, got {self.topk}")
-        _check(1 <= self.n_min <= self.n_max,
-               f"need 1 <= SpecConfig.n_min ({self.n_min}) <= SpecConfig.n_max ({self.n_max})")
-        _check(self.c_hw is None or self.c_hw >= 1, f"SpecConfig.c_hw must be >= 1, got {self.c_hw}")

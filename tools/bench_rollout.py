@@ -32,9 +32,8 @@ import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig  # noqa: E402
-from specroll_mcore.model import causal_mask  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
-from specroll_mcore.rollout.base import prefill  # noqa: E402
+from specroll_mcore.rollout.profile import forward_latency  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 
 
@@ -100,40 +99,6 @@ def time_hf(hf, prompts, new_tokens: int, pad_id: int) -> float:
     return dt
 
 
-def forward_latency(policy, sizes: list[int], reps: int, context: int = 128) -> dict:
-    """Median seconds of one forward holding N new tokens: as a tree on one row, and as N decode rows,
-    each on a ``context``-token committed prefix."""
-    device = policy.ctx.device
-    res = {"tokens": sizes, "context": context, "tree_row_s": [], "decode_rows_s": []}
-    prompt = [list(range(5, 5 + context))]
-    with torch.inference_mode():
-        for n in sizes:
-            tree_cache = policy.new_cache(num_slots=1, capacity=context + n)
-            prefill(policy, tree_cache, prompt, 4096)
-            rows = torch.arange(n, device=device)
-            dec_cache = policy.new_cache(num_slots=n, capacity=context + 1)
-            prefill(policy, dec_cache, prompt, 4096)
-            dec_cache.copy_slots(torch.zeros(n, dtype=torch.long, device=device), rows)
-            one = torch.zeros(1, dtype=torch.long, device=device)
-            tree_t, dec_t = [], []
-            for _ in range(reps):  # alternate the two shapes
-                t0 = time.perf_counter()
-                meta = policy.metadata(tree_cache.lengths[one][:, None] + torch.arange(n, device=device)[None],
-                                       causal_mask(1, n, device), tree_cache, one)
-                policy.full_logits(policy(torch.full((1, n), 7, device=device), meta))
-                tree_t.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                meta = policy.metadata(dec_cache.lengths[rows][:, None],
-                                       torch.ones(n, 1, 1, dtype=torch.bool, device=device), dec_cache, rows)
-                policy.full_logits(policy(torch.full((n, 1), 7, device=device), meta))
-                dec_t.append(time.perf_counter() - t0)
-            res["tree_row_s"].append(statistics.median(tree_t))
-            res["decode_rows_s"].append(statistics.median(dec_t))
-            print(f"  forward with {n:4d} tokens: tree row {res['tree_row_s'][-1] * 1e3:8.1f} ms   "
-                  f"decode rows {res['decode_rows_s'][-1] * 1e3:8.1f} ms", flush=True)
-    return res
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
@@ -176,7 +141,7 @@ def main() -> int:
               (f"   hf generate {row['hf_tokens_per_s']:8.1f} tok/s   ratio (median of paired) "
                f"{row['speed_ratio_ours_over_hf']:.2f}x" if theirs else ""), flush=True)
     sizes = [int(x) for x in args.latency_tokens.split(",")]
-    report["forward_latency"] = forward_latency(policy, sizes, args.latency_reps)
+    report["forward_latency"] = forward_latency(policy, sizes, args.latency_reps, verbose=True)
     tmp = Path(args.out).with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=2))
     os.replace(tmp, args.out)

@@ -85,8 +85,64 @@ def write_checkpoint_files(root: Path, full: Mapping[str, torch.Tensor], model: 
             del shard
     (root / TRACKER_FILE).write_text("release")
     meta = {"model": model.to_dict(), "tensor_model_parallel_size": tp_size,
-            "pipeline_model_parallel_size": pp_size, **(extra_config or {})}
+            "pipeline_model_parallel_size": pp_size, "policy_fingerprint": fingerprint(full),
+            **(extra_config or {})}
     (root / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def fingerprint(full: Mapping[str, torch.Tensor], samples: int = 4096) -> str:
+    """Identity of a set of policy weights (full form), independent of the TP/PP layout: a hash of
+    each tensor's name, shape and an evenly strided sample of its values. Heads record the
+    fingerprint of the policy they were fitted on."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(full):
+        t = full[name]
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // samples)
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(flat[::step].to(torch.float64).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+HEADS_FILE = "heads.pt"
+
+
+def save_heads(ckpt_dir: Path, heads: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write unsharded head weights beside a policy checkpoint, atomically (temp file, fsync, rename),
+    recording the policy fingerprint they were fitted on."""
+    ckpt_dir = Path(ckpt_dir)
+    fitted_on = read_checkpoint_config(ckpt_dir).get("policy_fingerprint")
+    path = ckpt_dir / HEADS_FILE
+    fd, tmp = tempfile.mkstemp(prefix=".heads.", dir=ckpt_dir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"heads": {k: v.detach().cpu() for k, v in heads.items()},
+                        "meta": {**meta, "fitted_on": fitted_on}}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_heads(ckpt_dir: Path, allow_stale: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Head weights saved with :func:`save_heads`. Heads fitted on other policy weights are refused
+    unless ``allow_stale`` (they still give exact tokens, but their acceptance collapses)."""
+    path = Path(ckpt_dir) / HEADS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: train heads with tools/train_heads.py first")
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    current = read_checkpoint_config(ckpt_dir).get("policy_fingerprint")
+    if blob["meta"].get("fitted_on") != current and not allow_stale:
+        raise ValueError(f"heads in {path} were fitted on policy {blob['meta'].get('fitted_on')}, the checkpoint "
+                         f"holds policy {current}: retrain or consolidate them (or pass allow_stale=True)")
+    return blob["heads"], blob["meta"]
 
 
 def read_checkpoint_config(ckpt_dir: Path) -> dict[str, Any]:
@@ -148,13 +204,21 @@ def load_local_state_dict(ckpt_dir: Path, model: ModelConfig, tp_size: int, tp_r
     return _load_shard(ckpt_dir, tp_rank, pp_rank, pp_size)
 
 
-def load_policy(ckpt_dir: Path, ctx: Any, params_dtype: Optional[str] = None) -> Any:
+def load_policy(ckpt_dir: Path, ctx: Any, params_dtype: Optional[str] = None, num_heads: int = 0,
+                with_heads: bool = False) -> Any:
     """Build the policy for this rank's layout and load a checkpoint into it (resharding if the
-    checkpoint was written for another TP/PP layout)."""
+    checkpoint was written for another TP/PP layout). ``with_heads`` also loads the saved horizon
+    heads (their count comes from the file); otherwise ``num_heads`` fresh zero-initialised heads."""
     from specroll_mcore.model import PolicyModel
 
     model = model_config_of(ckpt_dir, params_dtype)
-    policy = PolicyModel(model, ctx).eval()
+    heads = None
+    if with_heads:
+        heads, meta = load_heads(ckpt_dir)
+        num_heads = int(meta["num_heads"])
+    policy = PolicyModel(model, ctx, num_heads=num_heads).eval()
+    if heads is not None:
+        policy.load_full_heads({k: v.to(model.torch_dtype) for k, v in heads.items()})
     local = load_local_state_dict(ckpt_dir, model, ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank)
     if local is None:
         policy.load_full_state_dict({k: v.to(model.torch_dtype) for k, v in load_full_state_dict(ckpt_dir).items()})

@@ -25,9 +25,8 @@ from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutStat
                                          validate_prompts)
 from specroll_mcore.sampling import sample
 from specroll_mcore.tree import TreeBatch, build_trees, node_budget, row_chunks, tree_ancestor_mask, tree_depths
+from specroll_mcore.tree.budget import DEFAULT_C_HW
 from specroll_mcore.verify import accept
-
-DEFAULT_C_HW = 64
 
 
 class SpeculativeEngine:
@@ -130,7 +129,7 @@ class SpeculativeEngine:
                                                                    device=device), max_depth=H)
                 tried_total += acc.tried
                 accepted_total += acc.accepted
-                packed = self._pack(acc, H)
+                packed = self._pack(acc, H, device)
                 next_hidden = hidden_all[acc.last_node, torch.arange(b, device=device)]  # [b, h]
             else:
                 packed = self._empty_pack(b, H, device)
@@ -189,7 +188,8 @@ class SpeculativeEngine:
         return TreeBatch(tokens, parents, tree_depths(parents), (parents != -2).sum(-1))
 
     @staticmethod
-    def _pack(acc, H: int):
+    def _pack(acc, H: int, device: torch.device):
+        """Acceptance results as fixed-shape tensors (broadcastable to the other pipeline stages)."""
         b = len(acc.tokens)
         emitted = torch.full((b, H + 1), -1, dtype=torch.long)
         lp = torch.zeros(b, H + 1, dtype=torch.float32)
@@ -201,7 +201,7 @@ class SpeculativeEngine:
             lp[r, :c] = torch.stack(acc.logprobs[r])
             path[r, : len(acc.path[r])] = torch.tensor(acc.path[r])
             counts[r] = c
-        return [emitted, lp, path, counts]
+        return [t.to(device) for t in (emitted, lp, path, counts)]
 
     @staticmethod
     def _empty_pack(b: int, H: int, device: torch.device):

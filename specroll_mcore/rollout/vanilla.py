@@ -50,10 +50,14 @@ class VanillaEngine:
         tokens, logp, _ = state.start(prompts, self.max_prefill_tokens)
         t_prefill = time.perf_counter() - t0
         active = state.slots
-        forwards = 1
+        forwards, per_step, t_step = 1, [], time.perf_counter()
         while True:
             # 2. Record the new tokens; finished responses leave the batch.
             keep = [state.append(slot, [tokens[r]], [logp[r]]) for r, slot in enumerate(active.tolist())]
+            if forwards > 1:
+                per_step.append({"active": active.numel(), "tokens": active.numel(),
+                                 "seconds": time.perf_counter() - t_step})
+            t_step = time.perf_counter()
             keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
             active, tokens = active[keep_t], tokens[keep_t]
             if active.numel() == 0:
@@ -73,4 +77,4 @@ class VanillaEngine:
         num_tokens = sum(len(r) for r in state.responses)
         return state.output({"engine": "vanilla", "forwards": forwards, "tokens": num_tokens,
                              "prefill_s": t_prefill, "total_s": elapsed,
-                             "tokens_per_s": num_tokens / max(elapsed, 1e-9)})
+                             "tokens_per_s": num_tokens / max(elapsed, 1e-9), "per_step": per_step})

@@ -74,6 +74,19 @@ def save_capacity(key: str, record: dict, cache: Optional[Path] = None) -> Path:
     return path
 
 
+DEFAULT_C_HW = 64
+"""Used when no profile exists for this model, hardware and layout (run tools/profile_capacity.py)."""
+
+
+def resolve_c_hw(configured: Optional[int], policy_fingerprint: Optional[str], tp: int, pp: int,
+                 cache: Optional[Path] = None) -> int:
+    """SpecConfig.c_hw if set, else the cached profile for (policy, hardware, layout), else DEFAULT_C_HW."""
+    if configured:
+        return configured
+    cached = load_capacity(profile_key(policy_fingerprint or "unknown", hardware_name(), tp, pp), cache)
+    return cached or DEFAULT_C_HW
+
+
 def load_capacity(key: str, cache: Optional[Path] = None) -> Optional[int]:
     path = profile_path(cache)
     if not path.is_file():

@@ -99,3 +99,18 @@ def test_weights_that_do_not_fit_the_config(ctx):
     del missing["decoder.layers.2.input_layernorm.weight"]
     with pytest.raises(ValueError, match="missing"):
         model.load_full_state_dict(missing)
+
+
+def test_generate_config_errors(tmp_path):
+    from specroll_mcore.config import load_generate_config
+
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['sampling.temprature'\]"):
+        load_generate_config(None, ["sampling.temprature=0.5"])
+    with pytest.raises(ValueError, match="must look like key.sub=value"):
+        load_generate_config(None, ["engine"])
+    with pytest.raises(ValueError, match="GenerateConfig.engine must be 'vanilla' or 'specroll'"):
+        load_generate_config(None, ["engine=beam"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sampling:\n  top_p: 2.0\n")
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2.0"):
+        load_generate_config(str(bad))

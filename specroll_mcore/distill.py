@@ -1,0 +1,120 @@
+"""Head warm-start by self-distillation on the policy's own continuations (backbone frozen).
+
+For a sequence x (prompt + a response the policy sampled), the policy's hidden state h_t and its
+next-token distributions p_t are computed once. Head h (1..H) at position t is trained towards the
+policy's distribution for token t+h+1, i.e. p_{t+h}, and the token actually realised there:
+
+    loss_h(t) = CE(p_{t+h}^topK, q_h(. | h_t)) + NLL(x_{t+h+1} | q_h(. | h_t))
+
+(the soft cross-entropy on the policy's top-K equals the KL to it up to a constant). Only the head
+weights receive gradients; the backbone and the shared vocab projection are frozen. Records are
+plain tensors, so the slow path can reuse this loss on verification by-products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specroll_mcore.model import PolicyModel, causal_mask
+
+
+@dataclass
+class DistillRecords:
+    """N training positions for H heads."""
+
+    hidden: torch.Tensor  # [N, h] the policy's final hidden state at t
+    target_ids: torch.Tensor  # [N, H, K] top-K ids of p_{t+h}
+    target_probs: torch.Tensor  # [N, H, K] their probabilities
+    realised: torch.Tensor  # [N, H] x_{t+h+1}
+    valid: torch.Tensor  # [N, H] bool: t+h+1 inside the sequence
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def subset(self, idx: torch.Tensor) -> "DistillRecords":
+        return DistillRecords(*(getattr(self, f)[idx] for f in ("hidden", "target_ids", "target_probs",
+                                                                 "realised", "valid")))
+
+    @staticmethod
+    def cat(parts: Sequence["DistillRecords"]) -> "DistillRecords":
+        return DistillRecords(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                                ("hidden", "target_ids", "target_probs", "realised", "valid")))
+
+
+@torch.no_grad()
+def records_from_sequence(policy: PolicyModel, tokens: Sequence[int], start: int, num_heads: int,
+                          topk: int = 32) -> DistillRecords:
+    """Distillation records for positions start-1 .. len-2 of one sequence (TP=1, one stage)."""
+    ids = torch.tensor([list(tokens)], device=policy.ctx.device)
+    L = ids.shape[1]
+    meta = policy.metadata(torch.arange(L, device=ids.device)[None], causal_mask(1, L, ids.device))
+    logits, hidden = policy(ids, meta, return_hidden=True)
+    probs = torch.softmax(policy.full_logits(logits[0]).float(), -1)  # [L, V]
+    top_p, top_i = probs.topk(topk, dim=-1)
+    pos = torch.arange(max(start - 1, 0), L - 1, device=ids.device)  # t
+    H = num_heads
+    tgt = (pos[:, None] + torch.arange(1, H + 1, device=ids.device)[None]).clamp(max=L - 1)  # t+h
+    valid = (pos[:, None] + torch.arange(1, H + 1, device=ids.device)[None] + 1) < L  # x_{t+h+1} exists
+    realised = ids[0, (tgt + 1).clamp(max=L - 1)]
+    return DistillRecords(hidden[pos, 0].float(), top_i[tgt], top_p[tgt], realised, valid)
+
+
+def head_loss(policy: PolicyModel, rec: DistillRecords) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean over valid (position, head) pairs of soft CE to the policy's top-K plus NLL of the realised token."""
+    logq = torch.log_softmax(policy.full_logits(policy.head_logits(rec.hidden.to(policy.dtype))).float(), -1)
+    logq = logq.transpose(0, 1)  # [N, H, V]
+    soft = -(rec.target_probs * logq.gather(-1, rec.target_ids)).sum(-1)  # [N, H]
+    nll = -logq.gather(-1, rec.realised[..., None])[..., 0]
+    w = rec.valid.float()
+    loss = ((soft + nll) * w).sum() / w.sum().clamp(min=1)
+    return loss, {"soft_ce": float((soft * w).sum() / w.sum()), "nll": float((nll * w).sum() / w.sum())}
+
+
+@torch.no_grad()
+def head_accuracy(policy: PolicyModel, rec: DistillRecords, k: int = 5, batch: int = 256) -> dict[str, list[float]]:
+    """Per head: top-1 and top-k accuracy against the realised token, and top-1 agreement with the
+    policy's own most likely token."""
+    H = rec.valid.shape[1]
+    hit1, hitk, agree, count = torch.zeros(H), torch.zeros(H), torch.zeros(H), torch.zeros(H)
+    for s in range(0, len(rec), batch):
+        r = rec.subset(torch.arange(s, min(len(rec), s + batch)))
+        top = policy.full_logits(policy.head_logits(r.hidden.to(policy.dtype))).topk(k, -1).indices.transpose(0, 1)
+        w = r.valid.float()
+        hit1 += ((top[..., 0] == r.realised).float() * w).sum(0)
+        hitk += ((top == r.realised[..., None]).any(-1).float() * w).sum(0)
+        agree += ((top[..., 0] == r.target_ids[..., 0]).float() * w).sum(0)
+        count += w.sum(0)
+    c = count.clamp(min=1)
+    return {"top1": (hit1 / c).tolist(), f"top{k}": (hitk / c).tolist(), "agree_policy_top1": (agree / c).tolist()}
+
+
+def train_heads_step(policy: PolicyModel, optimizer: torch.optim.Optimizer, rec: DistillRecords,
+                     grad_clip: float = 1.0) -> dict[str, float]:
+    policy.heads.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss, parts = head_loss(policy, rec)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.heads.parameters(), grad_clip)
+    optimizer.step()
+    policy.heads.eval()
+    return {"loss": float(loss), **parts}
+
+
+def freeze_all_but_heads(policy: PolicyModel) -> list[torch.nn.Parameter]:
+    for p in policy.gpt.parameters():
+        p.requires_grad_(False)
+    params = list(policy.heads.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def full_head_state(policy: PolicyModel) -> dict[str, torch.Tensor]:
+    """Unsharded head weights (TP=1 layout)."""
+    assert policy.ctx.tp_size == 1, "gathering TP-sharded heads: use the slow path's sharded save"
+    return {f"heads.{k}": v.detach().clone() for k, v in policy.heads.state_dict().items()
+            if not k.endswith("_extra_state")}

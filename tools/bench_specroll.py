@@ -1,0 +1,232 @@
+#!/usr/bin/env python
+"""SpecRoll against the vanilla engine (and transformers ``generate``), side by side, same prompts.
+
+    python tools/bench_specroll.py --prompts 32 --samples 8 --max-new-tokens 256 --reps 3 --out bench_specroll.json
+
+SmolLM2-135M-Instruct with the heads saved by tools/train_heads.py; GSM8K-style prompts from the
+offline generator in the chat template; T=1, EOS honoured (a real rollout: responses finish at
+different times). Two scenarios, each alternating vanilla and SpecRoll for --reps repetitions:
+  * batch 1: --batch1-prompts prompts, one response at a time;
+  * the full batch: P prompts x G samples at once.
+Every repetition checks that both engines emitted identical tokens. Reported: the median of paired
+time ratios (vanilla / SpecRoll), tau (tokens per verification step and response), acceptance per
+head depth, the speedup against the number of unfinished responses over the rollout (binned, also
+drawn to --plot), and transformers ``generate`` (and its prompt-lookup decoding at batch 1) on the
+same prompts as ratios. Absolute times on shared machines are noisy; the ratios are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config  # noqa: E402
+from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
+from specroll_mcore.rl.synthetic import problems  # noqa: E402
+from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
+from specroll_mcore.tree.budget import resolve_c_hw  # noqa: E402
+
+BINS = [(129, 10**9), (65, 128), (33, 64), (17, 32), (9, 16), (5, 8), (3, 4), (2, 2), (1, 1)]
+
+
+def chat_prompts(tok, n: int, seed: int) -> list[list[int]]:
+    out = []
+    for p in problems(n, seed=seed):
+        enc = tok.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True)
+        out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+    return out
+
+
+def run(engine, prompts, sp):
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, sp, prompt_ids=list(range(len(prompts))))
+    return time.perf_counter() - t0, out
+
+
+def time_hf(hf, prompts, sp, tok, prompt_lookup: int = 0) -> float:
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:  # batch 1: what prompt lookup decoding supports
+            kw = dict(prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else {}
+            hf.generate(torch.tensor([p]), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                        max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id, **kw)
+    return time.perf_counter() - t0
+
+
+def time_hf_batch(hf, prompts, sp, tok) -> float:
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                    max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id,
+                    num_return_sequences=sp.num_samples)
+    return time.perf_counter() - t0
+
+
+def binned_speedup(vanilla_steps, spec_steps) -> list[dict]:
+    rows = []
+    for lo, hi in BINS:
+        v = [s for s in vanilla_steps if lo <= s["active"] <= hi]
+        p = [s for s in spec_steps if lo <= s["active"] <= hi]
+        if not v or not p:
+            continue
+        v_rate = sum(s["tokens"] for s in v) / sum(s["seconds"] for s in v)
+        p_rate = sum(s["tokens"] for s in p) / sum(s["seconds"] for s in p)
+        rows.append({"active_min": lo, "active_max": min(hi, max(s["active"] for s in v)),
+                     "vanilla_tokens_per_s": v_rate, "specroll_tokens_per_s": p_rate, "speedup": p_rate / v_rate,
+                     "nodes_per_row": statistics.median(s["nodes_per_row"] for s in p)})
+    return rows
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [(r["active_min"] + r["active_max"]) / 2 for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [r["speedup"] for r in rows], "o-")
+    for xi, r in zip(x, rows):
+        ax.annotate(f"N={r['nodes_per_row']:.0f}", (xi, r["speedup"]), textcoords="offset points", xytext=(0, 6),
+                    ha="center", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("unfinished responses B_t")
+    ax.set_ylabel("SpecRoll / vanilla tokens per second")
+    ax.set_title("Generation speedup over the rollout (SmolLM2-135M, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def scenario(name, vanilla, spec, prompts, sp, reps):
+    ratios, tv, ts, outs = [], [], [], None
+    for _ in range(reps):  # alternate A and B
+        a, va = run(vanilla, prompts, sp)
+        b, sb = run(spec, prompts, sp)
+        if va.tokens != sb.tokens:
+            diff = sum(x != y for x, y in zip(va.tokens, sb.tokens))
+            print(f"  WARNING {name}: {diff}/{len(va.tokens)} responses differ (float32 near-ties)")
+        ratios.append(a / b)
+        tv.append(a)
+        ts.append(b)
+        outs = (va, sb)
+    va, sb = outs
+    res = {"vanilla_s": tv, "specroll_s": ts, "speedup_median": statistics.median(ratios),
+           "tokens": va.num_tokens, "identical_tokens": va.tokens == sb.tokens,
+           "tau": sb.stats["tau"], "acceptance_per_depth": sb.stats["acceptance_per_depth"],
+           "time_split_s": sb.stats["time_split_s"], "c_hw": sb.stats["c_hw"],
+           "finish_reasons": {r: va.finish_reason.count(r) for r in set(va.finish_reason)},
+           "binned": binned_speedup(va.stats["per_step"], sb.stats["per_step"])}
+    print(f"{name}: speedup {res['speedup_median']:.2f}x (median of {reps} paired), tau {res['tau']:.2f}, "
+          f"acceptance per depth {[round(a, 3) for a in res['acceptance_per_depth']]}, "
+          f"{res['tokens']} tokens, identical={res['identical_tokens']}", flush=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch1-prompts", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--c-hw", type=int, default=None)
+    ap.add_argument("--n-max", type=int, default=16)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-full", action="store_true")
+    ap.add_argument("--out", default="bench_specroll.json")
+    ap.add_argument("--plot", default="bench_specroll.png")
+    args = ap.parse_args()
+    import transformers
+
+    from specroll_mcore.checkpoint.smollm2 import default_checkpoint, default_hf_dir
+
+    ckpt = Path(default_checkpoint() if args.checkpoint == "smollm2" else args.checkpoint)
+    ctx = parallel.initialize(ParallelConfig())
+    policy = load_policy(ckpt, ctx, with_heads=True)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    c_hw = resolve_c_hw(args.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"), 1, 1)
+    spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk)
+    eos = [tok.eos_token_id]
+    vanilla = VanillaEngine(policy, eos_token_ids=eos)
+    spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos)
+    report = {"checkpoint": str(ckpt), "spec": spec_cfg.__dict__, "threads": torch.get_num_threads(),
+              "reps": args.reps, "max_new_tokens": args.max_new_tokens}
+    print(f"c_hw={c_hw} heads={policy.num_heads} topk={args.topk} n_max={args.n_max} threads={torch.get_num_threads()}")
+    sp1 = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, num_samples=1, seed=1)
+    p1 = chat_prompts(tok, args.batch1_prompts, seed=777)
+    run(vanilla, p1[:1], SamplingConfig(max_new_tokens=4))  # warm-up
+
+    def one_at_a_time(engine):
+        class Seq:
+            def generate(self, prompts, sp, prompt_ids=None):
+                outs = [engine.generate([p], sp, prompt_ids=[i]) for i, p in zip(prompt_ids, prompts)]
+                first = outs[0]
+                first.tokens = [t for o in outs for t in o.tokens]
+                first.finish_reason = [f for o in outs for f in o.finish_reason]
+                for key in ("per_step",):
+                    first.stats[key] = [s for o in outs for s in o.stats[key]]
+                if "tau" in first.stats:
+                    steps = first.stats["per_step"]
+                    first.stats["tau"] = sum(s["emitted"] for s in steps) / max(1, sum(s["active"] for s in steps))
+                    acc = [sum(o.stats["acceptance_per_depth"][d] * o.stats["tried_per_depth"][d] for o in outs) /
+                           max(1, sum(o.stats["tried_per_depth"][d] for o in outs)) for d in range(policy.num_heads)]
+                    first.stats["acceptance_per_depth"] = acc
+                return first
+        return Seq()
+
+    report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps)
+    if not args.skip_hf:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(default_hf_dir(), dtype=torch.float32).eval()
+        t_hf = time_hf(hf, p1, sp1, tok)
+        t_spec = statistics.median(report["batch1"]["specroll_s"])
+        report["batch1"]["hf_generate_s"] = t_hf
+        report["batch1"]["specroll_over_hf_generate"] = t_hf / t_spec
+        try:
+            t_pl = time_hf(hf, p1, sp1, tok, prompt_lookup=10)
+            report["batch1"]["hf_prompt_lookup_s"] = t_pl
+            report["batch1"]["specroll_over_hf_prompt_lookup"] = t_pl / t_spec
+        except Exception as e:  # noqa: BLE001  (report, do not fail the benchmark)
+            report["batch1"]["hf_prompt_lookup_error"] = repr(e)
+        print(f"batch 1: SpecRoll vs transformers generate {report['batch1']['specroll_over_hf_generate']:.2f}x"
+              + (f", vs prompt lookup {report['batch1'].get('specroll_over_hf_prompt_lookup', 0):.2f}x"), flush=True)
+    if not args.skip_full:
+        spf = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, num_samples=args.samples, seed=2)
+        pf = chat_prompts(tok, args.prompts, seed=4242)
+        report["full"] = scenario(f"{args.prompts} prompts x {args.samples} samples", vanilla, spec, pf, spf, args.reps)
+        if not args.skip_hf:
+            t_hf = time_hf_batch(hf, pf, spf, tok)
+            report["full"]["hf_generate_s"] = t_hf
+            report["full"]["specroll_over_hf_generate"] = t_hf / statistics.median(report["full"]["specroll_s"])
+            print(f"full batch: SpecRoll vs transformers generate {report['full']['specroll_over_hf_generate']:.2f}x")
+        if args.plot:
+            plot(report["full"]["binned"], args.plot)
+    tmp = Path(args.out).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=float))
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}")
+    parallel.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+#!/usr/bin/env python
+"""Profile C_hw, the token capacity of one verification forward, for this model, hardware and layout.
+
+    python tools/profile_capacity.py --checkpoint smollm2 [--tolerance 1.5]
+    torchrun --nproc_per_node 2 tools/profile_capacity.py --checkpoint CKPT --tp 2
+
+Measures the latency of a verification forward against the number of tokens in it (1 .. 512; one
+row holding an N-node tree on a 128-token context) and derives C_hw by the documented rule
+(specroll_mcore.tree.budget.capacity_from_latency): the largest N whose latency is at most
+``tolerance`` x the one-token latency. The result is cached (``$SPECROLL_CACHE/capacity_profiles.json``)
+under a key of the policy fingerprint, the hardware and the TP/PP layout; the speculative engine
+reads it when SpecConfig.c_hw is unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config  # noqa: E402
+from specroll_mcore.config import ParallelConfig  # noqa: E402
+from specroll_mcore.rollout.profile import forward_latency  # noqa: E402
+from specroll_mcore.tree.budget import capacity_from_latency, hardware_name, profile_key, save_capacity  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default="smollm2")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--tokens", default="1,2,4,8,12,16,24,32,48,64,96,128,192,256,384,512")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tolerance", type=float, default=1.5)
+    ap.add_argument("--out", help="also write the profile as JSON here")
+    args = ap.parse_args()
+    from specroll_mcore.checkpoint.smollm2 import default_checkpoint
+
+    ckpt = Path(default_checkpoint() if args.checkpoint == "smollm2" else args.checkpoint)
+    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    policy = load_policy(ckpt, ctx)
+    sizes = [int(x) for x in args.tokens.split(",")]
+    curve = forward_latency(policy, sizes, args.reps, verbose=ctx.rank == 0)
+    c_hw = capacity_from_latency(curve["tokens"], curve["tree_row_s"], args.tolerance)
+    fp = read_checkpoint_config(ckpt).get("policy_fingerprint", "unknown")
+    key = profile_key(fp, hardware_name(), args.tp, args.pp)
+    record = {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {args.tolerance} x latency(1)",
+              "hardware": hardware_name(), "tp": args.tp, "pp": args.pp, "policy_fingerprint": fp, "curve": curve}
+    if ctx.rank == 0:
+        path = save_capacity(key, record)
+        print(f"C_hw = {c_hw} tokens (key {key}, cached in {path})")
+        if args.out:
+            Path(args.out).write_text(json.dumps(record, indent=2))
+    parallel.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
