@@ -33,6 +33,9 @@ setup(
         "transformers>=4.46",
         "gguf",
         "accelerate",
+        "math-verify",   # answer checking for rewards (the checker TRL and verl use)
+        "datasets",      # GSM8K / SimpleRL / DAPO loaders (hub names and local files)
+        "tensorboard",   # training metrics
         "tqdm",
     ],
     extras_require={

@@ -1,4 +1,4 @@
-"""The ``specroll`` command: ``generate`` and ``convert`` (``train`` and ``bench`` come with GRPO and SpecRoll).
+"""The ``specroll`` command: ``generate``, ``train`` (GRPO) and ``convert``.
 
 Run with torchrun for TP/PP/DP, e.g.
     torchrun --nproc_per_node 2 -m specroll_mcore.cli generate --set parallel.tensor_model_parallel_size=2
@@ -99,6 +99,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from specroll_mcore.config import TrainConfig, load_config
+    from specroll_mcore.rl.trainer import GRPOTrainer
+
+    cfg = load_config(TrainConfig, args.config, args.set + (["resume=true"] if args.resume else []))
+    trainer = GRPOTrainer(cfg)
+    trainer.run()
+    from specroll_mcore import parallel
+
+    parallel.destroy()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specroll", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -107,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. sampling.temperature=0.7 (repeatable)")
     g.set_defaults(func=cmd_generate)
+    t = sub.add_parser("train", help="GRPO with SpecRoll rollouts")
+    t.add_argument("--config", help="YAML file (see examples/configs/smollm2_gsm8k_cpu.yaml)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. steps=40 or sampling.num_samples=8 (repeatable)")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    t.set_defaults(func=cmd_train)
     c = sub.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron")
     c.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "smollm2"])
     c.add_argument("src", nargs="?", help="HF directory or .gguf file (hf-to-mcore), Megatron checkpoint (mcore-to-hf)")

@@ -277,8 +277,15 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     _check(not unknown, f"unknown field(s) {[f'{path}{u}' for u in unknown]}; known: {sorted(fields)}")
     kwargs = {}
     for name, value in data.items():
-        sub = {"parallel": ParallelConfig, "sampling": SamplingConfig, "spec": SpecConfig}.get(name) \
-            if cls is GenerateConfig else None
+        sub = _NESTED.get(name) if cls in (GenerateConfig, TrainConfig) else None
+        if sub and isinstance(value, dict):  # fields not given keep the parent's default for them
+            default = fields[name].default_factory()  # type: ignore[misc]
+            value = {**{f.name: getattr(default, f.name) for f in dataclasses.fields(sub)}, **value}
+        if isinstance(value, str) and str(fields[name].type).replace("Optional[", "").startswith(("float", "int")):
+            try:  # YAML reads 1e-6 as a string
+                value = float(value) if "float" in str(fields[name].type) else int(value)
+            except ValueError:
+                raise ValueError(f"{path}{name} must be a number, got {value!r}") from None
         kwargs[name] = _build(sub, value, f"{path}{name}.") if sub else value
     try:
         return cls(**kwargs)
@@ -297,6 +304,112 @@ def _set_path(d: dict[str, Any], dotted: str, raw: str) -> None:
 
 def load_generate_config(path: Optional[str], overrides: Sequence[str] = ()) -> GenerateConfig:
     """YAML file (optional) plus ``key.sub=value`` overrides -> GenerateConfig."""
+    return load_config(GenerateConfig, path, overrides)
+
+@dataclass
+class DataConfig:
+    """Where GRPO prompts come from."""
+
+    source: str = "synthetic"
+    """``synthetic`` (offline GSM8K-style generator), a local json/jsonl/parquet path, or a hub name
+    (``openai/gsm8k``, ``hkust-nlp/SimpleRL-Zoo-Data``, ``BytedTsinghua-SIA/DAPO-Math-17k``)."""
+
+    name: Optional[str] = None
+    """Hub dataset configuration (``main`` for GSM8K)."""
+
+    split: str = "train"
+    limit: Optional[int] = None
+    """Use at most this many rows (the synthetic source generates this many; default 1024)."""
+
+    max_prompt_tokens: int = 512
+    """Longer prompts are skipped and counted (never truncated: a cut question changes its answer)."""
+
+    chat: bool = True
+    """Render prompts with the tokenizer's chat template."""
+
+
+@dataclass
+class TrainConfig:
+    """``specroll train``: GRPO with SpecRoll (or vanilla) rollouts on a megatron-core policy."""
+
+    checkpoint: str = "smollm2"
+    """Starting policy: a Megatron checkpoint directory, or ``smollm2``."""
+
+    output_dir: str = "runs/grpo"
+    """Checkpoints (Megatron layout), metrics.jsonl and TensorBoard events."""
+
+    engine: str = "specroll"
+    """Rollout engine: ``specroll`` or ``vanilla`` (identical rollouts for the same seed)."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, num_samples=4,
+                                                                           max_new_tokens=160))
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    steps: int = 20
+    prompts_per_step: int = 8
+    """P (G is sampling.num_samples)."""
+
+    micro_batch_size: int = 8
+    """Responses per forward-backward micro-batch (gradient accumulation over the rest)."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    grad_clip: float = 1.0
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """Separate upper clip (DAPO's clip-higher uses 0.28)."""
+
+    loss_normalization: str = "token"
+    """``token`` (DAPO) or ``sequence`` (GRPO paper)."""
+
+    adv_mean_only: bool = False
+    adv_eps: float = 1e-6
+    kl_beta: float = 0.0
+    """KL to the frozen initial policy (k3 estimator); 0 disables it (and the reference model)."""
+
+    format_reward: float = 0.0
+    reward_fn: Optional[str] = None
+    """A custom reward ``module:function`` taking (response_text, reference, response_tokens) and
+    returning (reward, correct); None uses math-verify answer checking."""
+
+    seed: int = 0
+    save_every: int = 10
+    keep_last: int = 2
+    resume: bool = False
+    """Continue from the latest complete checkpoint in output_dir."""
+
+    compare_vanilla_every: int = 0
+    """Also run the vanilla engine on the same step's prompts every N steps (timing; identical tokens
+    are checked). 0 disables."""
+
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.engine in ("vanilla", "specroll"),
+               f"TrainConfig.engine must be 'vanilla' or 'specroll', got {self.engine!r}")
+        _check(self.steps >= 1, f"TrainConfig.steps must be >= 1, got {self.steps}")
+        _check(self.prompts_per_step >= 1, f"TrainConfig.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        _check(self.micro_batch_size >= 1, f"TrainConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        _check(self.lr > 0, f"TrainConfig.lr must be > 0, got {self.lr}")
+        _check(self.loss_normalization in ("token", "sequence"),
+               f"TrainConfig.loss_normalization must be 'token' or 'sequence', got {self.loss_normalization!r}")
+        _check(0 <= self.clip_low < 1 and self.clip_high >= 0,
+               f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        _check(self.kl_beta >= 0, f"TrainConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        _check(self.save_every >= 1 and self.keep_last >= 1,
+               f"TrainConfig.save_every and keep_last must be >= 1, got {self.save_every}, {self.keep_last}")
+
+
+_NESTED = {"parallel": ParallelConfig, "sampling": SamplingConfig, "spec": SpecConfig, "data": DataConfig}
+
+
+def load_config(cls: type, path: Optional[str], overrides: Sequence[str] = ()) -> Any:
+    """YAML file (optional) plus ``key.sub=value`` overrides -> a GenerateConfig or TrainConfig."""
     import yaml
 
     data: dict[str, Any] = {}
@@ -308,4 +421,4 @@ def load_generate_config(path: Optional[str], overrides: Sequence[str] = ()) -> 
             raise ValueError(f"override {item!r} must look like key.sub=value (e.g. sampling.temperature=0.7)")
         key, raw = item.split("=", 1)
         _set_path(data, key, raw)
-    return _build(GenerateConfig, data, "")
+    return _build(cls, data, "")

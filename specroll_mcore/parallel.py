@@ -117,6 +117,43 @@ class ParallelContext:
         dist.recv(buf, src=self.pp_ranks[self.pp_rank - 1])
         return buf
 
+    def send_backward(self, grad: torch.Tensor) -> None:
+        """Send the gradient of this stage's input to the previous stage (training)."""
+        dist.send(grad.contiguous(), dst=self.pp_ranks[self.pp_rank - 1])
+
+    def recv_backward(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Receive the gradient of this stage's output from the next stage (training)."""
+        buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        dist.recv(buf, src=self.pp_ranks[self.pp_rank + 1])
+        return buf
+
+    def broadcast_object_from_last_stage(self, obj: object) -> object:
+        """A picklable object from the last stage to every stage of this pipeline."""
+        if self.pp_size == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self.pp_ranks[-1], group=self.pp_group)
+        return holder[0]
+
+    def all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel group (gradients, token counts)."""
+        if self.dp_size > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    def all_reduce_pp(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.pp_size > 1:
+            dist.all_reduce(tensor, group=self.pp_group)
+        return tensor
+
+    def all_reduce_embedding_group(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the first and last pipeline stages (gradients of a tied embedding)."""
+        from megatron.core import parallel_state as ps
+
+        if self.pp_size > 1:
+            dist.all_reduce(tensor, group=ps.get_embedding_group())
+        return tensor
+
     def broadcast_from_last_stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Give every stage the last stage's tensors (same shapes and dtypes on all stages)."""
         if self.pp_size == 1:
@@ -192,12 +229,14 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
         device = torch.device("cpu")
 
     if not dist.is_initialized():
+        init_method = None  # torchrun: MASTER_ADDR / MASTER_PORT from the environment
         if "MASTER_ADDR" not in os.environ:
             if world_size != 1:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is not set; launch with torchrun")
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+            # A private store for this process; the environment stays untouched, so child processes
+            # (launched tools, tests) do not inherit a port that is already taken.
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
 
     if ps.model_parallel_is_initialized():

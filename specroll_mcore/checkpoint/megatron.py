@@ -161,8 +161,17 @@ def model_config_of(ckpt_dir: Path, params_dtype: Optional[str] = None) -> Model
     return ModelConfig.from_dict(d)
 
 
+def iteration_dir(ckpt_dir: Path) -> Path:
+    """The directory the tracker file points at: ``release`` or ``iter_NNNNNNN`` (Megatron-LM's rule)."""
+    tracker = Path(ckpt_dir) / TRACKER_FILE
+    if not tracker.is_file():
+        raise FileNotFoundError(f"{tracker} is missing: {ckpt_dir} holds no complete checkpoint")
+    it = tracker.read_text().strip()
+    return Path(ckpt_dir) / ("release" if it == "release" else f"iter_{int(it):07d}")
+
+
 def _load_shard(ckpt_dir: Path, tp_rank: int, pp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:
-    path = Path(ckpt_dir) / "release" / shard_dir_name(tp_rank, pp_rank, pp_size) / "model_optim_rng.pt"
+    path = iteration_dir(ckpt_dir) / shard_dir_name(tp_rank, pp_rank, pp_size) / "model_optim_rng.pt"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
     return torch.load(path, map_location="cpu", weights_only=True)["model"]

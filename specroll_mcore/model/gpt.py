@@ -116,34 +116,47 @@ class PolicyModel(torch.nn.Module):
         return AttentionMetadata.build(positions, new_token_mask, self.config.kv_channels,
                                        self.config.rope_theta, self.dtype, cache, slots)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                logits_index: Optional[torch.Tensor] = None, return_hidden: bool = False):
-        """Run this pipeline stage for new tokens ``input_ids`` [b, s] (read by the first stage).
+    def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                      hidden_in: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None):
+        """This stage's computation, no communication: embedding (first stage) or ``hidden_in``
+        [s, b, h] (other stages) -> decoder (final norm included) -> output layer (last stage).
 
-        Inference path: embedding -> decoder (final norm included) -> output layer, the same
-        submodules ``GPTModel.forward`` chains, but the vocab projection is applied only where
-        logits are wanted: ``logits_index`` [b] picks one position per row (the last prompt token
-        in prefill), else all positions. Returns vocab-parallel logits [b, s|1, V/tp] on the last
-        stage (and hidden states [s, b, h] if ``return_hidden``); other stages send their output to
-        the next stage and return None.
-        """
-        b, s = input_ids.shape
+        The same submodules ``GPTModel.forward`` chains, but the vocab projection is applied only
+        where logits are wanted: ``logits_index`` [b] picks one position per row (the last prompt
+        token in prefill), else all positions. Returns (vocab-parallel logits [b, s|1, V/tp], final
+        hidden states at those positions [s|1, b, h]) on the last stage, the output hidden states
+        [s, b, h] elsewhere. Differentiable (the training schedule uses it)."""
+        b = input_ids.shape[0]
         gpt = self.gpt
         if self.ctx.is_first_stage:
             hidden = gpt.embedding(input_ids=input_ids, position_ids=meta.positions)  # [s, b, h]
         else:
-            gpt.decoder.set_input_tensor(self.ctx.recv_forward((s, b, self.config.hidden_size), self.dtype))
+            gpt.decoder.set_input_tensor(hidden_in)
             hidden = None
         hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta)
         if not self.ctx.is_last_stage:
-            self.ctx.send_forward(hidden)
-            return None
+            return hidden
         selected = hidden if logits_index is None else \
             hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         logits, _ = gpt.output_layer(selected, weight=weight)
-        logits = logits.transpose(0, 1)  # [b, s, V/tp]
-        return (logits, selected) if return_hidden else logits
+        return logits.transpose(0, 1), selected  # [b, s, V/tp], [s, b, h]
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                logits_index: Optional[torch.Tensor] = None, return_hidden: bool = False):
+        """Inference across pipeline stages: receive the previous stage's hidden states, run this
+        stage, send to the next. Returns vocab-parallel logits [b, s|1, V/tp] on the last stage (and
+        the final hidden states at the same positions if ``return_hidden``), None elsewhere."""
+        b, s = input_ids.shape
+        hidden_in = None
+        if not self.ctx.is_first_stage:
+            hidden_in = self.ctx.recv_forward((s, b, self.config.hidden_size), self.dtype)
+        out = self.stage_forward(input_ids, meta, hidden_in, logits_index)
+        if not self.ctx.is_last_stage:
+            self.ctx.send_forward(out)
+            return None
+        logits, hidden = out
+        return (logits, hidden) if return_hidden else logits
 
     def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load weights given in the full form (see checkpoint/shard.py), sharding for this rank."""

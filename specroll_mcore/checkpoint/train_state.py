@@ -1,0 +1,105 @@
+"""Training checkpoints: policy shards, optimizer, RNG, trainer state and heads, every N steps.
+
+Layout (a Megatron-LM checkpoint directory, so `specroll convert mcore-to-hf` reads it):
+
+    OUT/specroll_config.json, tokenizer files
+    OUT/latest_checkpointed_iteration.txt           N (written last, atomically)
+    OUT/iter_000000N/mp_rank_TT[_PPP]/model_optim_rng.pt   model shard, optimizer state, RNG
+    OUT/iter_000000N/trainer_state.json             step, data position, policy version, counters
+    OUT/iter_000000N/heads.pt                       unsharded heads + what they are tied to
+
+Every rank writes its files into ``OUT/.iter_000000N.tmp``; after a barrier rank 0 fsyncs the tree,
+renames it into place, then replaces the tracker file (temp file + rename) and removes iterations
+beyond ``keep_last``. A kill at any moment leaves either the previous complete checkpoint or the
+new one, never a partial directory that the tracker points at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, TRACKER_FILE, _fsync_tree,
+                                                iteration_dir, shard_dir_name)
+
+STATE_FILE = "trainer_state.json"
+
+
+def _iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _write_atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: torch.optim.Optimizer,
+                             trainer_state: dict[str, Any], heads: Optional[dict[str, torch.Tensor]],
+                             heads_meta: dict[str, Any], keep_last: int) -> Path:
+    ctx = policy.ctx
+    out_dir = Path(out_dir)
+    tmp = out_dir / f".{_iter_name(step)}.tmp"
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    ctx.barrier()
+    if ctx.dp_rank == 0:  # data-parallel replicas hold identical weights and optimizer states
+        d = tmp / shard_dir_name(ctx.tp_rank, ctx.pp_rank, ctx.pp_size)
+        d.mkdir(parents=True, exist_ok=True)
+        model = {k: v.detach().cpu() for k, v in policy.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        torch.save({"model": model, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+                    "iteration": step, "checkpoint_version": CHECKPOINT_VERSION}, d / "model_optim_rng.pt")
+    if heads is not None and ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0:
+        torch.save({"heads": heads, "meta": heads_meta}, tmp / HEADS_FILE)
+    if ctx.rank == 0:
+        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+    ctx.barrier()
+    final = out_dir / _iter_name(step)
+    if ctx.rank == 0:
+        _fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_atomic_text(out_dir / TRACKER_FILE, str(step))
+        iters = sorted(p for p in out_dir.glob("iter_*") if p.is_dir())
+        for old in iters[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    ctx.barrier()
+    return final
+
+
+def latest_training_checkpoint(out_dir: Path) -> Optional[Path]:
+    try:
+        d = iteration_dir(out_dir)
+    except FileNotFoundError:
+        return None
+    return d if (d / STATE_FILE).is_file() else None
+
+
+def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: torch.optim.Optimizer
+                             ) -> tuple[dict[str, Any], Optional[dict[str, torch.Tensor]], dict[str, Any]]:
+    """Restore this rank's model shard, optimizer and RNG; returns (trainer state, heads, heads meta).
+    The run must use the layout it was saved with."""
+    ctx = policy.ctx
+    path = iter_dir / shard_dir_name(ctx.tp_rank, ctx.pp_rank, ctx.pp_size) / "model_optim_rng.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: resume with the TP/PP layout the checkpoint was saved with")
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    policy.load_local_state_dict(blob["model"])
+    optimizer.load_state_dict(blob["optimizer"])
+    torch.set_rng_state(blob["rng"])
+    state = json.loads((iter_dir / STATE_FILE).read_text())
+    heads, meta = None, {}
+    if (iter_dir / HEADS_FILE).is_file():
+        h = torch.load(iter_dir / HEADS_FILE, map_location="cpu", weights_only=True)
+        heads, meta = h["heads"], h["meta"]
+    return state, heads, meta

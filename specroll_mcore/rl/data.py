@@ -1,0 +1,97 @@
+"""Prompt sources for GRPO: GSM8K, SimpleRL-Abel-Level3to5 and DAPO-Math-17K formats through
+``datasets.load_dataset`` (a hub name for users, a local json/jsonl/parquet path for tests), and the
+embedded offline generator of GSM8K-style problems (the default: no hub is needed).
+
+Every source yields :class:`Example` (id, question, reference answer). Rows with a missing or empty
+question or reference are skipped and counted, never a crash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from specroll_mcore.rl.synthetic import problems
+
+SYSTEM_SUFFIX = "Think step by step, then give the final answer after '####'."
+
+
+@dataclass(frozen=True)
+class Example:
+    id: int
+    question: str
+    reference: str
+
+
+@dataclass
+class LoadReport:
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+
+def _question_and_reference(row: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
+    """Recognise the three formats by their columns."""
+    if "prompt" in row and isinstance(row["prompt"], list):  # DAPO / verl parquet: chat messages
+        users = [m.get("content") for m in row["prompt"] if isinstance(m, dict) and m.get("role") == "user"]
+        q = users[-1] if users else None
+        ref = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
+        return q, ref
+    q = row.get("question") or row.get("problem") or (row.get("prompt") if isinstance(row.get("prompt"), str) else None)
+    ref = row.get("answer") if row.get("answer") not in (None, "") else None  # GSM8K: "... #### 72"
+    if ref is None:
+        ref = row.get("gt_answer") or row.get("ground_truth") or row.get("solution")  # SimpleRL / MATH
+    return q, ref
+
+
+def load_examples(source: str, split: str = "train", limit: Optional[int] = None, seed: int = 0,
+                  name: Optional[str] = None) -> tuple[list[Example], LoadReport]:
+    """``synthetic`` (the offline generator), a local json/jsonl/parquet file or directory, or a hub
+    dataset name (with ``name`` its configuration, e.g. ``openai/gsm8k`` + ``main``)."""
+    report = LoadReport()
+    if source == "synthetic":
+        n = limit or 1024
+        out = [Example(i, p.question, p.gsm8k_answer) for i, p in enumerate(problems(n, seed=seed, max_level=4))]
+        report.kept = len(out)
+        return out, report
+    import datasets
+
+    path = Path(source)
+    if path.exists():
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl", ".parquet"))
+        if not files:
+            raise FileNotFoundError(f"no .json/.jsonl/.parquet files under {path}")
+        kind = "parquet" if files[0].suffix == ".parquet" else "json"
+        ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+    else:
+        ds = datasets.load_dataset(source, name, split=split)
+    out: list[Example] = []
+    for i, row in enumerate(ds):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            q, ref = _question_and_reference(dict(row))
+        except Exception:  # noqa: BLE001  (a malformed row is skipped and counted)
+            report.skip("malformed row")
+            continue
+        if not q or not isinstance(q, str):
+            report.skip("missing question")
+            continue
+        if ref is None or str(ref).strip() == "":
+            report.skip("missing reference answer")
+            continue
+        out.append(Example(i, q.strip(), str(ref)))
+    report.kept = len(out)
+    return out, report
+
+
+def render_prompt(tokenizer: Any, question: str, chat: bool = True) -> list[int]:
+    """Token ids of the prompt: the chat template's user turn plus generation prompt."""
+    text = f"{question}\n{SYSTEM_SUFFIX}"
+    if chat and getattr(tokenizer, "chat_template", None):
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+    return list(tokenizer(text)["input_ids"])

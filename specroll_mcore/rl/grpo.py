@@ -1,0 +1,86 @@
+"""GRPO as pure tensor functions (no torch.distributed, no model): advantages and the policy loss.
+
+Shapes follow verl's convention: B responses, T response tokens (right-padded), G samples per prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, num_samples: int, mean_only: bool = False,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages.
+
+    rewards: [B] with B = P * G, grouped prompt-major (response i*G + j is sample j of prompt i).
+    Returns [B]: (r - mean_group) / (std_group + eps), or r - mean_group if ``mean_only``.
+    std is the unbiased sample std (as in the GRPO paper and TRL); a group whose rewards are all
+    equal gets advantage 0.
+    """
+    if rewards.numel() % num_samples:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_samples}")
+    r = rewards.double().reshape(-1, num_samples)  # [P, G]
+    centred = r - r.mean(dim=1, keepdim=True)
+    if not mean_only:
+        std = r.std(dim=1, keepdim=True, unbiased=num_samples > 1) if num_samples > 1 else torch.ones_like(r[:, :1])
+        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    return centred.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1 with d = ref_logp - logp.
+    Unbiased, always >= 0. [B, T] -> [B, T]."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """Scalar to backpropagate."""
+    clip_fraction: float
+    ratio_mean: float
+    kl: float
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_low: float = 0.2, clip_high: float = 0.2, normalization: str = "token",
+                ref_logp: Optional[torch.Tensor] = None, kl_beta: float = 0.0,
+                total_tokens: Optional[float] = None, total_sequences: Optional[float] = None) -> LossOutput:
+    """Clipped-ratio GRPO loss.
+
+    logp, old_logp, mask: [B, T] (log-probs of the sampled tokens under the current policy and under
+    the rollout policy; mask 1 on response tokens). advantages: [B].
+    Per token: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) (+ kl_beta * k3).
+    normalization: ``token`` averages over all tokens of the batch (DAPO), ``sequence`` averages each
+    response over its tokens, then over responses (the GRPO paper). ``total_tokens`` /
+    ``total_sequences`` override the denominators so that micro-batches of a gradient-accumulation
+    step add up to the loss of the whole batch.
+    """
+    if normalization not in ("token", "sequence"):
+        raise ValueError(f"normalization must be 'token' or 'sequence', got {normalization!r}")
+    mask = mask.to(logp.dtype)
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages[:, None].to(logp.dtype)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    kl_value = torch.zeros((), dtype=logp.dtype)
+    if ref_logp is not None and kl_beta > 0:
+        kl_tok = k3_kl(logp, ref_logp)
+        per_token = per_token + kl_beta * kl_tok
+        kl_value = (kl_tok * mask).sum() / mask.sum().clamp(min=1)
+    if normalization == "token":
+        loss = (per_token * mask).sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
+    else:
+        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        loss = per_seq.sum() / (total_sequences if total_sequences is not None else per_seq.numel())
+    with torch.no_grad():
+        is_clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))
+        n = mask.sum().clamp(min=1)
+        clip_fraction = float((is_clipped.to(mask.dtype) * mask).sum() / n)
+        ratio_mean = float((ratio * mask).sum() / n)
+    return LossOutput(loss, clip_fraction, ratio_mean, float(kl_value))

@@ -1,0 +1,51 @@
+"""Verifiable rewards: answer checking with math-verify (the checker TRL and verl use).
+
+References may be GSM8K-style ("... #### 72"), a \\boxed{} expression, or a bare answer. The
+response's answer is what math-verify extracts from it (\\boxed{...} first, then the last
+expression). An optional format reward pays for giving the answer in the asked form.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+_GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
+
+
+def reference_answer(reference: str) -> Optional[str]:
+    """The answer part of a reference: after '####' for GSM8K, else the whole string; None if empty."""
+    if reference is None:
+        return None
+    text = str(reference).strip()
+    m = _GSM8K.search(text)
+    if m:
+        text = m.group(1).strip().replace(",", "")
+    return text or None
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    format_reward: float = 0.0
+    """Added when the response states its answer in the requested form (\\boxed{} or '####')."""
+
+
+def score(response: str, reference: str, cfg: RewardConfig = RewardConfig()) -> tuple[float, bool]:
+    """(reward, correct). Correctness is 1.0; the format reward, if any, is added on top."""
+    from math_verify import parse, verify
+
+    ref = reference_answer(reference)
+    if ref is None:
+        raise ValueError("empty reference answer")
+    gold = parse(ref if ("\\" in ref or "$" in ref) else f"${ref}$")
+    if not gold:
+        raise ValueError(f"unparseable reference answer {reference!r}")
+    text = response
+    m = _GSM8K.search(response)
+    if m:  # a GSM8K-style final line wins over earlier numbers
+        text = m.group(1)
+    answer = parse(text)
+    correct = bool(answer) and bool(verify(gold, answer))
+    formatted = "\\boxed{" in response or "####" in response
+    return float(correct) + (cfg.format_reward if formatted else 0.0), correct

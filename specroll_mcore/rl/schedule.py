@@ -1,0 +1,135 @@
+"""Forward-backward over micro-batches for the policy update, across pipeline stages, on CPU and GPU.
+
+megatron-core's pipeline schedules allocate on ``device="cuda"`` literally, so this is a schedule of
+our own with the same contract: every stage runs the same list of micro-batches; a non-first stage
+receives its input activations from the previous stage (and sends their gradient back), a non-last
+stage sends its output on (and receives the gradient of it); the last stage computes the loss.
+Micro-batches run one after another (GPipe order without overlap): simple and exact; bubbles cost
+time with many stages, which a 1F1B interleaving would recover.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+from specroll_mcore.model import PolicyModel, causal_mask
+
+
+@dataclass
+class MicroBatch:
+    """B sequences (prompt + response), right-padded to L."""
+
+    input_ids: torch.Tensor  # [B, L]
+    lengths: torch.Tensor  # [B]
+    labels: torch.Tensor  # [B, L] the next token (0 where none)
+    loss_mask: torch.Tensor  # [B, L] 1 where labels[t] is a response token
+    old_logp: torch.Tensor  # [B, L] rollout log-probs aligned with labels
+    advantages: torch.Tensor  # [B]
+    ref_logp: Optional[torch.Tensor] = None
+
+
+def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(labels) under softmax(logits / T) from vocab-parallel logits [B, L, V/tp] -> [B, L].
+
+    Differentiable, never gathers the vocabulary (megatron's vocab-parallel cross entropy). TP
+    padding ids are excluded from the partition function, as the sampler excludes them."""
+    x = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        x = x / temperature
+    local = x.shape[-1]
+    start = policy.vocab_start
+    if start + local > policy.config.vocab_size:
+        pad = torch.arange(start, start + local, device=x.device) >= policy.config.vocab_size
+        x = x.masked_fill(pad, -1e9)
+    nll = vocab_parallel_cross_entropy(x.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous())
+    return -nll.transpose(0, 1)
+
+
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_fn: LossFn,
+                     temperature: float) -> list[dict]:
+    """Accumulate gradients of ``loss_fn`` over the micro-batches; returns the last stage's metrics
+    per micro-batch (shared with every stage)."""
+    ctx = policy.ctx
+    metrics: list[dict] = []
+    for mb in micro_batches:
+        b, L = mb.input_ids.shape
+        positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
+        meta = policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths))
+        hidden_in = None
+        if not ctx.is_first_stage:
+            hidden_in = ctx.recv_forward((L, b, policy.config.hidden_size), policy.dtype).requires_grad_()
+        out = policy.stage_forward(mb.input_ids, meta, hidden_in)
+        if ctx.is_last_stage:
+            logits, _ = out
+            logp = token_logprobs(policy, logits, mb.labels, temperature)
+            loss, m = loss_fn(mb, logp)
+            loss.backward()
+            metrics.append(m)
+        else:
+            ctx.send_forward(out.detach())
+            out.backward(ctx.recv_backward(out.shape, out.dtype))
+        if hidden_in is not None:
+            ctx.send_backward(hidden_in.grad)
+    return ctx.broadcast_object_from_last_stage(metrics)  # type: ignore[return-value]
+
+
+def finalize_grads(policy: PolicyModel) -> None:
+    """Sum gradients over data-parallel replicas; sum the tied embedding's two copies (first and
+    last stage) so both take the same update."""
+    ctx = policy.ctx
+    for p in policy.gpt.parameters():
+        if p.grad is not None:
+            ctx.all_reduce_dp(p.grad)
+    if ctx.pp_size > 1 and policy.config.tie_word_embeddings and (ctx.is_first_stage or ctx.is_last_stage):
+        w = policy.gpt.shared_embedding_or_output_weight()
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        ctx.all_reduce_embedding_group(w.grad)
+
+
+def global_grad_norm(policy: PolicyModel) -> torch.Tensor:
+    """L2 norm of the whole model's gradient across TP and PP: TP-sharded parameters add up over the
+    TP group, replicated ones count once; each stage adds its layers; the tied embedding counts once."""
+    ctx = policy.ctx
+    sharded = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    replicated = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    skip = None
+    if ctx.pp_size > 1 and policy.config.tie_word_embeddings and ctx.is_last_stage and not ctx.is_first_stage:
+        skip = policy.gpt.shared_embedding_or_output_weight()
+    for p in policy.gpt.parameters():
+        if p.grad is None or p is skip:
+            continue
+        sq = p.grad.double().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    total = ctx.all_reduce_tp(sharded) + replicated
+    return ctx.all_reduce_pp(total).sqrt()
+
+
+@torch.no_grad()
+def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temperature: float) -> list:
+    """log pi(labels) per micro-batch without gradients ([B, L] on the last stage, None elsewhere):
+    old log-probs recomputed under filtered sampling, and the reference policy's log-probs."""
+    ctx = policy.ctx
+    out: list = []
+    for mb in micro_batches:
+        b, L = mb.input_ids.shape
+        positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
+        meta = policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths))
+        hidden_in = None if ctx.is_first_stage else ctx.recv_forward((L, b, policy.config.hidden_size), policy.dtype)
+        res = policy.stage_forward(mb.input_ids, meta, hidden_in)
+        if ctx.is_last_stage:
+            out.append(token_logprobs(policy, res[0], mb.labels, temperature))
+        else:
+            ctx.send_forward(res)
+            out.append(None)
+    return out

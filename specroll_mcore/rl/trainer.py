@@ -1,0 +1,359 @@
+"""The GRPO loop: SpecRoll (or vanilla) rollouts -> verifiable rewards -> group advantages ->
+clipped-ratio policy update with megatron-core TP/PP/DP -> metrics -> checkpoints.
+
+The policy is one megatron-core model, the rollout engine and the trained network at once
+(colocated: no weight copy, no resharding). Horizon heads ride on it: they read the current policy's
+hidden states and its current vocab projection, so they can never be stale copies; they change only
+through the slow path (not part of this loop yet), and every policy update advances the policy
+version they are tied to.
+
+Departures from the GRPO paper, all configurable: token-level loss normalisation by default (DAPO;
+``loss_normalization=sequence`` gives the paper's), no KL term by default (``kl_beta``), optional
+asymmetric clipping (``clip_high``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from specroll_mcore import parallel
+from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
+from specroll_mcore.checkpoint.megatron import CONFIG_FILE, load_policy, read_checkpoint_config
+from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
+                                                   save_training_checkpoint)
+from specroll_mcore.config import TrainConfig
+from specroll_mcore.rl.data import Example, load_examples, render_prompt
+from specroll_mcore.rl.grpo import group_advantages, policy_loss
+from specroll_mcore.rl.rewards import RewardConfig, score
+from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
+                                        global_grad_norm)
+from specroll_mcore.rollout import VanillaEngine, make_engine
+from specroll_mcore.tree.budget import resolve_c_hw
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        import dataclasses
+
+        import transformers
+
+        self.cfg = cfg
+        self.ctx = parallel.initialize(cfg.parallel)
+        torch.manual_seed(cfg.seed)
+        if cfg.checkpoint == "smollm2":
+            from specroll_mcore.checkpoint.smollm2 import default_checkpoint
+
+            self.source = default_checkpoint()
+        else:
+            self.source = Path(cfg.checkpoint)
+        self.out = Path(cfg.output_dir)
+        self.policy = load_policy(self.source, self.ctx, with_heads=cfg.engine == "specroll")
+        for p in self.policy.gpt.parameters():
+            p.requires_grad_(True)
+        if self.policy.heads is not None:
+            for p in self.policy.heads.parameters():
+                p.requires_grad_(False)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.source)
+        self.eos = [self.tokenizer.eos_token_id]
+
+        # Data: prompts that do not fit are skipped and counted (a cut question changes its answer).
+        examples, self.data_report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed,
+                                                   cfg.data.name)
+        limit = min(cfg.data.max_prompt_tokens, self.policy.config.max_position_embeddings - 1)
+        self.examples: list[Example] = []
+        self.prompt_ids: dict[int, list[int]] = {}
+        for ex in examples:
+            ids = render_prompt(self.tokenizer, ex.question, cfg.data.chat)
+            if len(ids) > limit:
+                self.data_report.skip("prompt over the context limit")
+                continue
+            self.examples.append(ex)
+            self.prompt_ids[ex.id] = ids
+        if len(self.examples) < cfg.prompts_per_step:
+            raise ValueError(f"only {len(self.examples)} usable prompts (skipped: {self.data_report.skipped}); "
+                             f"TrainConfig.prompts_per_step is {cfg.prompts_per_step}")
+
+        spec = None
+        if cfg.engine == "specroll":
+            fp = read_checkpoint_config(self.source).get("policy_fingerprint")
+            spec = dataclasses.replace(cfg.spec, num_heads=self.policy.num_heads,
+                                       c_hw=resolve_c_hw(cfg.spec.c_hw, fp, self.ctx.tp_size, self.ctx.pp_size))
+        self.engine = make_engine(cfg.engine, self.policy, spec, eos_token_ids=self.eos, tokenizer=self.tokenizer)
+        self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer) \
+            if cfg.compare_vanilla_every else None
+        params = [p for p in self.policy.gpt.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                           weight_decay=cfg.weight_decay)
+        self.ref_state = {k: v.detach().clone() for k, v in self.policy.gpt.state_dict().items()} \
+            if cfg.kl_beta > 0 else None
+        self.state: dict[str, Any] = {"step": 0, "policy_version": 0, "cursor": 0, "epoch": 0,
+                                      "skipped_steps": 0, "data_skipped": self.data_report.skipped}
+        self.heads_meta: dict[str, Any] = {"num_heads": self.policy.num_heads}
+        self.reward_fn = _import(cfg.reward_fn) if cfg.reward_fn else None
+        self._prepare_output()
+        if cfg.resume:
+            self._resume()
+        self.writer = self._tensorboard()
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def _prepare_output(self) -> None:
+        if self.ctx.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            meta = read_checkpoint_config(self.source)
+            meta.update(tensor_model_parallel_size=self.ctx.tp_size, pipeline_model_parallel_size=self.ctx.pp_size,
+                        trained_from=str(self.source), train_config=json.loads(json.dumps(self.cfg, default=vars)))
+            (self.out / CONFIG_FILE).write_text(json.dumps(meta, indent=2, default=str))
+            for name in TOKENIZER_FILES:
+                if (self.source / name).is_file():
+                    shutil.copy2(self.source / name, self.out / name)
+        self.ctx.barrier()
+
+    def _resume(self) -> None:
+        latest = latest_training_checkpoint(self.out)
+        if latest is None:
+            return
+        state, heads, meta = load_training_checkpoint(latest, self.policy, self.optimizer)
+        self.state = state
+        if heads is not None and self.policy.heads is not None:
+            self.policy.load_full_heads({k: v.to(self.policy.dtype) for k, v in heads.items()})
+            self.heads_meta = meta
+        if self.ctx.rank == 0 and (self.out / "metrics.jsonl").is_file():  # drop rows of steps not checkpointed
+            rows = [line for line in (self.out / "metrics.jsonl").read_text().splitlines()
+                    if line and json.loads(line)["step"] <= state["step"]]
+            (self.out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
+        if self.ctx.rank == 0:
+            print(f"resumed from {latest} at step {state['step']}")
+
+    def _tensorboard(self):
+        if not self.cfg.tensorboard or self.ctx.rank != 0:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # pragma: no cover - the package is a dependency
+            raise RuntimeError("TensorBoard logging needs the `tensorboard` package (or set tensorboard=false)") from e
+        return SummaryWriter(str(self.out / "tb"), purge_step=self.state["step"] + 1)
+
+    # -- data ---------------------------------------------------------------------------------------------
+    def _next_examples(self) -> list[Example]:
+        """The next P examples of a seeded per-epoch shuffle; the position is part of the checkpoint."""
+        out = []
+        while len(out) < self.cfg.prompts_per_step:
+            g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.state["epoch"])
+            order = torch.randperm(len(self.examples), generator=g).tolist()
+            take = order[self.state["cursor"]: self.state["cursor"] + self.cfg.prompts_per_step - len(out)]
+            out += [self.examples[i] for i in take]
+            self.state["cursor"] += len(take)
+            if self.state["cursor"] >= len(self.examples):
+                self.state["epoch"] += 1
+                self.state["cursor"] = 0
+        return out
+
+    # -- one GRPO step -------------------------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        cfg, ctx, policy = self.cfg, self.ctx, self.policy
+        G = cfg.sampling.num_samples
+        step = self.state["step"]
+        examples = self._next_examples()
+        mine = examples[ctx.dp_rank::ctx.dp_size]  # whole groups per data-parallel rank
+        prompts = [self.prompt_ids[e.id] for e in mine]
+        ids = [e.id for e in mine]
+
+        # 1. Rollout (the exactness contract keys noise by the step and the example ids).
+        t0 = time.perf_counter()
+        rollout = self.engine.generate(prompts, cfg.sampling, step=step, prompt_ids=ids) if prompts else None
+        gen_s = time.perf_counter() - t0
+        row: dict[str, Any] = {}
+        if self.vanilla is not None and cfg.engine != "vanilla" and step % cfg.compare_vanilla_every == 0 and prompts:
+            t1 = time.perf_counter()
+            ref = self.vanilla.generate(prompts, cfg.sampling, step=step, prompt_ids=ids)
+            row["vanilla_gen_s"] = time.perf_counter() - t1
+            row["rollouts_identical"] = ref.tokens == rollout.tokens
+
+        # 2. Rewards and group advantages.
+        t2 = time.perf_counter()
+        rewards, correct = [], []
+        for k, toks in enumerate(rollout.tokens):
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            if self.reward_fn is not None:
+                r, c = self.reward_fn(text, mine[k // G].reference, toks)
+            else:
+                r, c = score(text, mine[k // G].reference, RewardConfig(cfg.format_reward))
+            rewards.append(float(r))
+            correct.append(float(c))
+        rewards_t = torch.tensor(rewards, dtype=torch.float32)
+        adv = group_advantages(rewards_t, G, cfg.adv_mean_only, cfg.adv_eps)
+
+        # 3. Policy update over micro-batches (gradient accumulation), TP/PP/DP.
+        mbs = self._micro_batches(prompts, rollout, adv, G)
+        if cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.temperature == 0:
+            # the rollout's log-probs are of the filtered distribution: recompute unfiltered ones
+            for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature())):
+                if lp is not None:
+                    mb.old_logp = lp.detach()
+        if self.ref_state is not None:
+            with self._weights(self.ref_state):
+                for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature())):
+                    mb.ref_logp = lp
+        total_tokens = ctx.all_reduce_dp(torch.tensor(float(sum(float(mb.loss_mask.sum()) for mb in mbs))))
+        total_seqs = ctx.all_reduce_dp(torch.tensor(float(len(rollout.tokens))))
+
+        def loss_fn(mb: MicroBatch, logp: torch.Tensor):
+            out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
+                              cfg.loss_normalization, mb.ref_logp, cfg.kl_beta, float(total_tokens), float(total_seqs))
+            return out.loss, {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction,
+                              "ratio": out.ratio_mean, "kl": out.kl}
+
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = forward_backward(policy, mbs, loss_fn, self._train_temperature())
+        finalize_grads(policy)
+        norm = float(global_grad_norm(policy))
+        loss = float(ctx.all_reduce_dp(torch.tensor(sum(p["loss"] for p in parts))))
+        if not (math.isfinite(norm) and math.isfinite(loss)):
+            self.optimizer.zero_grad(set_to_none=True)  # skip the update; the last checkpoint stays valid
+            self.state["skipped_steps"] += 1
+            skipped = True
+        else:
+            if norm > cfg.grad_clip:
+                for p in policy.gpt.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(cfg.grad_clip / (norm + 1e-6))
+            self.optimizer.step()
+            self.state["policy_version"] += 1  # the heads are tied to the new policy version
+            skipped = False
+        train_s = time.perf_counter() - t2
+
+        # 4. Metrics (summed over data-parallel ranks).
+        n = ctx.all_reduce_dp(torch.tensor(float(len(rewards))))
+        sums = ctx.all_reduce_dp(torch.tensor([rewards_t.sum().item(), (rewards_t ** 2).sum().item(), sum(correct),
+                                               float(rollout.num_tokens), gen_s]))
+        mean = float(sums[0] / n)
+        stats = rollout.stats
+        row.update({
+            "step": step + 1, "reward_mean": mean, "reward_std": math.sqrt(max(0.0, float(sums[1] / n) - mean ** 2)),
+            "accuracy": float(sums[2] / n), "response_len": float(sums[3] / n), "generation_s": gen_s,
+            "training_s": train_s, "step_s": gen_s + train_s, "gen_share": gen_s / max(1e-9, gen_s + train_s),
+            "gen_tokens_per_s": float(sums[3]) / max(1e-9, float(sums[4]) / ctx.dp_size),
+            "loss": loss, "grad_norm": norm, "skipped": skipped, "policy_version": self.state["policy_version"],
+            "clip_fraction": sum(p["clip_fraction"] for p in parts) / max(1, len(parts)),
+            "kl": sum(p["kl"] for p in parts) / max(1, len(parts)),
+        })
+        if "tau" in stats:
+            row["tau"] = stats["tau"]
+            row["acceptance_per_head"] = stats["acceptance_per_depth"]
+        self.state["step"] = step + 1
+        return row
+
+    def _train_temperature(self) -> float:
+        return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
+
+    def _micro_batches(self, prompts: list[list[int]], rollout: Any, adv: torch.Tensor, G: int) -> list[MicroBatch]:
+        """Prompt + response sequences, labels shifted by one, loss on response tokens only."""
+        device = self.ctx.device
+        seqs = []
+        for k, (toks, lps) in enumerate(zip(rollout.tokens, rollout.logprobs)):
+            seqs.append((prompts[k // G], toks, lps, float(adv[k])))
+        out = []
+        for s in range(0, len(seqs), self.cfg.micro_batch_size):
+            chunk = seqs[s:s + self.cfg.micro_batch_size]
+            L = max(len(p) + len(t) for p, t, _, _ in chunk)
+            B = len(chunk)
+            ids = torch.zeros(B, L, dtype=torch.long)
+            labels = torch.zeros(B, L, dtype=torch.long)
+            mask = torch.zeros(B, L)
+            old = torch.zeros(B, L)
+            lengths = torch.zeros(B, dtype=torch.long)
+            for i, (p, t, lp, _) in enumerate(chunk):
+                seq = p + t
+                ids[i, : len(seq)] = torch.tensor(seq)
+                labels[i, : len(seq) - 1] = torch.tensor(seq[1:])
+                mask[i, len(p) - 1: len(seq) - 1] = 1.0  # positions whose next token is a response token
+                old[i, len(p) - 1: len(seq) - 1] = lp.float()
+                lengths[i] = len(seq)
+            out.append(MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device),
+                                  old.to(device), torch.tensor([a for _, _, _, a in chunk], device=device)))
+        return out
+
+    @contextlib.contextmanager
+    def _weights(self, state: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Temporarily run the policy with other weights (the frozen reference for the KL term)."""
+        own = self.policy.gpt.state_dict()
+        saved = {k: v.detach().clone() for k, v in own.items() if k in state}
+        with torch.no_grad():
+            for k, v in state.items():
+                own[k].copy_(v)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, v in saved.items():
+                    own[k].copy_(v)
+
+    # -- loop ---------------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        heads = None
+        if self.policy.heads is not None:
+            heads = {f"heads.{k}": v.detach().cpu() for k, v in self.policy.heads.state_dict().items()
+                     if not k.endswith("_extra_state")}
+        meta = {**self.heads_meta, "policy_version": self.state["policy_version"]}
+        return save_training_checkpoint(self.out, self.state["step"], self.policy, self.optimizer, dict(self.state),
+                                        heads, meta, self.cfg.keep_last)
+
+    def log(self, row: dict[str, Any]) -> None:
+        if self.ctx.rank != 0:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.writer.add_scalar(k, v, row["step"])
+            self.writer.flush()
+
+    def run(self, stop_after: Optional[int] = None) -> list[dict[str, Any]]:
+        from tqdm import tqdm
+
+        rows = []
+        bar = tqdm(total=self.cfg.steps, initial=self.state["step"], desc="GRPO", disable=self.ctx.rank != 0)
+        while self.state["step"] < self.cfg.steps:
+            row = self.step()
+            self.log(row)
+            rows.append(row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", gen=f"{row['generation_s']:.0f}s",
+                            train=f"{row['training_s']:.0f}s")
+            if self.state["step"] % self.cfg.save_every == 0 or self.state["step"] == self.cfg.steps:
+                self.save()
+            if stop_after is not None and len(rows) >= stop_after:
+                break
+        bar.close()
+        if self.ctx.rank == 0 and rows:
+            print(summary_table(rows))
+        return rows
+
+
+def _import(path: str) -> Any:
+    import importlib
+
+    if ":" not in path:
+        raise ValueError(f"TrainConfig.reward_fn must look like 'module:function', got {path!r}")
+    module, name = path.split(":", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    cols = [("step", "{:>4}"), ("reward_mean", "{:>7.3f}"), ("accuracy", "{:>6.3f}"), ("response_len", "{:>6.1f}"),
+            ("tau", "{:>5.2f}"), ("generation_s", "{:>7.1f}"), ("vanilla_gen_s", "{:>7.1f}"), ("training_s", "{:>7.1f}"),
+            ("gen_share", "{:>5.2f}")]
+    head = " ".join(f"{c[:12]:>12}" for c, _ in cols)
+    lines = [head]
+    for r in rows:
+        lines.append(" ".join(f"{(fmt.format(r[c]) if c in r else '-'):>12}" for c, fmt in cols))
+    return "\n".join(lines)

@@ -1,0 +1,30 @@
+"""A tiny random Llama with SmolLM2's tokenizer (chat template included), converted to Megatron."""
+
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+from specroll_mcore.checkpoint import convert
+from specroll_mcore.checkpoint.megatron import save_heads
+
+
+def tiny_policy_checkpoint(root: Path, tokenizer_dir: Path, with_heads: bool = True) -> Path:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=True, rms_norm_eps=1e-5)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 0.15)  # informative but diverse samples at T=1
+    model.save_pretrained(root / "hf")
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy2(f, root / "hf" / f.name)
+    ckpt = convert.convert_hf_to_mcore(root / "hf", root / "mcore")
+    if with_heads:
+        g = torch.Generator().manual_seed(1)
+        save_heads(ckpt, {f"heads.layers.{i}.weight": 0.05 * torch.randn(64, 64, generator=g) for i in range(3)},
+                   {"num_heads": 3})
+    return ckpt

@@ -1,0 +1,60 @@
+"""GRPO advantages and loss against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from specroll_mcore.rl.grpo import group_advantages, k3_kl, policy_loss
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])  # 2 prompts x 4 samples
+    adv = group_advantages(r, 4, eps=0.0)
+    std = math.sqrt(((0.5 ** 2) * 4) / 3)  # unbiased std of [1, 0, 0, 1]
+    assert torch.allclose(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / std)
+    assert torch.equal(adv[4:], torch.zeros(4))  # all equal: no signal
+    assert torch.allclose(group_advantages(r, 4, mean_only=True)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        group_advantages(r, 3)
+
+
+def test_policy_loss_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.75, 0.5, 0.25], [0.75, 0.5, 0.5]]))  # ratios 1.5, 1, 0.5 / 1.5, 1, 1
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    out = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.2, normalization="token")
+    # row 0 (A=+1): min(1.5, 1.2)=1.2, 1, min(0.5, 0.8)=0.5 -> -(1.2+1+0.5); row 1 (A=-1): min(-1.5,-1.2)=-1.5, -1
+    expected = (-(1.2 + 1.0 + 0.5) + (1.5 + 1.0)) / 5
+    assert out.loss.item() == pytest.approx(expected)
+    seq = policy_loss(new, old, adv, mask, normalization="sequence")
+    assert seq.loss.item() == pytest.approx((-(2.7) / 3 + 2.5 / 2) / 2)
+    assert out.clip_fraction == pytest.approx(1 / 5)  # only ratio 1.5 with A > 0 hits the clip
+    # asymmetric clipping (DAPO clip-higher): 1.5 with A>0 is now inside [0.8, 1.6]
+    hi = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.6)
+    assert hi.loss.item() == pytest.approx((-(1.5 + 1.0 + 0.5) + (1.5 + 1.0)) / 5)
+
+
+def test_k3_and_kl_penalty():
+    logp = torch.log(torch.tensor([[0.5, 0.25]]))
+    ref = torch.log(torch.tensor([[0.25, 0.25]]))
+    d = ref - logp
+    assert torch.allclose(k3_kl(logp, ref), torch.exp(d) - d - 1)
+    assert (k3_kl(logp, ref) >= 0).all()
+    base = policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2))
+    pen = policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), ref_logp=ref, kl_beta=0.1)
+    assert pen.loss.item() == pytest.approx(0.1 * k3_kl(logp, ref).mean().item())
+    assert base.loss.item() == 0.0
+
+
+def test_micro_batches_add_up():
+    g = torch.Generator().manual_seed(0)
+    logp, old = torch.randn(4, 6, generator=g) - 2, torch.randn(4, 6, generator=g) - 2
+    adv, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
+    whole = policy_loss(logp, old, adv, mask).loss
+    parts = sum(policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], total_tokens=mask.sum()).loss
+                for i in (0, 2))
+    assert torch.allclose(whole, parts)
+    with pytest.raises(ValueError, match="normalization must be"):
+        policy_loss(logp, old, adv, mask, normalization="batch")

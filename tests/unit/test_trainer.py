@@ -1,0 +1,172 @@
+"""The GRPO loop on a tiny random policy (SmolLM2's tokenizer): update direction, the exactness
+contract at the RL level (vanilla vs SpecRoll), resume after SIGKILL, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_fixtures import tiny_policy_checkpoint
+from specroll_mcore.config import TrainConfig, load_config
+from specroll_mcore.rl.grpo import policy_loss
+from specroll_mcore.rl.schedule import finalize_grads, forward_backward, forward_logprobs
+from specroll_mcore.rl.trainer import GRPOTrainer
+
+TESTS = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
+
+    import transformers
+
+    root = tmp_path_factory.mktemp("grpo")
+    tok_dir = root / "tok"
+    transformers.AutoTokenizer.from_pretrained(smollm2_gguf_path().parent,
+                                               gguf_file=smollm2_gguf_path().name).save_pretrained(tok_dir)
+    return tiny_policy_checkpoint(root, tok_dir)
+
+
+def overrides(ckpt, out, *extra):
+    return [f"checkpoint={ckpt}", f"output_dir={out}", "steps=3", "prompts_per_step=2", "sampling.num_samples=3",
+            "sampling.max_new_tokens=12", "micro_batch_size=4", "lr=1e-3", "save_every=1",
+            "reward_fn=rewards_for_tests:token_parity_reward", "data.limit=16", "tensorboard=false", *extra]
+
+
+def test_one_step_lowers_the_loss_on_its_batch(tiny_ckpt, tmp_path, ctx):
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
+    ex = trainer._next_examples()
+    prompts = [trainer.prompt_ids[e.id] for e in ex]
+    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
+    mbs = trainer._micro_batches(prompts, rollout, adv, 3)
+
+    def loss_on_batch():
+        lps = forward_logprobs(trainer.policy, mbs, 1.0)
+        return sum(float(policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask).loss) for lp, mb in zip(lps, mbs))
+
+    before = loss_on_batch()
+    trainer.optimizer.zero_grad()
+    forward_backward(trainer.policy, mbs, lambda mb, lp: (policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask).loss, {}), 1.0)
+    finalize_grads(trainer.policy)
+    trainer.optimizer.step()
+    after = loss_on_batch()
+    assert after < before - 1e-4, (before, after)
+
+
+def run_rows(ckpt, out, *extra):
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(ckpt, out, *extra)))
+    return trainer.run()
+
+
+def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
+    """The exactness contract at the RL level: same rollouts, rewards and losses for 3 steps."""
+    a = run_rows(tiny_ckpt, tmp_path / "v", "engine=vanilla")
+    b = run_rows(tiny_ckpt, tmp_path / "s", "engine=specroll", "compare_vanilla_every=1")
+    assert all(r["rollouts_identical"] for r in b)
+    for ra, rb in zip(a, b):
+        for k in ("reward_mean", "accuracy", "response_len", "policy_version"):  # rollouts and rewards: exact
+            assert ra[k] == rb[k], (k, ra[k], rb[k])
+        # Losses: the same computation on the same tokens; CPU GEMM kernels may round differently
+        # with buffer alignment across processes, hence a float tolerance.
+        for k in ("loss", "grad_norm", "clip_fraction"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-7), (k, ra[k], rb[k])
+    assert len({r["reward_mean"] for r in a}) > 1 or a[0]["grad_norm"] > 0  # there was a learning signal
+
+
+def _train_cmd(ckpt, out, *extra):
+    args = []
+    for o in overrides(ckpt, out, "steps=4", *extra):
+        args += ["--set", o]
+    return [sys.executable, "-m", "specroll_mcore.cli", "train", *args]
+
+
+def test_resume_after_sigkill_equals_uninterrupted(tiny_ckpt, tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    full = subprocess.run(_train_cmd(tiny_ckpt, tmp_path / "full"), env=env, capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-2000:]
+    # Kill -9 while step 3 runs (after the step-2 checkpoint is complete), then resume.
+    proc = subprocess.Popen(_train_cmd(tiny_ckpt, tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    tracker = tmp_path / "killed" / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (tracker.is_file() and tracker.read_text().strip() == "2"):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert tracker.read_text().strip() in ("2", "3")
+    resumed = subprocess.run(_train_cmd(tiny_ckpt, tmp_path / "killed") + ["--resume"], env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+
+    def rows(d):
+        return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = rows(tmp_path / "full"), rows(tmp_path / "killed")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for k in ("reward_mean", "response_len", "policy_version"):
+            assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])
+        for k in ("loss", "grad_norm"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-7), (ra["step"], k, ra[k], rb[k])
+    # The trained checkpoint is a Megatron checkpoint the converter reads.
+    from specroll_mcore.checkpoint.convert import convert_mcore_to_hf
+
+    hf = convert_mcore_to_hf(tmp_path / "full", tmp_path / "hf-out")
+    assert (hf / "model.safetensors").is_file()
+
+
+def test_nan_loss_skips_the_step_and_keeps_the_checkpoint(tiny_ckpt, tmp_path, ctx, monkeypatch):
+    import specroll_mcore.rl.trainer as trainer_mod
+
+    real = trainer_mod.policy_loss
+    calls = {"n": 0}
+
+    def nan_on_second_step(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["n"] += 1
+        if 2 < calls["n"] <= 4:  # both micro-batches of step 2
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(trainer_mod, "policy_loss", nan_on_second_step)
+    rows = run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla")
+    assert [r["skipped"] for r in rows] == [False, True, False]
+    assert [r["policy_version"] for r in rows] == [1, 1, 2]
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_bad_rows_and_long_prompts_are_skipped_and_counted(tiny_ckpt, tmp_path, ctx):
+    rows = [{"question": "What is 2 + 3?", "answer": "5 #### 5"},
+            {"question": "No answer here"},
+            {"answer": "#### 4"},
+            {"question": "Tell me " + "very " * 600 + "much about 7.", "answer": "#### 7"},
+            {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "reward_model": {"ground_truth": "2"}},
+            {"problem": "What is 3 + 3?", "gt_answer": "6"}]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla",
+                                                                   f"data.source={data}", "data.max_prompt_tokens=256")))
+    assert len(trainer.examples) == 3  # GSM8K-, DAPO- and SimpleRL-style rows
+    assert trainer.data_report.skipped == {"missing reference answer": 1, "missing question": 1,
+                                           "prompt over the context limit": 1}
+
+
+def test_train_config_errors(tiny_ckpt, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['data.sorce'\]"):
+        load_config(TrainConfig, None, ["data.sorce=x"])
+    with pytest.raises(ValueError, match="TrainConfig.loss_normalization must be 'token' or 'sequence'"):
+        load_config(TrainConfig, None, ["loss_normalization=batch"])
+    with pytest.raises(ValueError, match="lr must be a number, got 'fast'"):
+        load_config(TrainConfig, None, ["lr=fast"])
+    with pytest.raises(ValueError, match=r"only 3 usable prompts .*prompts_per_step is 8"):
+        GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r", "engine=vanilla",
+                                                             "data.limit=3", "prompts_per_step=8")))
