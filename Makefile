@@ -18,7 +18,7 @@ $(STAMP): setup.py Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/specroll generate --config examples/configs/demo_cpu.yaml
+	bash examples/demo.sh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

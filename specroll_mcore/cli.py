@@ -147,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"convert {args.direction} needs SRC and OUT")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
         print(f"specroll {args.command}: error: {e}", file=sys.stderr)
         return 2
 

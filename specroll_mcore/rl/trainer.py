@@ -105,8 +105,13 @@ class GRPOTrainer:
 
     # -- setup -------------------------------------------------------------------------------------------
     def _prepare_output(self) -> None:
+        if not self.cfg.resume and latest_training_checkpoint(self.out) is not None:
+            raise FileExistsError(f"{self.out} already holds a training checkpoint; pass --resume to continue it "
+                                  f"or choose another TrainConfig.output_dir")
         if self.ctx.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
+            if not self.cfg.resume and (self.out / "metrics.jsonl").is_file():
+                (self.out / "metrics.jsonl").unlink()  # a fresh run: no rows from an earlier, unsaved one
             meta = read_checkpoint_config(self.source)
             meta.update(tensor_model_parallel_size=self.ctx.tp_size, pipeline_model_parallel_size=self.ctx.pp_size,
                         trained_from=str(self.source), train_config=json.loads(json.dumps(self.cfg, default=vars)))

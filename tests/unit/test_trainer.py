@@ -170,3 +170,9 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"only 3 usable prompts .*prompts_per_step is 8"):
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r", "engine=vanilla",
                                                              "data.limit=3", "prompts_per_step=8")))
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints(tiny_ckpt, tmp_path, ctx):
+    run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1")
+    with pytest.raises(FileExistsError, match="already holds a training checkpoint; pass --resume"):
+        GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
