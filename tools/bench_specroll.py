@@ -59,7 +59,8 @@ def time_hf(hf, prompts, sp, tok, prompt_lookup: int = 0) -> float:
     with torch.inference_mode():
         for p in prompts:  # batch 1: what prompt lookup decoding supports
             kw = dict(prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else {}
-            hf.generate(torch.tensor([p]), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+            hf.generate(torch.tensor([p]), do_sample=sp.temperature > 0, temperature=sp.temperature or None,
+                        top_p=1.0, top_k=0,
                         max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id, **kw)
     return time.perf_counter() - t0
 
@@ -73,7 +74,8 @@ def time_hf_batch(hf, prompts, sp, tok) -> float:
         mask[i, longest - len(p):] = 1
     t0 = time.perf_counter()
     with torch.inference_mode():
-        hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+        hf.generate(input_ids=ids, attention_mask=mask, do_sample=sp.temperature > 0, temperature=sp.temperature or None,
+                    top_p=1.0, top_k=0,
                     max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id,
                     num_return_sequences=sp.num_samples)
     return time.perf_counter() - t0
@@ -151,6 +153,7 @@ def main() -> int:
     ap.add_argument("--c-hw", type=int, default=None)
     ap.add_argument("--n-max", type=int, default=16)
     ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-full", action="store_true")
     ap.add_argument("--out", default="bench_specroll.json")
@@ -170,9 +173,10 @@ def main() -> int:
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
     spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos)
     report = {"checkpoint": str(ckpt), "spec": spec_cfg.__dict__, "threads": torch.get_num_threads(),
+              "temperature": args.temperature,
               "reps": args.reps, "max_new_tokens": args.max_new_tokens}
     print(f"c_hw={c_hw} heads={policy.num_heads} topk={args.topk} n_max={args.n_max} threads={torch.get_num_threads()}")
-    sp1 = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, num_samples=1, seed=1)
+    sp1 = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=1, seed=1)
     p1 = chat_prompts(tok, args.batch1_prompts, seed=777)
     run(vanilla, p1[:1], SamplingConfig(max_new_tokens=4))  # warm-up
 
@@ -210,7 +214,8 @@ def main() -> int:
         print(f"batch 1: SpecRoll vs transformers generate {report['batch1']['specroll_over_hf_generate']:.2f}x"
               + (f", vs prompt lookup {report['batch1'].get('specroll_over_hf_prompt_lookup', 0):.2f}x"), flush=True)
     if not args.skip_full:
-        spf = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, num_samples=args.samples, seed=2)
+        spf = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
+                             seed=2)
         pf = chat_prompts(tok, args.prompts, seed=4242)
         report["full"] = scenario(f"{args.prompts} prompts x {args.samples} samples", vanilla, spec, pf, spf, args.reps)
         if not args.skip_hf:

@@ -48,13 +48,17 @@ def main() -> int:
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON summary")
+    ap.add_argument("--records-cache", help="save the distillation records here, or load them if the file exists "
+                                            "(skips sampling and the policy forwards on a rerun)")
+    ap.add_argument("--init-from-saved", action="store_true",
+                    help="continue from the heads saved beside the checkpoint instead of zero-initialised ones")
     args = ap.parse_args()
 
     from specroll_mcore.checkpoint.smollm2 import default_checkpoint
 
     ckpt = Path(default_checkpoint() if args.checkpoint == "smollm2" else args.checkpoint)
     ctx = parallel.initialize(ParallelConfig())
-    policy = load_policy(ckpt, ctx, num_heads=args.num_heads)
+    policy = load_policy(ckpt, ctx, num_heads=args.num_heads, with_heads=args.init_from_saved)
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
@@ -66,25 +70,34 @@ def main() -> int:
         enc = tok.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True)
         prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
 
-    # 1. The policy's own continuations.
-    engine = VanillaEngine(policy, eos_token_ids=[tok.eos_token_id])
-    sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
-                        seed=args.seed)
-    seqs = []
-    for s in tqdm(range(0, len(prompts), 32), desc="sampling continuations"):
-        chunk = prompts[s:s + 32]
-        out = engine.generate(chunk, sp, prompt_ids=list(range(s, s + len(chunk))))
-        for pi, toks in zip(out.prompt_index, out.tokens):
-            seqs.append((pi, prompts[pi] + toks, len(prompts[pi])))
-    t_sample = time.perf_counter() - t0
+    cache = Path(args.records_cache) if args.records_cache else None
+    t_sample = t_records = 0.0
+    if cache is not None and cache.is_file():
+        blob = torch.load(cache, weights_only=False)
+        train, heldout = blob["train"], blob["heldout"]
+        print(f"loaded distillation records from {cache}")
+    else:
+        # 1. The policy's own continuations.
+        engine = VanillaEngine(policy, eos_token_ids=[tok.eos_token_id])
+        sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
+                            seed=args.seed)
+        seqs = []
+        for s in tqdm(range(0, len(prompts), 32), desc="sampling continuations"):
+            chunk = prompts[s:s + 32]
+            out = engine.generate(chunk, sp, prompt_ids=list(range(s, s + len(chunk))))
+            for pi, toks in zip(out.prompt_index, out.tokens):
+                seqs.append((pi, prompts[pi] + toks, len(prompts[pi])))
+        t_sample = time.perf_counter() - t0
 
-    # 2. Distillation records (hidden states, the policy's top-K targets, realised tokens).
-    train_parts, held_parts = [], []
-    for pi, seq, start in tqdm(seqs, desc="policy forward"):
-        rec = records_from_sequence(policy, seq, start, args.num_heads)
-        (held_parts if pi >= args.prompts else train_parts).append(rec)
-    train, heldout = DistillRecords.cat(train_parts), DistillRecords.cat(held_parts)
-    t_records = time.perf_counter() - t0 - t_sample
+        # 2. Distillation records (hidden states, the policy's top-K targets, realised tokens).
+        train_parts, held_parts = [], []
+        for pi, seq, start in tqdm(seqs, desc="policy forward"):
+            rec = records_from_sequence(policy, seq, start, args.num_heads)
+            (held_parts if pi >= args.prompts else train_parts).append(rec)
+        train, heldout = DistillRecords.cat(train_parts), DistillRecords.cat(held_parts)
+        t_records = time.perf_counter() - t0 - t_sample
+        if cache is not None:
+            torch.save({"train": train, "heldout": heldout}, cache)
     before = head_accuracy(policy, heldout)
     print(f"{len(train)} training / {len(heldout)} held-out positions; held-out before: {json.dumps(before)}")
 
