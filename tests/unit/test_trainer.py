@@ -77,7 +77,7 @@ def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
         # Losses: the same computation on the same tokens; CPU GEMM kernels may round differently
         # with buffer alignment across processes, hence a float tolerance.
         for k in ("loss", "grad_norm", "clip_fraction"):
-            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-7), (k, ra[k], rb[k])
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (k, ra[k], rb[k])  # loss ~ 0 on-policy
     assert len({r["reward_mean"] for r in a}) > 1 or a[0]["grad_norm"] > 0  # there was a learning signal
 
 
@@ -116,7 +116,7 @@ def test_resume_after_sigkill_equals_uninterrupted(tiny_ckpt, tmp_path):
         for k in ("reward_mean", "response_len", "policy_version"):
             assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])
         for k in ("loss", "grad_norm"):
-            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-7), (ra["step"], k, ra[k], rb[k])
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k, ra[k], rb[k])
     # The trained checkpoint is a Megatron checkpoint the converter reads.
     from specroll_mcore.checkpoint.convert import convert_mcore_to_hf
 
