@@ -21,7 +21,6 @@ def _quiet() -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
     import transformers
 
     from specroll_mcore import parallel
@@ -67,7 +66,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 for r in rows:
                     f.write(json.dumps(r) + "\n")
     parallel.destroy()
-    del torch
     return 0
 
 

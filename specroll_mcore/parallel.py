@@ -191,9 +191,11 @@ class ParallelContext:
         """Concatenate each data-parallel rank's list on global rank 0 (others get an empty list)."""
         if self.dp_size == 1:
             return items if self.rank == 0 else []
-        parts: list = [None] * self.dp_size if self.rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(items, parts, dst=0, group=self.dp_group) if self.tp_rank == 0 and self.pp_rank == 0 else None
-        return [x for p in parts for x in p] if self.rank == 0 else []
+        if self.tp_rank != 0 or self.pp_rank != 0:  # every (TP, PP) replica holds the same items
+            return []
+        parts: Optional[list] = [None] * self.dp_size if self.rank == 0 else None
+        dist.gather_object(items, parts, dst=0, group=self.dp_group)
+        return [x for p in parts for x in p] if parts is not None else []
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -23,17 +23,22 @@ Sampler = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tenso
 
 @dataclass
 class Acceptance:
-    tokens: list[list[int]]
-    """Per row: the emitted tokens, accepted drafts then the policy's sample at the last accepted node."""
-    logprobs: list[list[torch.Tensor]]
-    path: list[list[int]]
-    """Per row: tree nodes whose keys/values to keep: the root and the accepted drafts, in order."""
+    """Fixed-shape results (they travel between pipeline stages as they are)."""
+
+    tokens: torch.Tensor
+    """[b, D+1] emitted tokens: accepted drafts, then the policy's sample at the last accepted node."""
+    logprobs: torch.Tensor
+    """[b, D+1] float32 log-probs of the emitted tokens."""
+    path: torch.Tensor
+    """[b, D+1] tree nodes whose keys/values to keep (the root, then accepted drafts); -1 pads."""
+    counts: torch.Tensor
+    """[b] tokens emitted per row (>= 1); the path holds ``counts`` nodes."""
     last_node: torch.Tensor
-    """[b] the node the final token was sampled at (its hidden state feeds the next proposal)."""
+    """[b] the node the final token was sampled at (its hidden state seeds the next proposal)."""
     tried: torch.Tensor
-    """[H] rows that reached depth d with a drafted child to check."""
+    """[D] rows that reached depth d with a drafted child to check."""
     accepted: torch.Tensor
-    """[H] of those, rows whose sample matched a child."""
+    """[D] of those, rows whose sample matched a child."""
 
 
 def accept(tree: TreeBatch, logits: torch.Tensor, sample_fn: Sampler, position: torch.Tensor,
@@ -45,31 +50,34 @@ def accept(tree: TreeBatch, logits: torch.Tensor, sample_fn: Sampler, position: 
     """
     b, n = tree.shape
     device = logits.device
+    D = max(max_depth, 1)
+    tokens = torch.full((b, D + 1), -1, dtype=torch.long, device=device)
+    logprobs = torch.zeros(b, D + 1, dtype=torch.float32, device=device)
+    path = torch.full((b, D + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    counts = torch.zeros(b, dtype=torch.long, device=device)
     cur = torch.zeros(b, dtype=torch.long, device=device)
     alive = torch.arange(b, device=device)
-    out_tokens: list[list[int]] = [[] for _ in range(b)]
-    out_logp: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    path: list[list[int]] = [[0] for _ in range(b)]
-    tried = torch.zeros(max(max_depth, 1), dtype=torch.long)
-    accepted = torch.zeros_like(tried)
+    tried = torch.zeros(D, dtype=torch.long)
+    accepted = torch.zeros(D, dtype=torch.long)
     for d in range(max_depth + 1):
         node = cur[alive]
         tok, lp = sample_fn(logits[alive, node], alive, position[alive] + d)
-        for i, r in enumerate(alive.tolist()):
-            out_tokens[r].append(int(tok[i]))
-            out_logp[r].append(lp[i])
+        tokens[alive, d] = tok
+        logprobs[alive, d] = lp.float()
+        counts[alive] += 1
+        if d == max_depth or n == 1:
+            break
         # The child of `node` whose token equals the sample (siblings are distinct: at most one).
         is_child = tree.parents[alive] == node[:, None]  # [m, n]
         match = is_child & (tree.tokens[alive] == tok[:, None])
-        has_child, has_match = is_child.any(-1), match.any(-1)
-        if d < max_depth:
-            tried[d] += int(has_child.sum())
-            accepted[d] += int(has_match.sum())
-        nxt = match.float().argmax(-1)
-        for i in torch.nonzero(has_match).flatten().tolist():
-            path[int(alive[i])].append(int(nxt[i]))
-        cur[alive[has_match]] = nxt[has_match]
-        alive = alive[has_match]
+        has_match = match.any(-1)
+        tried[d] += int(is_child.any(-1).sum())
+        accepted[d] += int(has_match.sum())
+        nxt = match.to(torch.int8).argmax(-1)
+        alive, nxt = alive[has_match], nxt[has_match]
         if alive.numel() == 0:
             break
-    return Acceptance(out_tokens, out_logp, path, cur, tried, accepted)
+        cur[alive] = nxt
+        path[alive, d + 1] = nxt
+    return Acceptance(tokens, logprobs, path, counts, cur, tried, accepted)

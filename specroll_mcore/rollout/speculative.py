@@ -62,13 +62,15 @@ class SpeculativeEngine:
     # -- 3. verify ------------------------------------------------------------------------------------
     def verify(self, state: RolloutState, active: torch.Tensor, tree: TreeBatch):
         """One forward per chunk of at most C_hw tree tokens. Returns full logits [b, n, V] and hidden
-        [n, b, h] on the last stage (None elsewhere)."""
+        [n, b, h] on the last stage (None elsewhere). Plain decoding (one node per row, when B_t
+        exceeds C_hw) stays one forward, as in the vanilla engine: splitting it would only add passes."""
         model = self.model
         depth = tree_depths(tree.parents)
         mask = tree_ancestor_mask(tree.parents)
         positions = state.cache.lengths[active][:, None] + depth
         logits, hidden = [], []
-        for s, e in row_chunks(active.numel(), tree.shape[1], self.c_hw):
+        chunks = row_chunks(active.numel(), tree.shape[1], self.c_hw) if tree.shape[1] > 1 else [(0, active.numel())]
+        for s, e in chunks:
             meta = model.metadata(positions[s:e], mask[s:e], state.cache, active[s:e])
             out = model(tree.tokens[s:e], meta, return_hidden=True)
             if out is not None:
@@ -110,14 +112,17 @@ class SpeculativeEngine:
             n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
             t0 = time.perf_counter()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
-            if ctx.is_last_stage and n > 1:
+            if n == 1:  # a full batch: plain decoding, no proposal
+                t1 = time.perf_counter()
+                tree = TreeBatch(roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
+                                 torch.zeros(b, 1, dtype=torch.long, device=device), torch.ones(b, dtype=torch.long,
+                                                                                                device=device))
+            elif ctx.is_last_stage:
                 cand, logq = self.propose(hidden, sampling.temperature)
                 t1 = time.perf_counter()
                 tree = build_trees(roots, cand, logq, n)
             else:
-                t1 = time.perf_counter()
-                tree = build_trees(roots, torch.zeros(b, H, 1, dtype=torch.long, device=device),
-                                   torch.zeros(b, H, 1, device=device), 1) if n == 1 else None
+                t1, tree = time.perf_counter(), None
             tree = self._share_tree(tree, b, n)
             t2 = time.perf_counter()
             # 3. verify
@@ -129,7 +134,7 @@ class SpeculativeEngine:
                                                                    device=device), max_depth=H)
                 tried_total += acc.tried
                 accepted_total += acc.accepted
-                packed = self._pack(acc, H, device)
+                packed = [acc.tokens, acc.logprobs, acc.path, acc.counts]
                 next_hidden = hidden_all[acc.last_node, torch.arange(b, device=device)]  # [b, h]
             else:
                 packed = self._empty_pack(b, H, device)
@@ -140,9 +145,10 @@ class SpeculativeEngine:
             path_len = (path >= 0).sum(-1)
             state.cache.commit(active, path_len, path.clamp(min=0))
             keep, recorded_before = [], sum(len(state.responses[s]) for s in active.tolist())
+            emitted_l, counts_l = emitted.tolist(), counts.tolist()
             for r, slot in enumerate(active.tolist()):
-                c = int(counts[r])
-                keep.append(state.append(slot, emitted[r, :c].tolist(), list(emitted_lp[r, :c])))
+                c = counts_l[r]
+                keep.append(state.append(slot, emitted_l[r][:c], emitted_lp[r, :c]))
             keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
             last = emitted[torch.arange(b, device=device), counts - 1]
             recorded = sum(len(state.responses[s]) for s in active.tolist()) - recorded_before
@@ -173,7 +179,7 @@ class SpeculativeEngine:
     # -- helpers: moving trees and acceptance results between pipeline stages --------------------------
     def _share_tree(self, tree: Optional[TreeBatch], b: int, n: int) -> TreeBatch:
         ctx = self.model.ctx
-        if ctx.pp_size == 1:
+        if ctx.pp_size == 1 or n == 1:  # every stage builds the one-node trees itself
             return tree
         device = ctx.device
         tokens = tree.tokens if tree is not None else torch.zeros(b, n, dtype=torch.long, device=device)
@@ -186,22 +192,6 @@ class SpeculativeEngine:
             parents = torch.zeros(b, w, dtype=torch.long, device=device)
         tokens, parents = ctx.broadcast_from_last_stage([tokens, parents])
         return TreeBatch(tokens, parents, tree_depths(parents), (parents != -2).sum(-1))
-
-    @staticmethod
-    def _pack(acc, H: int, device: torch.device):
-        """Acceptance results as fixed-shape tensors (broadcastable to the other pipeline stages)."""
-        b = len(acc.tokens)
-        emitted = torch.full((b, H + 1), -1, dtype=torch.long)
-        lp = torch.zeros(b, H + 1, dtype=torch.float32)
-        path = torch.full((b, H + 1), -1, dtype=torch.long)
-        counts = torch.zeros(b, dtype=torch.long)
-        for r in range(b):
-            c = len(acc.tokens[r])
-            emitted[r, :c] = torch.tensor(acc.tokens[r])
-            lp[r, :c] = torch.stack(acc.logprobs[r])
-            path[r, : len(acc.path[r])] = torch.tensor(acc.path[r])
-            counts[r] = c
-        return [t.to(device) for t in (emitted, lp, path, counts)]
 
     @staticmethod
     def _empty_pack(b: int, H: int, device: torch.device):

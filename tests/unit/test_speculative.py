@@ -73,21 +73,27 @@ def test_random_heads_same_tokens_only_slower(ctx):
     assert out.stats["tau"] >= 1.0  # every step still emits the policy's own token
 
 
-def test_verification_forward_never_exceeds_c_hw(ctx, monkeypatch):
+def test_tree_forwards_never_exceed_c_hw(ctx, monkeypatch):
+    """A forward holding trees (more than one node per row) holds at most C_hw tokens; when more
+    responses are unfinished than C_hw, each gets one node and the step is one plain decode forward."""
     model = policy_with_heads(tiny_llama(), ctx)
     sizes = []
     real = PolicyModel.forward
 
     def counting(self, input_ids, meta, **kw):
         if kw.get("logits_index") is None:  # every forward but prefill is a verification forward
-            sizes.append(input_ids.numel())
+            sizes.append(tuple(input_ids.shape))
         return real(self, input_ids, meta, **kw)
 
     monkeypatch.setattr(PolicyModel, "forward", counting)
     for c_hw in (5, 12, 40):
         sizes.clear()
-        SpeculativeEngine(model, SpecConfig(c_hw=c_hw, n_max=8)).generate(PROMPTS, SAMPLINGS["t1_top_p"])
-        assert sizes and max(sizes) <= c_hw, (c_hw, max(sizes))
+        SpeculativeEngine(model, SpecConfig(c_hw=c_hw, n_max=8, n_min=2)).generate(PROMPTS, SAMPLINGS["t1_top_p"])
+        trees = [b * n for b, n in sizes if n > 1]
+        assert trees and max(trees) <= c_hw, (c_hw, sizes)
+    sizes.clear()
+    SpeculativeEngine(model, SpecConfig(c_hw=3)).generate(PROMPTS, SAMPLINGS["t1_top_p"])  # 12 rows > C_hw
+    assert sizes[0] == (12, 1)  # all unfinished rows in one plain decode forward
 
 
 def test_engine_flag_and_config_errors(ctx):

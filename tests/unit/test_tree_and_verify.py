@@ -68,7 +68,8 @@ def test_accept_walk_matches_children_and_always_emits():
         return lg.argmax(-1), torch.zeros(len(rows))
 
     acc = accept(tree, logits, sample_fn, torch.tensor([5, 9]), max_depth=2)
-    assert acc.tokens == [[7, 8, 3], [4]]
-    assert acc.path == [[0, 1, 2], [0]]
+    assert acc.tokens.tolist() == [[7, 8, 3], [4, -1, -1]]
+    assert acc.counts.tolist() == [3, 1]
+    assert acc.path.tolist() == [[0, 1, 2], [0, -1, -1]]
     assert acc.last_node.tolist() == [2, 0]
     assert acc.tried.tolist() == [1, 1] and acc.accepted.tolist() == [1, 1]
