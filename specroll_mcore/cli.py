@@ -27,6 +27,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config
     from specroll_mcore.checkpoint.smollm2 import default_checkpoint
     from specroll_mcore.config import load_generate_config
+    from specroll_mcore.rl.data import chat_prompt_ids
     from specroll_mcore.rollout import make_engine
     from specroll_mcore.tree.budget import resolve_c_hw
 
@@ -36,8 +37,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = load_policy(ckpt, ctx, cfg.params_dtype, with_heads=cfg.engine == "specroll")
     tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
     if cfg.chat:
-        prompts = [_ids(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
-                   for p in cfg.prompts]
+        prompts = [chat_prompt_ids(tokenizer, p) for p in cfg.prompts]
     else:
         prompts = [tokenizer(p)["input_ids"] for p in cfg.prompts]
     # Data parallel: each DP rank takes every dp_size-th prompt; ids stay global, so the tokens do not
@@ -67,10 +67,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     f.write(json.dumps(r) + "\n")
     parallel.destroy()
     return 0
-
-
-def _ids(encoded) -> list[int]:
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 def _eos_ids(tokenizer) -> list[int]:

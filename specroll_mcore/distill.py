@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specroll_mcore.model import PolicyModel, causal_mask
 

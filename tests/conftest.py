@@ -1,7 +1,6 @@
 import warnings
 
 import pytest
-import torch
 
 warnings.filterwarnings("ignore", category=UserWarning)
 

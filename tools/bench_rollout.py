@@ -18,8 +18,6 @@ Absolute times on shared machines are noisy; the ratios are the result.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -34,6 +32,8 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.profile import forward_latency  # noqa: E402
+from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 
 
@@ -67,11 +67,7 @@ def make_prompts(tokenizer, n: int, vocab: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(0)
         return [torch.randint(3, vocab, (int(torch.randint(40, 80, (1,), generator=g)),), generator=g).tolist()
                 for _ in range(n)]
-    out = []
-    for p in problems(n, seed=1234):
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True)
-        out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
-    return out
+    return [chat_prompt_ids(tokenizer, p.question) for p in problems(n, seed=1234)]
 
 
 def time_ours(engine, prompts, new_tokens: int) -> float:
@@ -142,9 +138,7 @@ def main() -> int:
                f"{row['speed_ratio_ours_over_hf']:.2f}x" if theirs else ""), flush=True)
     sizes = [int(x) for x in args.latency_tokens.split(",")]
     report["forward_latency"] = forward_latency(policy, sizes, args.latency_reps, verbose=True)
-    tmp = Path(args.out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, args.out)
+    write_json_atomic(Path(args.out), report)
     print(f"wrote {args.out}")
     parallel.destroy()
     return 0

@@ -18,8 +18,6 @@ same prompts as ratios. Absolute times on shared machines are noisy; the ratios 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -33,6 +31,8 @@ import torch  # noqa: E402
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
+from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.tree.budget import resolve_c_hw  # noqa: E402
@@ -41,11 +41,7 @@ BINS = [(129, 10**9), (65, 128), (33, 64), (17, 32), (9, 16), (5, 8), (3, 4), (2
 
 
 def chat_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    out = []
-    for p in problems(n, seed=seed):
-        enc = tok.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True)
-        out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
-    return out
+    return [chat_prompt_ids(tok, p.question) for p in problems(n, seed=seed)]
 
 
 def run(engine, prompts, sp):
@@ -156,6 +152,7 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-full", action="store_true")
+    ap.add_argument("--skip-batch1", action="store_true")
     ap.add_argument("--out", default="bench_specroll.json")
     ap.add_argument("--plot", default="bench_specroll.png")
     args = ap.parse_args()
@@ -198,9 +195,12 @@ def main() -> int:
                 return first
         return Seq()
 
-    report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps)
+    hf = None
     if not args.skip_hf:
         hf = transformers.AutoModelForCausalLM.from_pretrained(default_hf_dir(), dtype=torch.float32).eval()
+    if not args.skip_batch1:
+        report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps)
+    if not args.skip_batch1 and hf is not None:
         t_hf = time_hf(hf, p1, sp1, tok)
         t_spec = statistics.median(report["batch1"]["specroll_s"])
         report["batch1"]["hf_generate_s"] = t_hf
@@ -218,16 +218,14 @@ def main() -> int:
                              seed=2)
         pf = chat_prompts(tok, args.prompts, seed=4242)
         report["full"] = scenario(f"{args.prompts} prompts x {args.samples} samples", vanilla, spec, pf, spf, args.reps)
-        if not args.skip_hf:
+        if hf is not None:
             t_hf = time_hf_batch(hf, pf, spf, tok)
             report["full"]["hf_generate_s"] = t_hf
             report["full"]["specroll_over_hf_generate"] = t_hf / statistics.median(report["full"]["specroll_s"])
             print(f"full batch: SpecRoll vs transformers generate {report['full']['specroll_over_hf_generate']:.2f}x")
         if args.plot:
             plot(report["full"]["binned"], args.plot)
-    tmp = Path(args.out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=float))
-    os.replace(tmp, args.out)
+    write_json_atomic(Path(args.out), report)
     print(f"wrote {args.out}")
     parallel.destroy()
     return 0

@@ -30,6 +30,7 @@ from specroll_mcore.checkpoint.megatron import load_policy, save_heads  # noqa: 
 from specroll_mcore.config import ParallelConfig, SamplingConfig  # noqa: E402
 from specroll_mcore.distill import (DistillRecords, freeze_all_but_heads, full_head_state, head_accuracy,  # noqa: E402
                                     records_from_sequence, train_heads_step)
+from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
 
@@ -65,10 +66,7 @@ def main() -> int:
     t0 = time.perf_counter()
     held = max(4, args.prompts // 10)
     probs = problems(args.prompts + held, seed=10_000 + args.seed)
-    prompts = []
-    for p in probs:
-        enc = tok.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True)
-        prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+    prompts = [chat_prompt_ids(tok, p.question) for p in probs]
 
     cache = Path(args.records_cache) if args.records_cache else None
     t_sample = t_records = 0.0

@@ -43,6 +43,14 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """JSON to ``path`` via a temporary file and a rename (readers never see half a file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=float))
+    os.replace(tmp, path)
+
+
 def atomic_directory(out_dir: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
     """Run ``write(tmp)`` into a temporary sibling of ``out_dir``, fsync it, then rename it into place."""
     out_dir = Path(out_dir)

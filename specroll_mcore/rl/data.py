@@ -88,10 +88,15 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
     return out, report
 
 
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of one user turn in the tokenizer's chat template, plus the generation prompt."""
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)  # transformers 5 returns an encoding
+
+
 def render_prompt(tokenizer: Any, question: str, chat: bool = True) -> list[int]:
-    """Token ids of the prompt: the chat template's user turn plus generation prompt."""
+    """Token ids of a GRPO prompt: the question with the answer-format instruction, in the chat template."""
     text = f"{question}\n{SYSTEM_SUFFIX}"
     if chat and getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        return chat_prompt_ids(tokenizer, text)
     return list(tokenizer(text)["input_ids"])

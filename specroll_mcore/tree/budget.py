@@ -68,9 +68,9 @@ def save_capacity(key: str, record: dict, cache: Optional[Path] = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.is_file() else {}
     data[key] = record
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    from specroll_mcore.checkpoint.megatron import write_json_atomic
+
+    write_json_atomic(path, data)
     return path
 
 

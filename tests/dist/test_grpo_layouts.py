@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from grpo_fixtures import tiny_policy_checkpoint
 from specroll_mcore.checkpoint.megatron import load_full_state_dict

@@ -1,7 +1,6 @@
 """Every bad input a user can hit gets a clear error naming the values involved."""
 
 import pytest
-import torch
 
 from conftest import make_policy
 from specroll_mcore import parallel

@@ -9,6 +9,7 @@ from specroll_mcore.checkpoint.megatron import load_policy
 from specroll_mcore.checkpoint.smollm2 import default_checkpoint, default_hf_dir
 from specroll_mcore.config import SamplingConfig
 from specroll_mcore.model import causal_mask
+from specroll_mcore.rl.data import chat_prompt_ids
 from specroll_mcore.rollout import VanillaEngine
 
 CHATS = ["What is 12 times 7?", "Sara has 5 apples and buys 3 more. How many apples does she have?",
@@ -29,10 +30,7 @@ def smollm2(tmp_path_factory, ctx):
 def test_smollm2_parity_on_chat_prompts(smollm2):
     policy, hf, tok, _ = smollm2
     assert policy.config.num_layers == 30 and policy.config.tie_word_embeddings
-    prompts = []
-    for text in CHATS:
-        enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+    prompts = [chat_prompt_ids(tok, text) for text in CHATS]
     with torch.no_grad():
         ids = torch.tensor([prompts[0]])
         s = ids.shape[1]
