@@ -87,7 +87,7 @@ def write_checkpoint_files(root: Path, full: Mapping[str, torch.Tensor], model: 
             shard = local_state_dict(full, model, tp_size, tp_rank, pp_size, pp_rank)
             d = release / shard_dir_name(tp_rank, pp_rank, pp_size)
             d.mkdir(parents=True)
-            torch.save({"model": {k: v.contiguous().clone() for k, v in shard.items()},
+            torch.save({"model": {k: v.contiguous() for k, v in shard.items()},
                         "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0},
                        d / "model_optim_rng.pt")
             del shard

@@ -65,6 +65,14 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], model: ModelConfig) ->
     return shards[0]
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A shard that is a view into a full tensor would keep (and torch.save would write) the whole
+    full tensor: copy it out so the full tensor can be freed."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()
+
+
 def local_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int, tp_rank: int,
                      pp_size: int, pp_rank: int) -> dict[str, torch.Tensor]:
     """The state dict one (tp_rank, pp_rank) GPTModel holds, from the full form.
@@ -80,17 +88,17 @@ def local_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig, tp_si
             layer = int(m.group(1))
             if pp_rank * per_stage <= layer < (pp_rank + 1) * per_stage:
                 local = f"decoder.layers.{layer - pp_rank * per_stage}.{m.group(2)}"
-                out[local] = shard_tensor(m.group(2), full[name], model, tp_size, tp_rank)
+                out[local] = _own_storage(shard_tensor(m.group(2), full[name], model, tp_size, tp_rank))
         elif name == "embedding.word_embeddings.weight":
             if first or (model.tie_word_embeddings and last):
-                shard = shard_tensor(name, full[name], model, tp_size, tp_rank)
+                shard = _own_storage(shard_tensor(name, full[name], model, tp_size, tp_rank))
                 if first:
                     out[name] = shard
                 if model.tie_word_embeddings and last and not first:
                     out["output_layer.weight"] = shard  # the last stage's copy of the tied weight
         elif name == "output_layer.weight":
             if last and not model.tie_word_embeddings:
-                out[name] = shard_tensor(name, full[name], model, tp_size, tp_rank)
+                out[name] = _own_storage(shard_tensor(name, full[name], model, tp_size, tp_rank))
         elif name == "decoder.final_layernorm.weight":
             if last:
                 out[name] = full[name]
