@@ -29,7 +29,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specroll_mcore.config import load_generate_config
     from specroll_mcore.rl.data import chat_prompt_ids
     from specroll_mcore.rollout import make_engine
-    from specroll_mcore.tree.budget import resolve_c_hw
+    from specroll_mcore.rollout.profile import ensure_capacity
 
     cfg = load_generate_config(args.config, args.set)
     ckpt = Path(default_checkpoint() if cfg.checkpoint == "smollm2" else cfg.checkpoint)
@@ -45,8 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
     spec = None
     if cfg.engine == "specroll":
-        c_hw = resolve_c_hw(cfg.spec.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"),
-                            ctx.tp_size, ctx.pp_size)
+        c_hw = ensure_capacity(policy, cfg.spec.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"))
         spec = dataclasses.replace(cfg.spec, num_heads=policy.num_heads, c_hw=c_hw)
     engine = make_engine(cfg.engine, policy, spec, eos_token_ids=_eos_ids(tokenizer), tokenizer=tokenizer)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)

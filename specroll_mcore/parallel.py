@@ -135,6 +135,12 @@ class ParallelContext:
         dist.broadcast_object_list(holder, src=self.pp_ranks[-1], group=self.pp_group)
         return holder[0]
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise max over every rank (all ranks agree on one measured profile)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
     def all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group (gradients, token counts)."""
         if self.dp_size > 1:

@@ -1,6 +1,11 @@
+import os
+import tempfile
 import warnings
 
 import pytest
+
+# Tests write caches (capacity profiles, converted models) into a private directory, never the user's.
+os.environ["SPECROLL_CACHE"] = tempfile.mkdtemp(prefix="specroll-test-cache-")
 
 warnings.filterwarnings("ignore", category=UserWarning)
 

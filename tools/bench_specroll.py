@@ -35,7 +35,7 @@ from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
-from specroll_mcore.tree.budget import resolve_c_hw  # noqa: E402
+from specroll_mcore.rollout.profile import ensure_capacity  # noqa: E402
 
 BINS = [(129, 10**9), (65, 128), (33, 64), (17, 32), (9, 16), (5, 8), (3, 4), (2, 2), (1, 1)]
 
@@ -164,7 +164,7 @@ def main() -> int:
     ctx = parallel.initialize(ParallelConfig())
     policy = load_policy(ckpt, ctx, with_heads=True)
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
-    c_hw = resolve_c_hw(args.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"), 1, 1)
+    c_hw = ensure_capacity(policy, args.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"))
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk)
     eos = [tok.eos_token_id]
     vanilla = VanillaEngine(policy, eos_token_ids=eos)

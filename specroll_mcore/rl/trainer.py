@@ -36,7 +36,7 @@ from specroll_mcore.rl.rewards import RewardConfig, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                         global_grad_norm)
 from specroll_mcore.rollout import VanillaEngine, make_engine
-from specroll_mcore.tree.budget import resolve_c_hw
+from specroll_mcore.rollout.profile import ensure_capacity
 
 
 class GRPOTrainer:
@@ -85,7 +85,7 @@ class GRPOTrainer:
         if cfg.engine == "specroll":
             fp = read_checkpoint_config(self.source).get("policy_fingerprint")
             spec = dataclasses.replace(cfg.spec, num_heads=self.policy.num_heads,
-                                       c_hw=resolve_c_hw(cfg.spec.c_hw, fp, self.ctx.tp_size, self.ctx.pp_size))
+                                       c_hw=ensure_capacity(self.policy, cfg.spec.c_hw, fp))
         self.engine = make_engine(cfg.engine, self.policy, spec, eos_token_ids=self.eos, tokenizer=self.tokenizer)
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer) \
             if cfg.compare_vanilla_every else None

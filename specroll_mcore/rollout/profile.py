@@ -4,12 +4,39 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from specroll_mcore.model import PolicyModel, causal_mask
 from specroll_mcore.rollout.base import prefill
+
+
+QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_fingerprint: Optional[str],
+                    tolerance: float = 1.5) -> int:
+    """C_hw for this policy, hardware and layout: SpecConfig.c_hw if set, else the cached profile,
+    else a quick profile now (a few seconds to a minute; every rank runs it, the slowest rank's
+    latencies decide, rank 0 caches the result)."""
+    from specroll_mcore.tree.budget import capacity_from_latency, hardware_name, load_capacity, profile_key, save_capacity
+
+    if configured:
+        return configured
+    ctx = policy.ctx
+    key = profile_key(policy_fingerprint or "unknown", hardware_name(), ctx.tp_size, ctx.pp_size)
+    cached = load_capacity(key)
+    if cached:
+        return cached
+    curve = forward_latency(policy, QUICK_SIZES, reps=3)
+    slowest = ctx.all_reduce_max(torch.tensor(curve["tree_row_s"], dtype=torch.float64))
+    c_hw = capacity_from_latency(list(QUICK_SIZES), slowest.tolist(), tolerance)
+    if ctx.rank == 0:
+        save_capacity(key, {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {tolerance} x latency(1)",
+                            "hardware": hardware_name(), "tp": ctx.tp_size, "pp": ctx.pp_size,
+                            "policy_fingerprint": policy_fingerprint, "curve": curve, "quick": True})
+    return c_hw
 
 
 @torch.inference_mode()

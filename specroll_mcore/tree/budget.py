@@ -75,16 +75,8 @@ def save_capacity(key: str, record: dict, cache: Optional[Path] = None) -> Path:
 
 
 DEFAULT_C_HW = 64
-"""Used when no profile exists for this model, hardware and layout (run tools/profile_capacity.py)."""
-
-
-def resolve_c_hw(configured: Optional[int], policy_fingerprint: Optional[str], tp: int, pp: int,
-                 cache: Optional[Path] = None) -> int:
-    """SpecConfig.c_hw if set, else the cached profile for (policy, hardware, layout), else DEFAULT_C_HW."""
-    if configured:
-        return configured
-    cached = load_capacity(profile_key(policy_fingerprint or "unknown", hardware_name(), tp, pp), cache)
-    return cached or DEFAULT_C_HW
+"""Used by an engine built without a measured C_hw (the CLI, the trainer and the benchmarks measure
+one, see rollout/profile.ensure_capacity)."""
 
 
 def load_capacity(key: str, cache: Optional[Path] = None) -> Optional[int]:

@@ -73,3 +73,18 @@ def test_accept_walk_matches_children_and_always_emits():
     assert acc.path.tolist() == [[0, 1, 2], [0, -1, -1]]
     assert acc.last_node.tolist() == [2, 0]
     assert acc.tried.tolist() == [1, 1] and acc.accepted.tolist() == [1, 1]
+
+
+def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
+    from conftest import make_policy
+    from specroll_mcore.config import tiny_llama
+    from specroll_mcore.rollout import profile
+
+    monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
+    model = make_policy(tiny_llama(), ctx)
+    assert profile.ensure_capacity(model, 24, "fp") == 24  # configured wins, nothing measured
+    assert not (tmp_path / "capacity_profiles.json").exists()
+    c_hw = profile.ensure_capacity(model, None, "fp")
+    assert c_hw in profile.QUICK_SIZES and (tmp_path / "capacity_profiles.json").is_file()
+    monkeypatch.setattr(profile, "forward_latency", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
+    assert profile.ensure_capacity(model, None, "fp") == c_hw  # cached
