@@ -25,14 +25,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from specroll_mcore import parallel
     from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config
-    from specroll_mcore.checkpoint.smollm2 import default_checkpoint
+    from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
     from specroll_mcore.config import load_generate_config
     from specroll_mcore.rl.data import chat_prompt_ids
     from specroll_mcore.rollout import make_engine
     from specroll_mcore.rollout.profile import ensure_capacity
 
     cfg = load_generate_config(args.config, args.set)
-    ckpt = Path(default_checkpoint() if cfg.checkpoint == "smollm2" else cfg.checkpoint)
+    ckpt = resolve_checkpoint(cfg.checkpoint)
     ctx = parallel.initialize(cfg.parallel)
     policy = load_policy(ckpt, ctx, cfg.params_dtype, with_heads=cfg.engine == "specroll")
     tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)

@@ -158,9 +158,9 @@ def main() -> int:
     args = ap.parse_args()
     import transformers
 
-    from specroll_mcore.checkpoint.smollm2 import default_checkpoint, default_hf_dir
+    from specroll_mcore.checkpoint.smollm2 import default_hf_dir, resolve_checkpoint
 
-    ckpt = Path(default_checkpoint() if args.checkpoint == "smollm2" else args.checkpoint)
+    ckpt = resolve_checkpoint(args.checkpoint)
     ctx = parallel.initialize(ParallelConfig())
     policy = load_policy(ckpt, ctx, with_heads=True)
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)

@@ -39,9 +39,9 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=1.5)
     ap.add_argument("--out", help="also write the profile as JSON here")
     args = ap.parse_args()
-    from specroll_mcore.checkpoint.smollm2 import default_checkpoint
+    from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
-    ckpt = Path(default_checkpoint() if args.checkpoint == "smollm2" else args.checkpoint)
+    ckpt = resolve_checkpoint(args.checkpoint)
     ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
     policy = load_policy(ckpt, ctx)
     sizes = [int(x) for x in args.tokens.split(",")]

@@ -55,9 +55,9 @@ def main() -> int:
                     help="continue from the heads saved beside the checkpoint instead of zero-initialised ones")
     args = ap.parse_args()
 
-    from specroll_mcore.checkpoint.smollm2 import default_checkpoint
+    from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
-    ckpt = Path(default_checkpoint() if args.checkpoint == "smollm2" else args.checkpoint)
+    ckpt = resolve_checkpoint(args.checkpoint)
     ctx = parallel.initialize(ParallelConfig())
     policy = load_policy(ckpt, ctx, num_heads=args.num_heads, with_heads=args.init_from_saved)
     import transformers

@@ -18,6 +18,8 @@ from specroll_mcore.checkpoint.megatron import CONFIG_FILE
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m-instruct"
+MODEL_ALIAS = "smollm2"
+"""What configs and tools accept in place of a checkpoint directory."""
 
 
 def cache_dir(override: Optional[Path] = None) -> Path:
@@ -42,6 +44,12 @@ def default_hf_dir(cache: Optional[Path] = None) -> Path:
     if not (out / "config.json").is_file():
         gguf_to_hf(smollm2_gguf_path(), out, overwrite=out.exists())
     return out
+
+
+def resolve_checkpoint(name: str) -> Path:
+    """A config's ``checkpoint`` value: ``smollm2`` means the default model (converted on first use),
+    anything else is a Megatron checkpoint directory."""
+    return default_checkpoint() if name == MODEL_ALIAS else Path(name)
 
 
 def default_checkpoint(cache: Optional[Path] = None, tensor_parallel_size: int = 1,

@@ -26,6 +26,7 @@ import torch
 
 from specroll_mcore import parallel
 from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
+from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 from specroll_mcore.checkpoint.megatron import CONFIG_FILE, load_policy, read_checkpoint_config
 from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
                                                    save_training_checkpoint)
@@ -48,12 +49,7 @@ class GRPOTrainer:
         self.cfg = cfg
         self.ctx = parallel.initialize(cfg.parallel)
         torch.manual_seed(cfg.seed)
-        if cfg.checkpoint == "smollm2":
-            from specroll_mcore.checkpoint.smollm2 import default_checkpoint
-
-            self.source = default_checkpoint()
-        else:
-            self.source = Path(cfg.checkpoint)
+        self.source = resolve_checkpoint(cfg.checkpoint)
         self.out = Path(cfg.output_dir)
         self.policy = load_policy(self.source, self.ctx, with_heads=cfg.engine == "specroll")
         for p in self.policy.gpt.parameters():
