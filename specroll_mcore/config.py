@@ -205,6 +205,112 @@ class SamplingConfig:
 
 
 @dataclass
+class ReflexConfig:
+    """The Reflex fast path: gradient-free, per-trajectory correction of the heads' input.
+
+    DESIGN.md gives the method but no constants for it; the defaults below are this project's and
+    every one is a field, so published values can be set from a config."""
+
+    enabled: bool = True
+    alpha: float = 0.1
+    """Correction size relative to the input: ``dz = alpha * RMS(z) * m / RMS(m)``."""
+
+    decay: Sequence[float] = (0.5, 0.6, 0.7)
+    """EMA decay rho_h of the feedback memory per horizon (a shorter list repeats its last value)."""
+
+    z_delta: float = 2.0
+    """Gate: apply the memory only while ``mean(a) - z_delta * std(a) / sqrt(n) > 0`` for the
+    alignments a between the memory and the feedback that followed it."""
+
+    min_observations: int = 4
+    """Alignments needed before the gate may open."""
+
+    support_topk: int = 8
+    """|top-k(q)| and |top-k(p)| in the support S = candidates + top-k(q) + top-k(p) + {sample}."""
+
+    coverage_weight: float = 1.0
+    """Weight of the coverage feedback r_cov against the distribution feedback r_dist."""
+
+    def __post_init__(self) -> None:
+        self.decay = tuple(float(d) for d in (self.decay if isinstance(self.decay, (list, tuple)) else [self.decay]))
+        _check(len(self.decay) >= 1 and all(0 <= d < 1 for d in self.decay),
+               f"ReflexConfig.decay must be values in [0, 1), got {self.decay}")
+        _check(self.alpha >= 0, f"ReflexConfig.alpha must be >= 0, got {self.alpha}")
+        _check(self.z_delta >= 0, f"ReflexConfig.z_delta must be >= 0, got {self.z_delta}")
+        _check(self.min_observations >= 2, f"ReflexConfig.min_observations must be >= 2, got {self.min_observations}")
+        _check(self.support_topk >= 1, f"ReflexConfig.support_topk must be >= 1, got {self.support_topk}")
+        _check(self.coverage_weight >= 0, f"ReflexConfig.coverage_weight must be >= 0, got {self.coverage_weight}")
+
+    def decay_for(self, num_heads: int) -> list[float]:
+        return [self.decay[min(i, len(self.decay) - 1)] for i in range(num_heads)]
+
+
+@dataclass
+class SlowPathConfig:
+    """The slow path: a drift monitor over verification records and one-head consolidation.
+
+    Trigger defaults (windows, records, cooldown, time cap, record cap, the 0.1 weight) are the
+    published ones; the optimiser settings, the degradation tolerance and the ranking margin are
+    this project's."""
+
+    enabled: bool = True
+    window: int = 64
+    """Acceptance events per head in one monitor window."""
+
+    degraded_windows: int = 3
+    """Consecutive degraded windows that trigger a consolidation."""
+
+    tolerance: float = 0.2
+    """A window is degraded when its acceptance < (1 - tolerance) x the head's reference acceptance
+    (the mean of its first windows, raised whenever acceptance recovers above it)."""
+
+    reference_windows: int = 3
+    """Windows averaged into the initial reference."""
+
+    min_records: int = 64
+    cooldown_batches: int = 10
+    """Rollout batches between two consolidations."""
+
+    time_cap: float = 0.018
+    """Slow-path time may not exceed this share of generation time."""
+
+    max_records: int = 256
+    """Records one consolidation uses (the most recent; a quarter is held out)."""
+
+    buffer_size: int = 2048
+    """Matured records kept (a ring)."""
+
+    target_topk: int = 16
+    """Entries of the policy's distribution kept per record (the support S of the loss)."""
+
+    corrected_weight: float = 0.1
+    rank_weight: float = 0.1
+    rank_margin: float = 1.0
+    proximal: float = 1.0
+    """lambda of the proximal penalty to the head's weights before the event."""
+
+    lr: float = 2e-4
+    steps: int = 20
+    """Adam steps per consolidation."""
+
+    holdout_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("window", "degraded_windows", "reference_windows", "min_records", "max_records", "buffer_size",
+                     "target_topk", "steps"):
+            _check(getattr(self, name) >= 1, f"SlowPathConfig.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.cooldown_batches >= 0, f"SlowPathConfig.cooldown_batches must be >= 0, got {self.cooldown_batches}")
+        _check(0 < self.tolerance < 1, f"SlowPathConfig.tolerance must be in (0, 1), got {self.tolerance}")
+        _check(0 <= self.time_cap <= 1, f"SlowPathConfig.time_cap must be in [0, 1], got {self.time_cap}")
+        _check(0 < self.holdout_fraction < 1,
+               f"SlowPathConfig.holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
+        _check(self.max_records <= self.buffer_size,
+               f"SlowPathConfig.max_records ({self.max_records}) must be <= buffer_size ({self.buffer_size})")
+        for name in ("corrected_weight", "rank_weight", "rank_margin", "proximal", "lr"):
+            _check(getattr(self, name) >= 0, f"SlowPathConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
 class SpecConfig:
     """The speculative engine: horizon heads, tree budget and proposal width."""
 
@@ -223,6 +329,9 @@ class SpecConfig:
 
     n_max: int = 16
     """Largest tree per row."""
+
+    reflex: ReflexConfig = field(default_factory=ReflexConfig)
+    slow_path: SlowPathConfig = field(default_factory=SlowPathConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_heads >= 1, f"SpecConfig.num_heads must be >= 1, got {self.num_heads}")
@@ -277,7 +386,7 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     _check(not unknown, f"unknown field(s) {[f'{path}{u}' for u in unknown]}; known: {sorted(fields)}")
     kwargs = {}
     for name, value in data.items():
-        sub = _NESTED.get(name) if cls in (GenerateConfig, TrainConfig) else None
+        sub = _NESTED.get((cls, name))
         if sub and isinstance(value, dict):  # fields not given keep the parent's default for them
             default = fields[name].default_factory()  # type: ignore[misc]
             value = {**{f.name: getattr(default, f.name) for f in dataclasses.fields(sub)}, **value}
@@ -286,7 +395,7 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
                 value = float(value) if "float" in str(fields[name].type) else int(value)
             except ValueError:
                 raise ValueError(f"{path}{name} must be a number, got {value!r}") from None
-        kwargs[name] = _build(sub, value, f"{path}{name}.") if sub else value
+        kwargs[name] = _build(sub, value, f"{path}{name}.") if sub and not isinstance(value, sub) else value
     try:
         return cls(**kwargs)
     except TypeError as e:
@@ -405,7 +514,9 @@ class TrainConfig:
                f"TrainConfig.save_every and keep_last must be >= 1, got {self.save_every}, {self.keep_last}")
 
 
-_NESTED = {"parallel": ParallelConfig, "sampling": SamplingConfig, "spec": SpecConfig, "data": DataConfig}
+_NESTED = {(top, name): sub for top in (GenerateConfig, TrainConfig) for name, sub in
+           (("parallel", ParallelConfig), ("sampling", SamplingConfig), ("spec", SpecConfig), ("data", DataConfig))}
+_NESTED.update({(SpecConfig, "reflex"): ReflexConfig, (SpecConfig, "slow_path"): SlowPathConfig})
 
 
 def load_config(cls: type, path: Optional[str], overrides: Sequence[str] = ()) -> Any:

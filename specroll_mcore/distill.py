@@ -113,7 +113,14 @@ def freeze_all_but_heads(policy: PolicyModel) -> list[torch.nn.Parameter]:
 
 
 def full_head_state(policy: PolicyModel) -> dict[str, torch.Tensor]:
-    """Unsharded head weights (TP=1 layout)."""
-    assert policy.ctx.tp_size == 1, "gathering TP-sharded heads: use the slow path's sharded save"
-    return {f"heads.{k}": v.detach().clone() for k, v in policy.heads.state_dict().items()
-            if not k.endswith("_extra_state")}
+    """Unsharded head weights (the TP=1 layout), on every TP rank of the last stage (a TP collective:
+    each ``layers.{i}.weight`` is column-parallel, [h/tp, h] per rank, gathered along its rows)."""
+    out = {}
+    for k, v in policy.heads.state_dict().items():
+        if k.endswith("_extra_state") or v is None:
+            continue
+        v = v.detach()
+        if policy.ctx.tp_size > 1:
+            v = policy.ctx.all_gather_tp(v).reshape(-1, *v.shape[1:])
+        out[f"heads.{k}"] = v.clone().cpu()
+    return out

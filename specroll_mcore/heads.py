@@ -49,6 +49,12 @@ class HorizonHeads(MegatronModule):
             out.append(x + gather_from_tensor_model_parallel_region(F.silu(y)))
         return torch.stack(out)
 
+    def forward_one(self, index: int, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Head ``index`` alone: hidden [n, h] -> z [n, h] (the slow path trains one head at a time)."""
+        x = hidden if delta is None else hidden + delta
+        y, _ = self.layers[index](x)
+        return x + gather_from_tensor_model_parallel_region(F.silu(y))
+
 
 def horizon_heads_spec(num_heads: int) -> ModuleSpec:
     """The heads as a ModuleSpec (swap the linear for another TP implementation via submodules)."""
@@ -94,3 +100,21 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_si
     idx = all_idx.permute(1, 0, 2).reshape(idx.shape[0], -1)
     order = torch.argsort(-values, dim=-1, stable=True)[:, :k]
     return values.gather(-1, order), idx.gather(-1, order)
+
+
+def vocab_rows(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """This rank's rows of the vocab projection for global ``ids`` [...] -> [..., h]; rows another
+    rank owns are zero, so a sum over TP ranks (an all-reduce of whatever the rows are multiplied
+    into) gives the true product without ever gathering the vocabulary matrix."""
+    local = ids - vocab_start
+    own = (local >= 0) & (local < weight.shape[0])
+    rows = weight[local.clamp(0, weight.shape[0] - 1)]
+    return rows * own[..., None].to(rows.dtype)
+
+
+def support_logits(weight: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, vocab_start: int, ctx: Any) -> torch.Tensor:
+    """Logits of the vocabulary entries ``ids`` [n, s] for inputs z [n, h]: ``W_ids z`` -> [n, s].
+
+    Inference only (the all-reduce is not differentiable); the slow path has its own autograd form."""
+    partial = torch.einsum("nsh,nh->ns", vocab_rows(weight, ids, vocab_start).to(z.dtype), z)
+    return ctx.all_reduce_tp(partial.contiguous(), "sum")

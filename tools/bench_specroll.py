@@ -29,13 +29,12 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
-from specroll_mcore.rollout.profile import ensure_capacity  # noqa: E402
+from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
 
 BINS = [(129, 10**9), (65, 128), (33, 64), (17, 32), (9, 16), (5, 8), (3, 4), (2, 2), (1, 1)]
 
@@ -158,13 +157,10 @@ def main() -> int:
     args = ap.parse_args()
     import transformers
 
-    from specroll_mcore.checkpoint.smollm2 import default_hf_dir, resolve_checkpoint
+    from specroll_mcore.checkpoint.smollm2 import default_hf_dir
 
-    ckpt = resolve_checkpoint(args.checkpoint)
     ctx = parallel.initialize(ParallelConfig())
-    policy = load_policy(ckpt, ctx, with_heads=True)
-    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
-    c_hw = ensure_capacity(policy, args.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"))
+    ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk)
     eos = [tok.eos_token_id]
     vanilla = VanillaEngine(policy, eos_token_ids=eos)

@@ -140,6 +140,13 @@ class PolicyModel(torch.nn.Module):
             hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
         return self.vocab_projection(selected).transpose(0, 1), selected  # [b, s, V/tp], [s, b, h]
 
+    def output_weight(self) -> torch.Tensor:
+        """This rank's rows of the vocab projection, [V/tp, h] (the tied embedding when shared)."""
+        gpt = self.gpt
+        if gpt.share_embeddings_and_output_weights:
+            return gpt.shared_embedding_or_output_weight()
+        return gpt.output_layer.weight
+
     def vocab_projection(self, x: torch.Tensor) -> torch.Tensor:
         """The policy's output layer (vocab-parallel): [..., h] -> [..., V/tp].
 
@@ -151,7 +158,7 @@ class PolicyModel(torch.nn.Module):
         if torch.is_grad_enabled() or x.device.type != "cpu":
             logits, _ = gpt.output_layer(x, weight=weight)
             return logits
-        w = weight if weight is not None else gpt.output_layer.weight  # [V/tp, h]
+        w = self.output_weight()  # [V/tp, h]
         flat = x.reshape(-1, x.shape[-1])
         return torch.mm(w, flat.t()).t().reshape(*x.shape[:-1], w.shape[0])
 

@@ -19,28 +19,31 @@ class Problem:
     question: str
     answer: int
     level: int
+    solution: str = ""
+    """A worked solution, one equation per step, ending in the GSM8K answer line."""
 
     @property
     def gsm8k_answer(self) -> str:
         return f"#### {self.answer}"
 
 
-def _step(rng: random.Random, total: int, name: str, item: str) -> tuple[str, int]:
+def _step(rng: random.Random, total: int, name: str, item: str) -> tuple[str, int, str]:
+    """One step: its text, the new total and the equation that gets there."""
     kind = rng.choice(["buy", "give", "double", "share"] if total % 2 == 0 else ["buy", "give", "triple"])
     if kind == "buy":
         n = rng.randint(2, 30)
-        return f"Then {name} buys {n} more {item}.", total + n
+        return f"Then {name} buys {n} more {item}.", total + n, f"{total} + {n} = {total + n}"
     if kind == "give" and total > 2:
         n = rng.randint(1, total - 1)
-        return f"Then {name} gives away {n} {item}.", total - n
+        return f"Then {name} gives away {n} {item}.", total - n, f"{total} - {n} = {total - n}"
     if kind == "double":
-        return f"Then the number of {item} doubles.", total * 2
+        return f"Then the number of {item} doubles.", total * 2, f"{total} * 2 = {total * 2}"
     if kind == "triple":
-        return f"Then the number of {item} triples.", total * 3
+        return f"Then the number of {item} triples.", total * 3, f"{total} * 3 = {total * 3}"
     if kind == "share":
-        return f"Then {name} gives half of the {item} to a friend.", total // 2
+        return f"Then {name} gives half of the {item} to a friend.", total // 2, f"{total} / 2 = {total // 2}"
     n = rng.randint(2, 9)
-    return f"Then {name} buys {n} more {item}.", total + n
+    return f"Then {name} buys {n} more {item}.", total + n, f"{total} + {n} = {total + n}"
 
 
 def make_problem(seed: int, index: int, level: int) -> Problem:
@@ -49,11 +52,14 @@ def make_problem(seed: int, index: int, level: int) -> Problem:
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     total = rng.randint(3, 60)
     parts = [f"{name} has {total} {item}."]
+    work = [f"{name} starts with {total} {item}."]
     for _ in range(level):
-        text, total = _step(rng, total, name, item)
+        text, total, equation = _step(rng, total, name, item)
         parts.append(text)
+        work.append(f"{equation}.")
     parts.append(f"How many {item} does {name} have now?")
-    return Problem(" ".join(parts), total, level)
+    work.append(f"#### {total}")
+    return Problem(" ".join(parts), total, level, "\n".join(work))
 
 
 def problems(n: int, seed: int = 0, min_level: int = 1, max_level: int = 4) -> list[Problem]:

@@ -4,8 +4,8 @@ clipped-ratio policy update with megatron-core TP/PP/DP -> metrics -> checkpoint
 The policy is one megatron-core model, the rollout engine and the trained network at once
 (colocated: no weight copy, no resharding). Horizon heads ride on it: they read the current policy's
 hidden states and its current vocab projection, so they can never be stale copies; they change only
-through the slow path (not part of this loop yet), and every policy update advances the policy
-version they are tied to.
+through the slow path, which the SpecRoll engine runs between rollout batches (its state is saved in
+every checkpoint), and every policy update advances the policy version they are tied to.
 
 Departures from the GRPO paper, all configurable: token-level loss normalisation by default (DAPO;
 ``loss_normalization=sequence`` gives the paper's), no KL term by default (``kl_beta``), optional
@@ -31,6 +31,7 @@ from specroll_mcore.checkpoint.megatron import CONFIG_FILE, load_policy, read_ch
 from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
                                                    save_training_checkpoint)
 from specroll_mcore.config import TrainConfig
+from specroll_mcore.distill import full_head_state
 from specroll_mcore.rl.data import Example, load_examples, render_prompt
 from specroll_mcore.rl.grpo import group_advantages, policy_loss
 from specroll_mcore.rl.rewards import RewardConfig, score
@@ -121,11 +122,13 @@ class GRPOTrainer:
         latest = latest_training_checkpoint(self.out)
         if latest is None:
             return
-        state, heads, meta = load_training_checkpoint(latest, self.policy, self.optimizer)
+        state, heads, meta, slow = load_training_checkpoint(latest, self.policy, self.optimizer)
         self.state = state
         if heads is not None and self.policy.heads is not None:
             self.policy.load_full_heads({k: v.to(self.policy.dtype) for k, v in heads.items()})
             self.heads_meta = meta
+        if slow is not None and getattr(self.engine, "slow_path", None) is not None:
+            self.engine.slow_path.load_state_dict(slow)
         if self.ctx.rank == 0 and (self.out / "metrics.jsonl").is_file():  # drop rows of steps not checkpointed
             rows = [line for line in (self.out / "metrics.jsonl").read_text().splitlines()
                     if line and json.loads(line)["step"] <= state["step"]]
@@ -249,6 +252,14 @@ class GRPOTrainer:
         if "tau" in stats:
             row["tau"] = stats["tau"]
             row["acceptance_per_head"] = stats["acceptance_per_depth"]
+            row["reflex_gate_open"] = stats.get("reflex_gate_open", 0.0)
+        if stats.get("slow_path"):
+            sp = stats["slow_path"]
+            row.update(slow_path_events=sp["events"], slow_path_share=sp["time_share"],
+                       slow_path_records=sp["records"])
+            if sp["event"]:
+                row["slow_path_event"] = {k: sp["event"][k] for k in ("head", "steps", "kept", "heldout_before",
+                                                                       "heldout_after", "seconds")}
         self.state["step"] = step + 1
         return row
 
@@ -299,13 +310,12 @@ class GRPOTrainer:
 
     # -- loop ---------------------------------------------------------------------------------------------
     def save(self) -> Path:
-        heads = None
-        if self.policy.heads is not None:
-            heads = {f"heads.{k}": v.detach().cpu() for k, v in self.policy.heads.state_dict().items()
-                     if not k.endswith("_extra_state")}
+        heads = full_head_state(self.policy) if self.policy.heads is not None else None  # TP-gathered
         meta = {**self.heads_meta, "policy_version": self.state["policy_version"]}
+        slow = getattr(self.engine, "slow_path", None)
         return save_training_checkpoint(self.out, self.state["step"], self.policy, self.optimizer, dict(self.state),
-                                        heads, meta, self.cfg.keep_last)
+                                        heads, meta, self.cfg.keep_last,
+                                        slow_path=slow.state_dict() if slow is not None else None)
 
     def log(self, row: dict[str, Any]) -> None:
         if self.ctx.rank != 0:

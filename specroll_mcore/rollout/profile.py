@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -13,6 +13,21 @@ from specroll_mcore.rollout.base import prefill
 
 
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None,
+                     with_heads: bool = True) -> tuple[Any, PolicyModel, Any, int]:
+    """``smollm2`` or a checkpoint directory -> (path, policy with heads, tokenizer, C_hw): what the
+    rollout tools start from."""
+    import transformers
+
+    from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config
+    from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
+
+    path = resolve_checkpoint(checkpoint)
+    policy = load_policy(path, ctx, with_heads=with_heads)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return path, policy, tokenizer, ensure_capacity(policy, c_hw, read_checkpoint_config(path).get("policy_fingerprint"))
 
 
 def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_fingerprint: Optional[str],

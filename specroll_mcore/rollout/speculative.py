@@ -6,7 +6,12 @@ One round, for all unfinished responses at once:
   3. verify    ONE policy forward over every tree (tree attention on top of the KV cache);
   4. accept    walk each tree with the policy's own counter-based samples (verify.py);
   5. commit    keep the accepted path's keys/values, compacted; drop the rest;
-  6. feedback  the hidden state where the last token was sampled seeds the next proposal.
+  6. feedback  the hidden state where the last token was sampled seeds the next proposal; the
+               verifier's verdict feeds Reflex (reflex.py: a per-trajectory correction of the next
+               proposal) and the slow path's records and drift monitor (slow_path.py), each
+               switched by its config.
+Between rollout batches the slow path may consolidate one head (outside the timed loop's
+inference mode; its time is part of the batch's total).
 With pipeline parallelism the forward runs stage by stage; proposals, trees and acceptance happen
 on the last stage and are broadcast, so every stage commits the same path.
 """
@@ -14,26 +19,43 @@ on the last stage and are broadcast, so every stage commits the same path.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 from specroll_mcore.config import SamplingConfig, SpecConfig
-from specroll_mcore.heads import vocab_parallel_logsumexp, vocab_parallel_topk
+from specroll_mcore import reflex
+from specroll_mcore.heads import support_logits, vocab_parallel_logsumexp, vocab_parallel_topk
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          validate_prompts)
 from specroll_mcore.sampling import sample
+from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import TreeBatch, build_trees, node_budget, row_chunks, tree_ancestor_mask, tree_depths
 from specroll_mcore.tree.budget import DEFAULT_C_HW
 from specroll_mcore.verify import accept
 
 
+@dataclass
+class Proposal:
+    """What the heads drafted from each row's hidden state (last stage)."""
+
+    candidates: torch.Tensor  # [b, H, k] token ids, most likely first
+    logq: torch.Tensor  # [b, H, k] draft log-probs (temperature applied)
+    q_top: torch.Tensor  # [b, H, k'] the draft's top-k' ids (k' = max(k, Reflex support_topk))
+    z: torch.Tensor  # [H, b, h] the heads' outputs (Reflex correction included)
+
+
 class SpeculativeEngine:
-    """Same interface as VanillaEngine; ``model`` must carry horizon heads (``num_heads > 0``)."""
+    """Same interface as VanillaEngine; ``model`` must carry horizon heads (``num_heads > 0``).
+
+    ``spec.reflex.enabled`` and ``spec.slow_path.enabled`` switch the two adaptation paths
+    independently. The slow path's state (records, monitor, time accounts) lives in
+    :attr:`slow_path` across :meth:`generate` calls."""
 
     def __init__(self, model: PolicyModel, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
-                 tokenizer: Any = None, max_prefill_tokens: int = 4096) -> None:
+                 tokenizer: Any = None, max_prefill_tokens: int = 4096, seed: int = 0) -> None:
         if model.num_heads != spec.num_heads:
             raise ValueError(f"SpecConfig.num_heads ({spec.num_heads}) != heads of the policy ({model.num_heads}); "
                              f"build the PolicyModel with num_heads={spec.num_heads}")
@@ -44,20 +66,60 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.max_prefill_tokens = max_prefill_tokens
         self.c_hw = spec.c_hw or DEFAULT_C_HW
+        self.reflex_cfg = spec.reflex if spec.reflex.enabled else None
+        self.slow_path = (SlowPath(model, spec.slow_path, spec.topk, seed)
+                          if spec.slow_path.enabled and model.heads is not None else None)
 
     # -- 1. propose ---------------------------------------------------------------------------------
-    def propose(self, hidden: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [b, h] -> candidate tokens and draft log-probs [b, H, k] (last stage only)."""
+    def propose(self, hidden: torch.Tensor, temperature: float, delta: Optional[torch.Tensor] = None) -> Proposal:
+        """hidden [b, h] (+ Reflex correction delta [H, b, h]) -> the heads' drafts (last stage only)."""
         model, k = self.model, self.spec.topk
-        logits = model.head_logits(hidden)  # [H, b, V/tp]
+        kq = max(k, self.reflex_cfg.support_topk) if self.reflex_cfg else k
+        z = model.heads(hidden, delta)  # [H, b, h]
+        logits = model.vocab_projection(z)  # [H, b, V/tp]
         if temperature > 0:
             logits = logits / temperature
         H, b = logits.shape[:2]
         flat = logits.reshape(H * b, -1)
-        values, ids = vocab_parallel_topk(flat, k, model.vocab_start, model.config.vocab_size, model.ctx)
+        values, ids = vocab_parallel_topk(flat, kq, model.vocab_start, model.config.vocab_size, model.ctx)
         lse = vocab_parallel_logsumexp(flat, model.vocab_start, model.config.vocab_size, model.ctx)
-        logq = values.float() - lse[:, None]
-        return ids.reshape(H, b, k).transpose(0, 1), logq.reshape(H, b, k).transpose(0, 1)
+        logq = values[:, :k].float() - lse[:, None]
+        ids = ids.reshape(H, b, kq).transpose(0, 1)
+        return Proposal(ids[..., :k], logq.reshape(H, b, k).transpose(0, 1), ids, z)
+
+    # -- 6. feedback ----------------------------------------------------------------------------------
+    def feedback(self, active: torch.Tensor, acc: Any, logits: torch.Tensor, hidden_all: torch.Tensor,
+                 proposal: Optional[Proposal], temperature: float, rstate: Optional[reflex.ReflexState]) -> None:
+        """The verifier's verdict at every position the accepted path reached -> Reflex memory and
+        slow-path records (last stage)."""
+        H, k = self.spec.num_heads, self.spec.topk
+        on_path = torch.arange(acc.path.shape[1], device=logits.device)[None] < acc.counts[:, None]
+        rows, depth = on_path.nonzero(as_tuple=True)  # row-major: each row's path in order
+        node = acc.path[rows, depth]
+        p_logits = logits[rows, node].float()  # [m, V]: the distribution each emitted token came from
+        tokens = acc.tokens[rows, depth]
+        if self.slow_path is not None:
+            K = self.spec.slow_path.target_topk
+            top_lp, top_ids = torch.log_softmax(p_logits, -1).topk(K, dim=-1)
+            self.slow_path.observe(active.tolist(), acc.counts.tolist(), hidden_all[node, rows], top_ids,
+                                   top_lp.exp(), tokens, acc.tried.tolist(), acc.accepted.tolist())
+        if rstate is None or proposal is None:
+            return
+        cfg, model = self.reflex_cfg, self.model
+        sel = depth < H  # head i drafted the token sampled at path node i
+        rows, depth = rows[sel], depth[sel]
+        t = temperature if temperature > 0 else 1.0
+        pl = p_logits[sel] / t
+        p_top = pl.topk(max(k, cfg.support_topk), dim=-1).indices
+        cand = proposal.candidates[rows, depth]
+        ids, valid = reflex.support(cand, proposal.q_top[rows, depth, :cfg.support_topk],
+                                    p_top[:, :cfg.support_topk], tokens[sel])
+        weight = model.output_weight()
+        q_l = support_logits(weight, ids, proposal.z[depth, rows], model.vocab_start, model.ctx).float() / t
+        coef = reflex.feedback_coefficients(pl.gather(1, ids), q_l, ids, valid, cand, p_top[:, :k],
+                                            cfg.coverage_weight)
+        e = reflex.feedback_vectors(weight, ids, coef, model.vocab_start, model.ctx)
+        reflex.update(rstate, active[rows], depth, e, cfg.decay_for(H))
 
     # -- 3. verify ------------------------------------------------------------------------------------
     def verify(self, state: RolloutState, active: torch.Tensor, tree: TreeBatch):
@@ -80,15 +142,29 @@ class SpeculativeEngine:
             return None, None
         return torch.cat(logits), torch.cat(hidden, dim=1)
 
-    @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int = 0,
                  prompt_ids: Optional[Sequence[int]] = None) -> RolloutOutput:
         """Same contract as :meth:`VanillaEngine.generate`: identical tokens for the same seed."""
+        out = self._generate(prompts, sampling, step, prompt_ids)
+        if self.slow_path is not None:
+            event = self.slow_path.end_batch(out.stats["total_s"])
+            st = self.slow_path.stats
+            out.stats["slow_path"] = {"event": event, "events": len(st.events), "records": len(self.slow_path.buffer),
+                                      "skipped": dict(st.skipped), "time_share": st.slow_seconds /
+                                      max(st.generation_seconds, 1e-9)}
+            if event is not None:
+                out.stats["total_s"] += event["seconds"]
+                out.stats["tokens_per_s"] = out.stats["tokens"] / max(out.stats["total_s"], 1e-9)
+        return out
+
+    @torch.inference_mode()
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int,
+                  prompt_ids: Optional[Sequence[int]]) -> RolloutOutput:
         model, cfg, ctx, spec = self.model, self.model.config, self.model.ctx, self.spec
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
         device, H = ctx.device, spec.num_heads
-        timers = dict(prefill=0.0, propose=0.0, build=0.0, verify=0.0, accept=0.0, commit=0.0)
+        timers = dict(prefill=0.0, propose=0.0, build=0.0, verify=0.0, accept=0.0, commit=0.0, feedback=0.0)
         t_start = time.perf_counter()
 
         state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=spec.n_max)
@@ -97,6 +173,11 @@ class SpeculativeEngine:
         keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
         active, roots = state.slots[keep_t], roots[keep_t]
         hidden = hidden[keep_t] if hidden is not None else None
+        rstate = (reflex.ReflexState.new(state.num, H, cfg.hidden_size, device)
+                  if self.reflex_cfg is not None and ctx.is_last_stage else None)
+        gate_open, gate_total = 0, 0
+        row_steps = torch.zeros(state.num, dtype=torch.long)
+        row_emitted = torch.zeros(state.num, dtype=torch.long)
         timers["prefill"] = time.perf_counter() - t_start
 
         def sample_fn(logits_rows: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
@@ -112,15 +193,23 @@ class SpeculativeEngine:
             n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
             t0 = time.perf_counter()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
+            proposal = None
             if n == 1:  # a full batch: plain decoding, no proposal
                 t1 = time.perf_counter()
                 tree = TreeBatch(roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
                                  torch.zeros(b, 1, dtype=torch.long, device=device), torch.ones(b, dtype=torch.long,
                                                                                                 device=device))
             elif ctx.is_last_stage:
-                cand, logq = self.propose(hidden, sampling.temperature)
+                delta = None
+                if rstate is not None:
+                    r = self.reflex_cfg
+                    delta, open_ = reflex.correction(rstate, active, hidden, r.alpha, r.z_delta, r.min_observations)
+                    gate_open, gate_total = gate_open + int(open_.sum()), gate_total + open_.numel()
+                    if self.slow_path is not None:
+                        self.slow_path.proposal_delta(active.tolist(), delta)
+                proposal = self.propose(hidden, sampling.temperature, delta)
                 t1 = time.perf_counter()
-                tree = build_trees(roots, cand, logq, n)
+                tree = build_trees(roots, proposal.candidates, proposal.logq, n)
             else:
                 t1, tree = time.perf_counter(), None
             tree = self._share_tree(tree, b, n)
@@ -150,13 +239,24 @@ class SpeculativeEngine:
                 c = counts_l[r]
                 keep.append(state.append(slot, emitted_l[r][:c], emitted_lp[r, :c]))
             keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
+            row_steps[active.cpu()] += 1
+            row_emitted[active.cpu()] += counts.cpu()
             last = emitted[torch.arange(b, device=device), counts - 1]
             recorded = sum(len(state.responses[s]) for s in active.tolist()) - recorded_before
+            t5 = time.perf_counter()
+            # 6. feedback (last stage): Reflex memory, slow-path records; finished rows are released.
+            if logits is not None and (rstate is not None or self.slow_path is not None):
+                self.feedback(active, acc, logits, hidden_all, proposal, sampling.temperature, rstate)
+                done = active[~keep_t]
+                if rstate is not None:
+                    rstate.release(done)
+                if self.slow_path is not None:
+                    self.slow_path.finished(done.tolist())
+            timers["feedback"] += time.perf_counter() - t5
             per_step.append({"active": b, "nodes_per_row": int(tree.shape[1]), "emitted": int(counts.sum()),
                              "tokens": recorded, "seconds": time.perf_counter() - t0})
             active, roots = active[keep_t], last[keep_t]
             hidden = next_hidden[keep_t] if next_hidden is not None else None
-            t5 = time.perf_counter()
             timers["propose"] += t1 - t0
             timers["build"] += t2 - t1
             timers["verify"] += t3 - t2
@@ -171,8 +271,10 @@ class SpeculativeEngine:
             "total_s": elapsed, "tokens_per_s": num_tokens / max(elapsed, 1e-9),
             # tau: tokens one verification step confirms per response (before EOS / length truncation)
             "tau": sum(p["emitted"] for p in per_step) / max(1, sum(p["active"] for p in per_step)),
+            "tau_per_row": (row_emitted.double() / row_steps.clamp(min=1).double()).tolist(),
             "acceptance_per_depth": (accepted_total.double() / tried_total.clamp(min=1).double()).tolist(),
             "tried_per_depth": tried_total.tolist(), "c_hw": self.c_hw, "time_split_s": timers,
+            "reflex_gate_open": gate_open / gate_total if gate_total else 0.0,
             "per_step": per_step,
         })
 

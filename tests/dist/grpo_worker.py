@@ -1,6 +1,9 @@
-"""Run under torchrun: one GRPO step (vanilla rollouts) at the given TP/PP layout."""
+"""Run under torchrun: one GRPO step (vanilla rollouts) at the given TP/PP layout; with --specroll,
+three steps with SpecRoll rollouts and a slow path that consolidates a head every step, then a check
+that every data-parallel replica holds the same heads."""
 
 import argparse
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -10,7 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the t
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.config import TrainConfig, load_config  # noqa: E402
+from specroll_mcore.distill import full_head_state  # noqa: E402
 from specroll_mcore.rl.trainer import GRPOTrainer  # noqa: E402
+
+BUSY_SLOW_PATH = ["engine=specroll", "steps=3", "spec.slow_path.window=4", "spec.slow_path.min_records=4",
+                  "spec.slow_path.cooldown_batches=1", "spec.slow_path.time_cap=1.0",
+                  "spec.slow_path.reference_windows=1", "spec.slow_path.degraded_windows=1",
+                  "spec.slow_path.tolerance=0.01", "spec.slow_path.lr=1e-2", "spec.c_hw=64"]
 
 
 def overrides(ckpt: str, out: str, tp: int, pp: int) -> list[str]:
@@ -26,6 +35,15 @@ if __name__ == "__main__":
     ap.add_argument("--out")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--specroll", action="store_true")
     a = ap.parse_args()
-    GRPOTrainer(load_config(TrainConfig, None, overrides(a.ckpt, a.out, a.tp, a.pp))).run()
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(a.ckpt, a.out, a.tp, a.pp) +
+                                      (BUSY_SLOW_PATH if a.specroll else [])))
+    trainer.run()
+    ctx = trainer.ctx
+    if a.specroll and ctx.is_last_stage:
+        heads = full_head_state(trainer.policy)
+        spread = max(float((ctx.all_reduce_dp(v.clone()) / ctx.dp_size - v).abs().max()) for v in heads.values())
+        if ctx.tp_rank == 0 and ctx.dp_rank == 0:
+            (Path(a.out) / "heads_check.json").write_text(json.dumps({"dp_spread": spread}))
     parallel.destroy()

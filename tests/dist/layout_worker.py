@@ -10,7 +10,8 @@ warnings.filterwarnings("ignore")
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
-from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2  # noqa: E402
+from specroll_mcore.config import (ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig,  # noqa: E402
+                                   tiny_llama, tiny_qwen2)
 from specroll_mcore.heads import vocab_parallel_logsumexp, vocab_parallel_topk  # noqa: E402
 from specroll_mcore.model import PolicyModel, causal_mask  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
@@ -59,7 +60,24 @@ def run(arch: str, dtype: str, ctx) -> dict:
         out[name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3]).generate(PROMPTS, sp, step=1)
         out["spec-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+    out["adapt"] = adapt(model, ctx)
     return out
+
+
+def adapt(model, ctx) -> dict:
+    """Reflex with its gate forced open and one slow-path consolidation of head 1 (kept): the
+    per-response speculation and the updated head weights are layout independent."""
+    spec = SpecConfig(c_hw=24, reflex=ReflexConfig(alpha=0.5, z_delta=0.0, min_observations=2),
+                      slow_path=SlowPathConfig(min_records=4, max_records=32, buffer_size=64, steps=3, lr=1e-3))
+    engine = SpeculativeEngine(model, spec, eos_token_ids=[3])
+    r = engine.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=16, num_samples=2, seed=9), step=2)
+    res = {"tokens": r.tokens, "tau_per_row": r.stats["tau_per_row"], "gate": r.stats["reflex_gate_open"]}
+    if ctx.is_last_stage:
+        engine.slow_path.expected_acceptance = lambda rec, head: 0.0  # keep the update whatever it does
+        res["event"] = engine.slow_path.consolidate(1)
+        w = model.heads.layers[1].weight.detach()
+        res["head1"] = ctx.all_gather_tp(w).reshape(-1, w.shape[1])
+    return res
 
 
 def main() -> None:

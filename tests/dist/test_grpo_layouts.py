@@ -21,10 +21,10 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.dist
 
 
-def run(ckpt, out, tp, pp, nproc):
+def run(ckpt, out, tp, pp, nproc, *extra):
     env = dict(os.environ, PYTHONPATH=f"{HERE.parent.parent}{os.pathsep}{HERE.parent}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(HERE / "grpo_worker.py"), f"--ckpt={ckpt}", f"--out={out}", f"--tp={tp}", f"--pp={pp}"]
+           str(HERE / "grpo_worker.py"), f"--ckpt={ckpt}", f"--out={out}", f"--tp={tp}", f"--pp={pp}", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -52,3 +52,20 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
         print(f"TP={tp} PP={pp}: max |weight diff| after one step = {diff:.2e}")
         assert diff < 1e-4
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
+
+
+@pytest.mark.parametrize("tp", [1, 2])  # DP=2, or TP=2
+def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
+    """Consolidations run every step; the collective decisions and updates do not deadlock, and every
+    data-parallel replica ends with the same heads."""
+    import transformers
+
+    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
+
+    tok = tmp_path / "tok"
+    transformers.AutoTokenizer.from_pretrained(smollm2_gguf_path().parent,
+                                               gguf_file=smollm2_gguf_path().name).save_pretrained(tok)
+    ckpt = tiny_policy_checkpoint(tmp_path, tok, with_heads=True)
+    rows = run(ckpt, tmp_path / "run", tp, 1, 2, "--specroll")
+    assert rows[-1]["slow_path_events"] >= 2, rows
+    assert json.loads((tmp_path / "run" / "heads_check.json").read_text())["dp_spread"] == 0.0

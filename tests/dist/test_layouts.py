@@ -61,3 +61,9 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp):
                 assert got[name][key]["finish"] == ref[key]["finish"]
                 for a, b in zip(got[name][key]["logprobs"], ref[key]["logprobs"]):
                     assert torch.allclose(a, b, atol=1e-5)
+        # Reflex (gate forced open) and a slow-path consolidation of one TP-sharded head
+        adapt, adapt_ref = got[name]["adapt"], ref["adapt"]
+        assert adapt_ref["gate"] > 0 and adapt_ref["event"]["steps"] == 3
+        if name.endswith("float64"):
+            assert adapt["tokens"] == adapt_ref["tokens"] and adapt["tau_per_row"] == adapt_ref["tau_per_row"]
+        assert (adapt["head1"] - adapt_ref["head1"]).abs().max() < tol * 10, name

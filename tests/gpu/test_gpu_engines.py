@@ -52,3 +52,27 @@ def test_speculative_equals_vanilla_on_gpu(gpu_ctx):
     a = VanillaEngine(model).generate(prompts, sp)
     b = SpeculativeEngine(model, SpecConfig(c_hw=64)).generate(prompts, sp)
     assert a.tokens == b.tokens
+
+
+def test_reflex_and_slow_path_on_gpu(gpu_ctx):
+    """Both adaptation paths on CUDA: tokens equal vanilla, and a consolidation runs and changes one head."""
+    from specroll_mcore.config import ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig
+    from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
+
+    model = _policy(gpu_ctx, "float64")
+    with torch.no_grad():
+        for layer in model.heads.layers:
+            layer.weight.normal_(0, 0.3)
+    spec = SpecConfig(c_hw=64, reflex=ReflexConfig(alpha=0.5, z_delta=0.0, min_observations=2),
+                      slow_path=SlowPathConfig(window=4, min_records=8, cooldown_batches=0, time_cap=1.0,
+                                               reference_windows=1, degraded_windows=1, tolerance=0.05))
+    engine = SpeculativeEngine(model, spec)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    for step in range(3):
+        sp = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=32, num_samples=2, seed=step)
+        assert VanillaEngine(model).generate(prompts, sp, step=step).tokens == \
+            engine.generate(prompts, sp, step=step).tokens
+    before = model.heads.layers[2].weight.detach().clone()
+    engine.slow_path.expected_acceptance = lambda rec, head: 0.0
+    event = engine.slow_path.consolidate(2)
+    assert event["kept"] and not torch.equal(before, model.heads.layers[2].weight)

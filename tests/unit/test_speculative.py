@@ -113,5 +113,5 @@ def test_stats(ctx):
     out = SpeculativeEngine(model, SpecConfig(c_hw=64)).generate(PROMPTS, SAMPLINGS["greedy"])
     s = out.stats
     assert s["tau"] >= 1 and len(s["acceptance_per_depth"]) == 3
-    assert set(s["time_split_s"]) == {"prefill", "propose", "build", "verify", "accept", "commit"}
+    assert set(s["time_split_s"]) == {"prefill", "propose", "build", "verify", "accept", "commit", "feedback"}
     assert sum(p["tokens"] for p in s["per_step"]) + len(out.tokens) == out.num_tokens

@@ -83,9 +83,15 @@ def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
 
 def _train_cmd(ckpt, out, *extra):
     args = []
-    for o in overrides(ckpt, out, "steps=4", *extra):
+    for o in overrides(ckpt, out, "steps=4", *BUSY_SLOW_PATH, *extra):
         args += ["--set", o]
     return [sys.executable, "-m", "specroll_mcore.cli", "train", *args]
+
+
+# A slow path that consolidates a head almost every step, so its state must survive the kill.
+BUSY_SLOW_PATH = ["spec.slow_path.window=4", "spec.slow_path.min_records=4", "spec.slow_path.cooldown_batches=1",
+                  "spec.slow_path.time_cap=1.0", "spec.slow_path.reference_windows=1",
+                  "spec.slow_path.degraded_windows=1", "spec.slow_path.tolerance=0.01", "spec.slow_path.lr=1e-2"]
 
 
 def test_resume_after_sigkill_equals_uninterrupted(tiny_ckpt, tmp_path):
@@ -113,7 +119,7 @@ def test_resume_after_sigkill_equals_uninterrupted(tiny_ckpt, tmp_path):
     a, b = rows(tmp_path / "full"), rows(tmp_path / "killed")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
-        for k in ("reward_mean", "response_len", "policy_version"):
+        for k in ("reward_mean", "response_len", "policy_version", "slow_path_events", "slow_path_records", "tau"):
             assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])
         for k in ("loss", "grad_norm"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k, ra[k], rb[k])

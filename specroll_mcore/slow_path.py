@@ -1,0 +1,431 @@
+"""The slow path: a drift monitor over verification by-products and persistent one-head consolidation.
+
+Verification already computes, at every accepted position, the policy's hidden state, its
+distribution for the next token and the token it sampled. :class:`RecordStreams` turns them into
+training records for the heads: the record of the hidden state that sampled response token j
+targets tokens j+1 .. j+H (head h: the policy's distribution p_{j+h} and the realised token). A
+record *matures* once all H targets are known (or its response ended); matured records enter a
+ring buffer.
+
+:class:`AcceptanceMonitor` watches each head's acceptance over windows of verification events. Only
+sustained degradation triggers a consolidation: ``degraded_windows`` consecutive windows below
+``(1 - tolerance)`` x the head's reference, at least ``min_records`` records, ``cooldown_batches``
+rollout batches since the last event, and slow-path time so far under ``time_cap`` x generation
+time (an event runs its ``steps`` whole once admitted, so the share can overshoot by one event).
+
+A consolidation updates ONE head (the most degraded) on at most ``max_records`` recent records:
+
+    KL(p_S || q_raw) + corrected_weight * KL(p_S || q_corrected) + rank_weight * ranking
+        + proximal * ||theta - theta_prev||^2
+
+on a support S shared by the event's records: every record's stored target top-K and realised
+token and the head's own top candidates before the event (a restricted softmax over each record's
+own few ids would let tokens outside them rise unchecked); ``q_corrected`` uses the
+Reflex correction that was applied when the record's proposal was made; the ranking term asks the
+head's logit gaps between the policy's most likely token and the rest of S to reach the policy's own
+log-prob gaps (capped at ``rank_margin``). The backbone and the vocab projection are frozen; logits
+are taken on S only (each TP rank multiplies its own vocabulary rows, partial sums are all-reduced).
+The update is rolled back if the held-out expected acceptance (the policy's probability mass on the
+head's top-k candidates) gets worse. It runs on the last pipeline stage only, between rollout
+batches; other stages are not involved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+
+from specroll_mcore.config import SlowPathConfig
+from specroll_mcore.heads import vocab_parallel_topk, vocab_rows
+
+
+@dataclass
+class Records:
+    """N head-training records (float32 hidden states whatever the model dtype)."""
+
+    hidden: torch.Tensor  # [N, h] the policy's hidden state that sampled token j
+    delta: torch.Tensor  # [N, H, h] the Reflex correction its proposal used (zeros if none)
+    target_ids: torch.Tensor  # [N, H, K] top-K ids of p_{j+h}, most likely first
+    target_probs: torch.Tensor  # [N, H, K]
+    realised: torch.Tensor  # [N, H] token j+h
+    valid: torch.Tensor  # [N, H] bool: token j+h exists
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def select(self, idx: torch.Tensor) -> "Records":
+        return Records(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+    def detached(self) -> "Records":
+        """Ordinary tensors (records are made under inference mode; autograd refuses those)."""
+        return Records(*(getattr(self, f.name).clone() for f in fields(self)))
+
+    @staticmethod
+    def cat(parts: list["Records"]) -> "Records":
+        return Records(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Records)))
+
+
+class RecordBuffer:
+    """The most recent ``capacity`` matured records."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.records: Optional[Records] = None
+
+    def __len__(self) -> int:
+        return 0 if self.records is None else len(self.records)
+
+    def add(self, rec: Records) -> None:
+        if len(rec) == 0:
+            return
+        rec = rec if self.records is None else Records.cat([self.records, rec])
+        if len(rec) > self.capacity:
+            rec = rec.select(torch.arange(len(rec) - self.capacity, len(rec)))
+        self.records = rec
+
+    def latest(self, n: int, head: int) -> Optional[Records]:
+        """The ``n`` most recent records with a target for ``head``."""
+        if self.records is None:
+            return None
+        idx = self.records.valid[:, head].nonzero().flatten()[-n:]
+        return self.records.select(idx) if idx.numel() else None
+
+
+class RecordStreams:
+    """Per-response entries (hidden state, target top-K, token) -> matured :class:`Records`."""
+
+    def __init__(self, num_heads: int, hidden_size: int, topk: int) -> None:
+        self.H, self.h, self.K = num_heads, hidden_size, topk
+        self.streams: dict[int, deque] = {}
+        self.ready: list[Records] = []
+
+    def add(self, slot: int, hidden: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+            tokens: torch.Tensor) -> None:
+        """Append response tokens j.. of one slot: the hidden state each was sampled from [c, h],
+        the top-K of the distribution it was sampled from [c, K] and the tokens [c]."""
+        s = self.streams.setdefault(slot, deque())
+        for i in range(tokens.shape[0]):
+            s.append([hidden[i].float(), ids[i], probs[i].float(), tokens[i], None])
+        self._mature(slot, final=False)
+
+    def set_delta(self, slots: list[int], delta: torch.Tensor) -> None:
+        """The proposal from each slot's newest entry used ``delta`` [H, b, h]."""
+        for r, slot in enumerate(slots):
+            s = self.streams.get(slot)
+            if s:
+                s[-1][4] = delta[:, r].float()
+
+    def finish(self, slot: int) -> None:
+        self._mature(slot, final=True)
+        self.streams.pop(slot, None)
+
+    def take(self) -> Optional[Records]:
+        out, self.ready = self.ready, []
+        return Records.cat(out) if out else None
+
+    def _mature(self, slot: int, final: bool) -> None:
+        s, H = self.streams[slot], self.H
+        n = len(s) if final else max(0, len(s) - H)
+        if n == 0:
+            return
+        entries = list(s)
+        rows = []
+        for i in range(n):
+            tgt = entries[i + 1:i + 1 + H]
+            if not tgt:
+                continue
+            device = entries[i][0].device
+            valid = torch.zeros(H, dtype=torch.bool, device=device)
+            valid[:len(tgt)] = True
+            pad = H - len(tgt)
+            ids = torch.stack([t[1] for t in tgt] + [tgt[-1][1]] * pad)
+            probs = torch.stack([t[2] for t in tgt] + [tgt[-1][2]] * pad)
+            toks = torch.stack([t[3] for t in tgt] + [tgt[-1][3]] * pad)
+            delta = entries[i][4] if entries[i][4] is not None else torch.zeros(H, self.h, device=device)
+            rows.append((entries[i][0], delta, ids, probs, toks, valid))
+        for _ in range(n):
+            s.popleft()
+        if rows:
+            cols = list(zip(*rows))
+            self.ready.append(Records(*(torch.stack(c) for c in cols)))
+
+
+class AcceptanceMonitor:
+    """Per-head acceptance over windows of ``window`` verification events."""
+
+    def __init__(self, num_heads: int, cfg: SlowPathConfig) -> None:
+        self.cfg = cfg
+        self.tried = [0] * num_heads
+        self.accepted = [0] * num_heads
+        self.rates: list[list[float]] = [[] for _ in range(num_heads)]
+        self.reference: list[Optional[float]] = [None] * num_heads
+        self.consecutive = [0] * num_heads
+
+    def observe(self, tried: list[int], accepted: list[int]) -> None:
+        for h, (t, a) in enumerate(zip(tried, accepted)):
+            self.tried[h] += t
+            self.accepted[h] += a
+            if self.tried[h] >= self.cfg.window:
+                self._close(h, self.accepted[h] / self.tried[h])
+                self.tried[h] = self.accepted[h] = 0
+
+    def _close(self, h: int, rate: float) -> None:
+        cfg = self.cfg
+        self.rates[h].append(rate)
+        recent = self.rates[h][-cfg.reference_windows:]
+        if self.reference[h] is None:
+            if len(self.rates[h]) >= cfg.reference_windows:
+                self.reference[h] = sum(recent) / len(recent)
+            return
+        self.consecutive[h] = self.consecutive[h] + 1 if rate < (1 - cfg.tolerance) * self.reference[h] else 0
+        if len(recent) == cfg.reference_windows:  # a sustained recovery raises the bar again
+            self.reference[h] = max(self.reference[h], sum(recent) / len(recent))
+
+    def degraded(self) -> list[int]:
+        return [h for h, c in enumerate(self.consecutive) if c >= self.cfg.degraded_windows]
+
+    def most_degraded(self) -> Optional[int]:
+        heads = self.degraded()
+        if not heads:
+            return None
+
+        def drop(h: int) -> float:
+            recent = self.rates[h][-self.cfg.degraded_windows:]
+            return (self.reference[h] - sum(recent) / len(recent)) / max(self.reference[h], 1e-9)
+
+        return max(heads, key=drop)
+
+    def consolidated(self, h: int) -> None:
+        self.consecutive[h] = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("tried", "accepted", "rates", "reference", "consecutive")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+@dataclass
+class SlowPathStats:
+    events: list[dict] = field(default_factory=list)
+    slow_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    batches_since_event: int = 10**9
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+class SlowPath:
+    """Monitor + records + consolidation for one policy's heads (last pipeline stage)."""
+
+    def __init__(self, policy: Any, cfg: SlowPathConfig, candidates: int, seed: int = 0) -> None:
+        self.policy, self.cfg, self.candidates, self.seed = policy, cfg, candidates, seed
+        H = policy.num_heads
+        self.streams = RecordStreams(H, policy.config.hidden_size, cfg.target_topk)
+        self.buffer = RecordBuffer(cfg.buffer_size)
+        self.monitor = AcceptanceMonitor(H, cfg)
+        self.stats = SlowPathStats()
+
+    # -- fed by the speculative engine ----------------------------------------------------------
+    def observe(self, slots: list[int], counts: list[int], hidden: torch.Tensor, top_ids: torch.Tensor,
+                top_probs: torch.Tensor, tokens: torch.Tensor, tried: list[int], accepted: list[int]) -> None:
+        """One verification step: rows' emitted tokens (flattened over rows, ``counts`` each) with
+        the hidden state each was sampled from and the top-K of its distribution."""
+        self.monitor.observe(tried, accepted)
+        start = 0
+        for slot, c in zip(slots, counts):
+            self.streams.add(slot, hidden[start:start + c], top_ids[start:start + c], top_probs[start:start + c],
+                             tokens[start:start + c])
+            start += c
+        self._collect()
+
+    def proposal_delta(self, slots: list[int], delta: torch.Tensor) -> None:
+        self.streams.set_delta(slots, delta)
+
+    def finished(self, slots: list[int]) -> None:
+        for s in slots:
+            self.streams.finish(s)
+        self._collect()
+
+    def _collect(self) -> None:
+        rec = self.streams.take()
+        if rec is not None:
+            self.buffer.add(rec)
+
+    # -- between rollout batches ----------------------------------------------------------------
+    def end_batch(self, generation_seconds: float) -> Optional[dict]:
+        """Account one rollout batch; consolidate one head if the trigger fires. Returns the event.
+
+        Data-parallel replicas see different rollouts; they follow replica 0's decision and average
+        their gradients, so the heads stay identical everywhere."""
+        st, cfg = self.stats, self.cfg
+        st.generation_seconds += generation_seconds
+        st.batches_since_event += 1
+        head = self.monitor.most_degraded()
+        if head is not None:
+            budget = cfg.time_cap * st.generation_seconds - st.slow_seconds
+            reason = ("records" if len(self.buffer) < cfg.min_records else
+                      "cooldown" if st.batches_since_event < cfg.cooldown_batches else
+                      "time_cap" if budget <= 0 else None)
+            if reason:
+                st.skipped[reason] = st.skipped.get(reason, 0) + 1
+                head = None
+        head = self._replica0(head)
+        if head is None:
+            return None
+        t0 = time.perf_counter()
+        event = self.consolidate(head)
+        st.slow_seconds += time.perf_counter() - t0
+        st.batches_since_event = 0
+        self.monitor.consolidated(head)
+        event["seconds"] = time.perf_counter() - t0
+        st.events.append(event)
+        return event
+
+    def _replica0(self, head: Optional[int]) -> Optional[int]:
+        """The decision of TP rank 0 of DP replica 0, on every rank of the last stage (the time guard
+        reads each rank's own clock; the consolidation that follows is collective)."""
+        ctx = self.policy.ctx
+        if ctx.dp_size == 1 and ctx.tp_size == 1:
+            return head
+        t = torch.tensor([head + 1 if head is not None else 0], device=ctx.device)
+        if ctx.tp_rank != 0:
+            t.zero_()
+        ctx.all_reduce_tp(t)
+        if ctx.dp_rank != 0:
+            t.zero_()
+        v = int(ctx.all_reduce_dp(t))
+        return v - 1 if v > 0 else None
+
+    def consolidate(self, head: int) -> dict:
+        """Update head ``head`` on recent records; keep the update only if held-out acceptance does
+        not get worse."""
+        cfg, policy = self.cfg, self.policy
+        rec = self.buffer.latest(cfg.max_records, head)
+        short = torch.tensor([1 if rec is None or len(rec) < 2 else 0], device=policy.ctx.device)
+        if int(policy.ctx.all_reduce_dp(short)) > 0:  # every replica needs records, or none trains
+            return {"head": head, "records": 0, "steps": 0, "kept": False}
+        rec = rec.detached()
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self.stats.events))
+        perm = torch.randperm(len(rec), generator=g).to(rec.hidden.device)
+        n_hold = max(1, int(len(rec) * cfg.holdout_fraction))
+        hold, train = rec.select(perm[:n_hold]), rec.select(perm[n_hold:])
+        support = torch.unique(torch.cat([rec.target_ids[:, head].flatten(), rec.realised[:, head],
+                                          self.head_candidates(rec, head, 2 * self.candidates).flatten()]))
+        layer = policy.heads.layers[head]
+        params = [p for p in layer.parameters()]
+        prev = [p.detach().clone() for p in params]
+        before = self.expected_acceptance(hold, head)
+        steps, losses = 0, []
+        dp = policy.ctx.dp_size
+        flags = [p.requires_grad for p in params]
+        with torch.inference_mode(False), torch.enable_grad():
+            for p in params:
+                p.requires_grad_(True)
+            opt = torch.optim.Adam(params, lr=cfg.lr)
+            for _ in range(cfg.steps):
+                opt.zero_grad(set_to_none=True)
+                loss, parts = self.loss(train, head, prev, support)
+                loss.backward()
+                if dp > 1:  # the same update on every data-parallel replica
+                    for p in params:
+                        policy.ctx.all_reduce_dp(p.grad).div_(dp)
+                opt.step()
+                steps += 1
+                losses.append(parts)
+            for p, f in zip(params, flags):
+                p.requires_grad_(f)
+                p.grad = None
+        after = self.expected_acceptance(hold, head)
+        kept = after >= before
+        if not kept:
+            with torch.no_grad():
+                for p, old in zip(params, prev):
+                    p.copy_(old)
+        return {"head": head, "records": len(rec), "steps": steps, "kept": kept, "heldout_before": before,
+                "heldout_after": after, "loss_first": losses[0]["loss"] if losses else None,
+                "loss_last": losses[-1]["loss"] if losses else None}
+
+    # -- the consolidation objective ------------------------------------------------------------
+    def _logits_on(self, z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Differentiable ``z W_S^T`` [N, u] for shared ids [u] under TP: z enters each rank's partial
+        product through megatron's copy-to-TP region (its backward all-reduces dz) and the partials
+        are summed by the reduce-from-TP region."""
+        policy = self.policy
+        rows = vocab_rows(policy.output_weight().detach(), ids, policy.vocab_start).to(z.dtype)  # [u, h]
+        if policy.ctx.tp_size > 1:
+            from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                                reduce_from_tensor_model_parallel_region)
+            return reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(z) @ rows.t())
+        return z @ rows.t()
+
+    def loss(self, rec: Records, head: int, prev: list[torch.Tensor],
+             support: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The consolidation objective for ``head`` on a shared, sorted support ``support`` [u] that
+        holds every record's target top-K and realised token and the head's own candidates (the
+        target mass of an id outside a record's top-K is zero)."""
+        cfg, heads, dtype = self.cfg, self.policy.heads, self.policy.dtype
+        N, u = len(rec), support.numel()
+        p = torch.zeros(N, u, device=support.device)
+        p.scatter_add_(1, torch.searchsorted(support, rec.target_ids[:, head].contiguous()), rec.target_probs[:, head])
+        p_s = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+        logp = torch.log(p_s.clamp(min=1e-12))
+
+        def kl(logits: torch.Tensor) -> torch.Tensor:
+            return (p_s * (logp - torch.log_softmax(logits.float(), -1))).sum(-1).mean()
+
+        hidden = rec.hidden.to(dtype)
+        l_raw = self._logits_on(heads.forward_one(head, hidden), support)
+        loss_raw = kl(l_raw)
+        loss_cor = torch.zeros((), device=hidden.device)
+        if cfg.corrected_weight > 0 and bool(rec.delta[:, head].abs().sum() > 0):
+            loss_cor = kl(self._logits_on(heads.forward_one(head, hidden, rec.delta[:, head].to(dtype)), support))
+        # ranking: the head's logit gap between the policy's most likely token and every other support
+        # entry should reach the policy's own log-prob gap, capped at the margin.
+        top = torch.searchsorted(support, rec.target_ids[:, head, :1].contiguous())  # [N, 1]
+        want = (logp.gather(1, top) - logp).clamp(min=0, max=cfg.rank_margin)
+        gap = l_raw.float().gather(1, top) - l_raw.float()
+        others = torch.ones(N, u, dtype=torch.bool, device=support.device).scatter_(1, top, False)
+        rank = (torch.relu(want - gap) * others).sum(-1).div(others.sum(-1).clamp(min=1)).mean()
+        prox = sum(((w - w0) ** 2).sum() for w, w0 in zip(heads.layers[head].parameters(), prev))
+        loss = loss_raw + cfg.corrected_weight * loss_cor + cfg.rank_weight * rank + cfg.proximal * prox
+        return loss, {"loss": float(loss.detach()), "kl_raw": float(loss_raw.detach()), "kl_corrected": float(loss_cor.detach()),
+                      "rank": float(rank.detach()), "proximal": float(prox.detach())}
+
+    @torch.no_grad()
+    def head_candidates(self, rec: Records, head: int, k: int) -> torch.Tensor:
+        """The head's current top-k ids [N, k] (full vocabulary, vocab-parallel top-k)."""
+        policy = self.policy
+        logits = policy.vocab_projection(policy.heads.forward_one(head, rec.hidden.to(policy.dtype)))
+        return vocab_parallel_topk(logits, k, policy.vocab_start, policy.config.vocab_size, policy.ctx)[1]
+
+    @torch.no_grad()
+    def expected_acceptance(self, rec: Records, head: int) -> float:
+        """Mean policy probability mass on the head's top-k candidates (the chance that the policy's
+        sample at that depth is one of them), over the target's top-K."""
+        policy = self.policy
+        cand = self.head_candidates(rec, head, self.candidates)
+        hit = (rec.target_ids[:, head, :, None] == cand[:, None, :]).any(-1)
+        mean = (rec.target_probs[:, head] * hit).sum(-1).mean().double()
+        ctx = policy.ctx
+        return float(ctx.all_reduce_dp(mean.reshape(1)) / ctx.dp_size) if ctx.dp_size > 1 else float(mean)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        st = self.stats
+        return {"monitor": self.monitor.state_dict(),
+                "buffer": None if self.buffer.records is None else
+                {f.name: getattr(self.buffer.records, f.name).cpu() for f in fields(Records)},
+                "stats": {"events": st.events, "slow_seconds": st.slow_seconds,
+                          "generation_seconds": st.generation_seconds,
+                          "batches_since_event": st.batches_since_event, "skipped": st.skipped}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state["monitor"])
+        buf = state.get("buffer")
+        self.buffer.records = None if buf is None else Records(**{k: v for k, v in buf.items()})
+        self.stats = SlowPathStats(**state["stats"])

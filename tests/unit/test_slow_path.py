@@ -1,0 +1,178 @@
+"""The slow path: records from verification, the drift trigger on synthetic acceptance streams, the
+trigger's guards, one-head consolidation that touches nothing else, rollback, exactness with it on,
+and its state in checkpoints."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from specroll_mcore.config import ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig, tiny_llama
+from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
+from specroll_mcore.slow_path import AcceptanceMonitor, RecordStreams, SlowPath
+
+from tests.unit.test_speculative import PROMPTS, policy_with_heads
+
+
+def feed(monitor, rate, windows, H=3, window=64):
+    fired = []
+    for _ in range(windows):
+        a = round(rate * window)
+        monitor.observe([window] * H, [a] * H)
+        fired.append(monitor.most_degraded())
+    return fired
+
+
+def test_trigger_fires_on_sustained_drop_not_on_isolated_dip():
+    m = AcceptanceMonitor(3, SlowPathConfig())
+    assert feed(m, 0.5, 5) == [None] * 5  # reference = 0.5
+    assert feed(m, 0.1, 1) == [None]  # an isolated dip
+    assert feed(m, 0.5, 2) == [None, None]
+    assert feed(m, 0.1, 2) == [None, None]  # two degraded windows are not yet sustained
+    assert feed(m, 0.2, 1) == [0]  # the third consecutive one is
+    m.consolidated(0)
+    assert m.degraded() == [1, 2]  # only the consolidated head's count restarts
+
+
+def test_trigger_needs_the_drop_to_exceed_the_tolerance():
+    m = AcceptanceMonitor(3, SlowPathConfig(tolerance=0.2))
+    feed(m, 0.5, 3)
+    assert set(feed(m, 0.42, 6)) == {None}  # -16%: within tolerance
+    assert feed(m, 0.38, 3)[-1] == 0  # -24%
+
+
+def test_most_degraded_head_is_chosen():
+    m = AcceptanceMonitor(3, SlowPathConfig())
+    feed(m, 0.5, 3)
+    for _ in range(3):
+        m.observe([64, 64, 64], [20, 5, 30])
+    assert m.most_degraded() == 1
+
+
+def test_records_target_the_next_tokens_and_flush_partially_at_the_end():
+    H, h, K = 2, 4, 3
+    st = RecordStreams(H, h, K)
+    hid = torch.arange(6, dtype=torch.float32)[:, None].expand(6, h)
+    ids = torch.arange(6)[:, None].expand(6, K) * 10
+    probs = torch.full((6, K), 0.2)
+    st.add(7, hid[:3], ids[:3], probs[:3], torch.arange(3))
+    st.set_delta([7], torch.ones(H, 1, h))  # the proposal made from entry 2
+    st.add(7, hid[3:], ids[3:], probs[3:], torch.arange(3, 6))
+    rec = st.take()
+    assert len(rec) == 4  # entries 0..3 have both targets
+    assert rec.realised.tolist() == [[1, 2], [2, 3], [3, 4], [4, 5]]
+    assert rec.hidden[:, 0].tolist() == [0, 1, 2, 3]
+    assert rec.target_ids[:, :, 0].tolist() == [[10, 20], [20, 30], [30, 40], [40, 50]]
+    assert rec.delta[2].abs().sum() > 0 and rec.delta[[0, 1, 3]].abs().sum() == 0
+    st.finish(7)
+    tail = st.take()
+    assert tail.realised[:, 0].tolist() == [5] and tail.valid.tolist() == [[True, False]]
+    assert 7 not in st.streams
+
+
+def tiny_engine(ctx, **slow):
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, head_std=0.3)
+    cfg = SlowPathConfig(**{**dict(window=4, min_records=8, cooldown_batches=0, time_cap=1.0, max_records=64,
+                                   buffer_size=256, steps=5), **slow})
+    spec = SpecConfig(c_hw=64, reflex=ReflexConfig(alpha=0.5, z_delta=0.0, min_observations=2), slow_path=cfg)
+    return model, SpeculativeEngine(model, spec)
+
+
+def params_of(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items() if v is not None}
+
+
+def test_consolidation_changes_one_head_only(ctx):
+    model, eng = tiny_engine(ctx)
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
+    sp = eng.slow_path
+    assert len(sp.buffer) >= 8
+    gpt, heads = params_of(model.gpt), params_of(model.heads)
+    flags = [p.requires_grad for p in model.heads.parameters()]
+    sp.expected_acceptance = lambda rec, head: 0.0  # never worse: the update is kept
+    ev = sp.consolidate(1)
+    assert ev["kept"] and ev["steps"] == 5
+    assert all(torch.equal(v, params_of(model.gpt)[k]) for k, v in gpt.items())  # backbone + vocab bit for bit
+    after = params_of(model.heads)
+    assert not torch.equal(after["layers.1.weight"], heads["layers.1.weight"])
+    assert torch.equal(after["layers.0.weight"], heads["layers.0.weight"])
+    assert torch.equal(after["layers.2.weight"], heads["layers.2.weight"])
+    assert [p.requires_grad for p in model.heads.parameters()] == flags  # as the caller had them
+
+
+def test_consolidation_rolls_back_when_heldout_acceptance_drops(ctx):
+    model, eng = tiny_engine(ctx)
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
+    sp = eng.slow_path
+    scores = iter([0.5, 0.4])  # before, after
+    sp.expected_acceptance = lambda rec, head: next(scores)
+    heads = params_of(model.heads)
+    ev = sp.consolidate(0)
+    assert not ev["kept"] and ev["steps"] == 5
+    assert all(torch.equal(v, params_of(model.heads)[k]) for k, v in heads.items())
+
+
+def test_consolidation_lowers_its_loss(ctx):
+    model, eng = tiny_engine(ctx, steps=30, lr=1e-3, proximal=0.0)
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
+    ev = eng.slow_path.consolidate(0)
+    assert ev["loss_last"] < 0.9 * ev["loss_first"]
+
+
+def force_trigger(sp):
+    sp.monitor.consecutive = [sp.cfg.degraded_windows, 0, 0]
+    sp.monitor.reference = [0.5, 0.5, 0.5]
+    sp.monitor.rates = [[0.1] * 3] * 3
+
+
+def test_trigger_guards_records_cooldown_and_time_cap(ctx):
+    model, eng = tiny_engine(ctx, cooldown_batches=2, time_cap=0.5, degraded_windows=100)
+    sp = eng.slow_path
+    force_trigger(sp)
+    assert sp.end_batch(1.0) is None and sp.stats.skipped == {"records": 1}  # an empty buffer
+    sp.monitor.consecutive = [0, 0, 0]
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
+    force_trigger(sp)
+    sp.stats.slow_seconds = 10.0  # far over 50% of the generation time so far
+    assert sp.end_batch(1.0) is None, sp.stats
+    assert sp.stats.skipped["time_cap"] == 1, sp.stats
+    sp.stats.slow_seconds = 0.0
+    assert sp.end_batch(1.0) is not None  # everything allows it
+    force_trigger(sp)
+    assert sp.end_batch(1.0) is None and sp.stats.skipped["cooldown"] == 1  # 1 batch since the event
+    assert sp.end_batch(1.0) is not None  # 2 batches: the cooldown is over
+
+
+def test_exact_with_reflex_and_slow_path_over_several_batches(ctx):
+    """Identical tokens and log-probs to vanilla while heads are being consolidated between batches."""
+    model, eng = tiny_engine(ctx, tolerance=0.05, reference_windows=1, degraded_windows=1)
+    vanilla = VanillaEngine(model)
+    events = 0
+    for step in range(4):
+        sp = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=30, num_samples=2, seed=step)
+        ref = vanilla.generate(PROMPTS, sp, step=step)
+        out = eng.generate(PROMPTS, sp, step=step)
+        assert out.tokens == ref.tokens
+        for a, b in zip(out.logprobs, ref.logprobs):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+        events = out.stats["slow_path"]["events"]
+    assert events >= 1  # the heads did change along the way
+
+
+def test_state_dict_round_trip(ctx):
+    model, eng = tiny_engine(ctx)
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=20, seed=2))
+    state = copy.deepcopy(eng.slow_path.state_dict())
+    other = SlowPath(model, eng.spec.slow_path, eng.spec.topk)
+    other.load_state_dict(state)
+    assert len(other.buffer) == len(eng.slow_path.buffer)
+    assert other.monitor.state_dict() == eng.slow_path.monitor.state_dict()
+    assert dataclasses.asdict(other.stats) == dataclasses.asdict(eng.slow_path.stats)
+
+
+@pytest.mark.parametrize("bad, field", [(dict(max_records=4096), "max_records"), (dict(tolerance=1.5), "tolerance"),
+                                        (dict(time_cap=2.0), "time_cap"), (dict(window=0), "window")])
+def test_config_errors_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=f"SlowPathConfig.{field}"):
+        SlowPathConfig(**bad)

@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""Reflex and the slow path under real policy drift: the four-way ablation.
+
+    python tools/bench_drift.py --drift-steps 40 --measure-every 10 --out bench_drift.json --plot bench_drift.png
+
+SmolLM2-135M-Instruct with its warm-started heads (tools/train_heads.py). The policy is moved by real
+optimizer steps: supervised fine-tuning (AdamW, backbone only, heads frozen) on worked solutions of
+the offline GSM8K-style problems, a distribution the instruct model does not write by itself
+(``--style solutions``), by default written in capital letters (``--style upper``: other tokens than
+the ones the heads were fitted on), or with every word spelled backwards (``--style reversed``: token
+sequences no English text has, a stress test for stale heads). At
+drift step 0 and every --measure-every steps, the same fresh prompts are rolled out (T=1, EOS
+honoured) by the vanilla engine and by SpecRoll four ways:
+
+    static   heads as warm-started, no adaptation
+    reflex   + the Reflex fast path
+    slow     + the slow path (its head weights and monitor persist across checkpoints)
+    both     Reflex and the slow path
+
+Each variant keeps its own head weights (only the slow path changes them). Per checkpoint and
+variant: tau, acceptance per head depth, generation speedup over vanilla on the same prompts
+(summed times, engines alternating batch by batch) and slow-path events; every rollout is checked
+token for token against vanilla. A drift measure is reported too: the mean KL from the initial
+policy to the current one on the measured responses' positions is not cheap, so the SFT loss on
+held-out solutions is given instead. JSON to --out, tau over drift steps to --plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.config import ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig  # noqa: E402
+from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
+from specroll_mcore.rl.schedule import MicroBatch, finalize_grads, forward_backward  # noqa: E402
+from specroll_mcore.rl.synthetic import problems  # noqa: E402
+from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
+from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
+
+VARIANTS = {"static": (False, False), "reflex": (True, False), "slow": (False, True), "both": (True, True)}
+
+
+STYLES = {
+    "solutions": lambda text: text,
+    "upper": str.upper,
+    "reversed": lambda text: "\n".join(" ".join(w[::-1] for w in line.split(" ")) for line in text.split("\n")),
+}
+
+
+def sft_batches(tok, n: int, seed: int, batch: int, device, style: str) -> list[MicroBatch]:
+    """Chat prompt + worked solution (in the given style) + EOS; the loss covers the solution tokens."""
+    seqs = []
+    for p in problems(n, seed=seed):
+        prompt = chat_prompt_ids(tok, p.question)
+        text = STYLES[style](p.solution)
+        seqs.append((prompt, prompt + tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
+    out = []
+    for s in range(0, len(seqs), batch):
+        chunk = seqs[s:s + batch]
+        L = max(len(q) for _, q in chunk)
+        ids = torch.zeros(len(chunk), L, dtype=torch.long)
+        labels = torch.zeros_like(ids)
+        mask = torch.zeros(len(chunk), L)
+        lengths = torch.zeros(len(chunk), dtype=torch.long)
+        for i, (p, q) in enumerate(chunk):
+            ids[i, :len(q)] = torch.tensor(q)
+            labels[i, :len(q) - 1] = torch.tensor(q[1:])
+            mask[i, len(p) - 1:len(q) - 1] = 1
+            lengths[i] = len(q)
+        zeros = torch.zeros(len(chunk), L)
+        out.append(MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device), zeros.to(device),
+                              torch.zeros(len(chunk), device=device)))
+    return out
+
+
+def nll(mb: MicroBatch, logp: torch.Tensor):
+    loss = -(logp * mb.loss_mask).sum() / mb.loss_mask.sum()
+    return loss, {"nll": float(loss)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="smollm2")
+    ap.add_argument("--drift-steps", type=int, default=40)
+    ap.add_argument("--measure-every", type=int, default=10)
+    ap.add_argument("--sft-lr", type=float, default=3e-5)
+    ap.add_argument("--sft-batch", type=int, default=8)
+    ap.add_argument("--style", choices=sorted(STYLES), default="upper",
+                    help="the drift target: worked solutions as written, in capitals, or with every word "
+                         "spelled backwards (token sequences the heads never saw)")
+    ap.add_argument("--batches", type=int, default=4, help="rollout batches per checkpoint")
+    ap.add_argument("--prompts-per-batch", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--c-hw", type=int, default=None)
+    ap.add_argument("--cooldown-batches", type=int, default=None,
+                    help="override the slow path's cooldown (default: the config's)")
+    ap.add_argument("--out", default="bench_drift.json")
+    ap.add_argument("--plot", default="bench_drift.png")
+    args = ap.parse_args()
+    ctx = parallel.initialize(ParallelConfig())
+    ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
+    eos = [tok.eos_token_id]
+    slow_cfg = SlowPathConfig()
+    if args.cooldown_batches is not None:
+        slow_cfg = SlowPathConfig(cooldown_batches=args.cooldown_batches)
+    engines, heads = {}, {}
+    initial_heads = copy.deepcopy(policy.heads.state_dict())
+    for name, (rx, sl) in VARIANTS.items():
+        spec = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, reflex=ReflexConfig(enabled=rx),
+                          slow_path=SlowPathConfig(**{**slow_cfg.__dict__, "enabled": sl}))
+        engines[name] = SpeculativeEngine(policy, spec, eos_token_ids=eos, tokenizer=tok)
+        heads[name] = copy.deepcopy(initial_heads)
+    vanilla = VanillaEngine(policy, eos_token_ids=eos, tokenizer=tok)
+    vanilla.generate([[1, 2, 3]], SamplingConfig(max_new_tokens=2))  # warm-up
+
+    for p in policy.heads.parameters():
+        p.requires_grad_(False)
+    params = [p for p in policy.gpt.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=args.sft_lr, weight_decay=0.0)
+    train = sft_batches(tok, args.drift_steps * args.sft_batch, 4242, args.sft_batch, ctx.device, args.style)
+    held = sft_batches(tok, 16, 9999, 8, ctx.device, args.style)
+
+    def held_nll() -> float:
+        with torch.no_grad():
+            ms = forward_backward_eval(policy, held)
+        return sum(ms) / len(ms)
+
+    report = {"checkpoint": str(ckpt), "c_hw": c_hw, "args": vars(args), "reflex": ReflexConfig().__dict__,
+              "slow_path": slow_cfg.__dict__, "checkpoints": []}
+    print(f"c_hw={c_hw} variants={list(VARIANTS)}", flush=True)
+    step = 0
+    while True:
+        row = measure(args, step, tok, policy, vanilla, engines, heads)
+        row["sft_heldout_nll"] = held_nll()
+        report["checkpoints"].append(row)
+        print(f"drift step {step}: heldout nll {row['sft_heldout_nll']:.3f} " + " ".join(
+            f"{v}: tau {r['tau']:.3f} x{r['speedup']:.2f} ev{r['slow_events']}" for v, r in row["variants"].items()),
+            flush=True)
+        write_json_atomic(args.out, summarise(report))
+        if step >= args.drift_steps:
+            break
+        for _ in range(args.measure_every):  # real optimizer steps on the backbone
+            opt.zero_grad(set_to_none=True)
+            forward_backward(policy, [train[step % len(train)]], nll, 1.0)
+            finalize_grads(policy)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+    report = summarise(report)
+    write_json_atomic(args.out, report)
+    plot(report, args.plot)
+    print(report["summary"])
+
+
+def forward_backward_eval(policy, batches) -> list[float]:
+    from specroll_mcore.model import causal_mask
+    from specroll_mcore.rl.schedule import token_logprobs
+
+    out = []
+    for mb in batches:
+        b, L = mb.input_ids.shape
+        meta = policy.metadata(torch.arange(L)[None].expand(b, L), causal_mask(b, L, mb.input_ids.device, mb.lengths))
+        logits, _ = policy.stage_forward(mb.input_ids, meta, None)
+        logp = token_logprobs(policy, logits, mb.labels, 1.0)
+        out.append(float(-(logp * mb.loss_mask).sum() / mb.loss_mask.sum()))
+    return out
+
+
+def measure(args, step, tok, policy, vanilla, engines, heads) -> dict:
+    """All variants and vanilla on the same prompts, alternating batch by batch."""
+    qs = problems(args.batches * args.prompts_per_batch, seed=10_000 + step)
+    prompts = [chat_prompt_ids(tok, q.question) for q in qs]
+    sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=step + 1)
+    names = list(engines)
+    acc = {v: {"time": 0.0, "emitted": 0, "active": 0, "tried": [0] * policy.num_heads,
+               "accepted": [0] * policy.num_heads, "gate": [], "events": []} for v in names}
+    t_vanilla = 0.0
+    for b in range(args.batches):
+        sl = slice(b * args.prompts_per_batch, (b + 1) * args.prompts_per_batch)
+        ids = list(range(sl.start, sl.stop))
+        order = names[b % len(names):] + names[:b % len(names)]
+        t0 = time.perf_counter()
+        ref = vanilla.generate(prompts[sl], sp, step=step, prompt_ids=ids)
+        t_vanilla += time.perf_counter() - t0
+        for v in order:
+            policy.heads.load_state_dict(heads[v])
+            t0 = time.perf_counter()
+            out = engines[v].generate(prompts[sl], sp, step=step, prompt_ids=ids)
+            acc[v]["time"] += time.perf_counter() - t0
+            heads[v] = copy.deepcopy(policy.heads.state_dict())
+            if out.tokens != ref.tokens:
+                raise SystemExit(f"variant {v} emitted different tokens than vanilla at drift step {step}")
+            s = out.stats
+            acc[v]["emitted"] += sum(p["emitted"] for p in s["per_step"])
+            acc[v]["active"] += sum(p["active"] for p in s["per_step"])
+            for d in range(policy.num_heads):
+                acc[v]["tried"][d] += s["tried_per_depth"][d]
+                acc[v]["accepted"][d] += round(s["acceptance_per_depth"][d] * s["tried_per_depth"][d])
+            acc[v]["gate"].append(s.get("reflex_gate_open", 0.0))
+            ev = (s.get("slow_path") or {}).get("event")
+            if ev:
+                acc[v]["events"].append(ev)
+    res = {"drift_step": step, "vanilla_s": t_vanilla, "variants": {}}
+    for v in names:
+        a = acc[v]
+        res["variants"][v] = {
+            "tau": a["emitted"] / max(1, a["active"]),
+            "acceptance_per_depth": [x / max(1, t) for x, t in zip(a["accepted"], a["tried"])],
+            "speedup": t_vanilla / a["time"], "seconds": a["time"], "reflex_gate_open": sum(a["gate"]) / len(a["gate"]),
+            "slow_events": len(a["events"]), "events": a["events"]}
+    return res
+
+
+def summarise(report: dict) -> dict:
+    rows = report["checkpoints"]
+    if rows:
+        first, last = rows[0]["variants"], rows[-1]["variants"]
+        report["summary"] = {v: {"tau_first": first[v]["tau"], "tau_last": last[v]["tau"],
+                                 "tau_retained": last[v]["tau"] / first[v]["tau"],
+                                 "mean_tau_after_start": (sum(r["variants"][v]["tau"] for r in rows[1:]) /
+                                                          max(1, len(rows) - 1)),
+                                 "speedup_last": last[v]["speedup"]} for v in first}
+    return report
+
+
+def plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = report["checkpoints"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for v in VARIANTS:
+        xs = [r["drift_step"] for r in rows]
+        axes[0].plot(xs, [r["variants"][v]["tau"] for r in rows], marker="o", label=v)
+        axes[1].plot(xs, [r["variants"][v]["speedup"] for r in rows], marker="o", label=v)
+    axes[0].set_xlabel("SFT drift steps")
+    axes[0].set_ylabel("tau (tokens / verification step)")
+    axes[1].set_xlabel("SFT drift steps")
+    axes[1].set_ylabel("generation speedup vs vanilla")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
