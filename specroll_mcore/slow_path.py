@@ -120,8 +120,10 @@ class RecordStreams:
                 s[-1][4] = delta[:, r].float()
 
     def finish(self, slot: int) -> None:
-        self._mature(slot, final=True)
-        self.streams.pop(slot, None)
+        """The response ended (or its stream pauses): its last entries become partial records."""
+        if slot in self.streams:
+            self._mature(slot, final=True)
+            self.streams.pop(slot)
 
     def take(self) -> Optional[Records]:
         out, self.ready = self.ready, []

@@ -18,6 +18,7 @@ same prompts as ratios. Absolute times on shared machines are noisy; the ratios 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -165,7 +166,7 @@ def main() -> int:
     eos = [tok.eos_token_id]
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
     spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos)
-    report = {"checkpoint": str(ckpt), "spec": spec_cfg.__dict__, "threads": torch.get_num_threads(),
+    report = {"checkpoint": str(ckpt), "spec": dataclasses.asdict(spec_cfg), "threads": torch.get_num_threads(),
               "temperature": args.temperature,
               "reps": args.reps, "max_new_tokens": args.max_new_tokens}
     print(f"c_hw={c_hw} heads={policy.num_heads} topk={args.topk} n_max={args.n_max} threads={torch.get_num_threads()}")

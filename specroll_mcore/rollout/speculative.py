@@ -98,7 +98,11 @@ class SpeculativeEngine:
         node = acc.path[rows, depth]
         p_logits = logits[rows, node].float()  # [m, V]: the distribution each emitted token came from
         tokens = acc.tokens[rows, depth]
-        if self.slow_path is not None:
+        if self.slow_path is not None and proposal is None:
+            # Plain decoding (a full batch): no drafts to monitor, and recording every row's top-K
+            # would cost more than the records are worth; the streams restart with speculation.
+            self.slow_path.finished(active.tolist())
+        elif self.slow_path is not None:
             K = self.spec.slow_path.target_topk
             top_lp, top_ids = torch.log_softmax(p_logits, -1).topk(K, dim=-1)
             self.slow_path.observe(active.tolist(), acc.counts.tolist(), hidden_all[node, rows], top_ids,
