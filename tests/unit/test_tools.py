@@ -1,0 +1,53 @@
+"""The rollout benchmarks run end to end on a tiny checkpoint and write the JSON they promise
+(tokens are checked against vanilla inside them; a mismatch exits non-zero)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_fixtures import tiny_policy_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    import transformers
+
+    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
+
+    root = tmp_path_factory.mktemp("tools")
+    tok = root / "tok"
+    transformers.AutoTokenizer.from_pretrained(smollm2_gguf_path().parent,
+                                               gguf_file=smollm2_gguf_path().name).save_pretrained(tok)
+    return tiny_policy_checkpoint(root, tok)
+
+
+def run_tool(name, *args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_bench_specroll_smoke(tiny_ckpt, tmp_path):
+    out = tmp_path / "b.json"
+    run_tool("bench_specroll.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 8,
+             "--batch1-prompts", 1, "--reps", 1, "--c-hw", 16, "--skip-hf", "--out", out, "--plot", tmp_path / "b.png")
+    report = json.loads(out.read_text())
+    assert report["spec"]["reflex"]["enabled"] and report["spec"]["slow_path"]["enabled"]
+
+
+def test_bench_drift_smoke(tiny_ckpt, tmp_path):
+    out = tmp_path / "d.json"
+    run_tool("bench_drift.py", "--checkpoint", tiny_ckpt, "--drift-steps", 1, "--measure-every", 1, "--batches", 1,
+             "--prompts-per-batch", 1, "--max-new-tokens", 8, "--c-hw", 16, "--sft-batch", 2, "--out", out,
+             "--plot", tmp_path / "d.png")
+    report = json.loads(out.read_text())
+    assert [c["drift_step"] for c in report["checkpoints"]] == [0, 1]
+    assert set(report["summary"]) == {"static", "reflex", "slow", "both"}
+    assert (tmp_path / "d.png").is_file()
