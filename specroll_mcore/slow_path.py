@@ -70,29 +70,50 @@ class Records:
 
 
 class RecordBuffer:
-    """The most recent ``capacity`` matured records."""
+    """The most recent ``capacity`` matured records. Verification adds a few records per step; they
+    are concatenated when read (a consolidation, a checkpoint), not on every add."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.records: Optional[Records] = None
+        self._parts: list[Records] = []
+        self._count = 0
 
     def __len__(self) -> int:
-        return 0 if self.records is None else len(self.records)
+        return min(self._count, self.capacity)
 
     def add(self, rec: Records) -> None:
-        if len(rec) == 0:
-            return
-        rec = rec if self.records is None else Records.cat([self.records, rec])
+        if len(rec):
+            self._parts.append(rec)
+            self._count += len(rec)
+            if self._count > 2 * self.capacity:  # amortised trimming keeps memory bounded
+                self._compact()
+
+    def _compact(self) -> None:
+        rec = Records.cat(self._parts)
         if len(rec) > self.capacity:
-            rec = rec.select(torch.arange(len(rec) - self.capacity, len(rec)))
-        self.records = rec
+            rec = rec.select(torch.arange(len(rec) - self.capacity, len(rec), device=rec.hidden.device))
+        self._parts, self._count = [rec], len(rec)
+
+    @property
+    def records(self) -> Optional[Records]:
+        if not self._parts:
+            return None
+        if len(self._parts) > 1 or self._count > self.capacity:
+            self._compact()
+        return self._parts[0]
+
+    @records.setter
+    def records(self, rec: Optional[Records]) -> None:
+        self._parts = [] if rec is None else [rec]
+        self._count = 0 if rec is None else len(rec)
 
     def latest(self, n: int, head: int) -> Optional[Records]:
         """The ``n`` most recent records with a target for ``head``."""
-        if self.records is None:
+        rec = self.records
+        if rec is None:
             return None
-        idx = self.records.valid[:, head].nonzero().flatten()[-n:]
-        return self.records.select(idx) if idx.numel() else None
+        idx = rec.valid[:, head].nonzero().flatten()[-n:]
+        return rec.select(idx) if idx.numel() else None
 
 
 class RecordStreams:
@@ -418,10 +439,9 @@ class SlowPath:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        st = self.stats
+        st, rec = self.stats, self.buffer.records
         return {"monitor": self.monitor.state_dict(),
-                "buffer": None if self.buffer.records is None else
-                {f.name: getattr(self.buffer.records, f.name).cpu() for f in fields(Records)},
+                "buffer": None if rec is None else {f.name: getattr(rec, f.name).cpu() for f in fields(Records)},
                 "stats": {"events": st.events, "slow_seconds": st.slow_seconds,
                           "generation_seconds": st.generation_seconds,
                           "batches_since_event": st.batches_since_event, "skipped": st.skipped}}

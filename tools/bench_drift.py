@@ -40,7 +40,8 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
-from specroll_mcore.rl.schedule import MicroBatch, finalize_grads, forward_backward  # noqa: E402
+from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,  # noqa: E402
+                                       pack_micro_batch)
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
@@ -59,31 +60,15 @@ def sft_batches(tok, n: int, seed: int, batch: int, device, style: str) -> list[
     """Chat prompt + worked solution (in the given style) + EOS; the loss covers the solution tokens."""
     seqs = []
     for p in problems(n, seed=seed):
-        prompt = chat_prompt_ids(tok, p.question)
         text = STYLES[style](p.solution)
-        seqs.append((prompt, prompt + tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
-    out = []
-    for s in range(0, len(seqs), batch):
-        chunk = seqs[s:s + batch]
-        L = max(len(q) for _, q in chunk)
-        ids = torch.zeros(len(chunk), L, dtype=torch.long)
-        labels = torch.zeros_like(ids)
-        mask = torch.zeros(len(chunk), L)
-        lengths = torch.zeros(len(chunk), dtype=torch.long)
-        for i, (p, q) in enumerate(chunk):
-            ids[i, :len(q)] = torch.tensor(q)
-            labels[i, :len(q) - 1] = torch.tensor(q[1:])
-            mask[i, len(p) - 1:len(q) - 1] = 1
-            lengths[i] = len(q)
-        zeros = torch.zeros(len(chunk), L)
-        out.append(MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device), zeros.to(device),
-                              torch.zeros(len(chunk), device=device)))
-    return out
+        seqs.append((chat_prompt_ids(tok, p.question),
+                     tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], None, 0.0))
+    return [pack_micro_batch(seqs[s:s + batch], device) for s in range(0, len(seqs), batch)]
 
 
 def nll(mb: MicroBatch, logp: torch.Tensor):
     loss = -(logp * mb.loss_mask).sum() / mb.loss_mask.sum()
-    return loss, {"nll": float(loss)}
+    return loss, {"nll": float(loss.detach())}
 
 
 def main() -> None:
@@ -133,8 +118,8 @@ def main() -> None:
 
     def held_nll() -> float:
         with torch.no_grad():
-            ms = forward_backward_eval(policy, held)
-        return sum(ms) / len(ms)
+            lps = forward_logprobs(policy, held, 1.0)
+        return sum(float(nll(mb, lp)[0]) for mb, lp in zip(held, lps)) / len(held)
 
     report = {"checkpoint": str(ckpt), "c_hw": c_hw, "args": vars(args), "reflex": ReflexConfig().__dict__,
               "slow_path": slow_cfg.__dict__, "checkpoints": []}
@@ -161,20 +146,6 @@ def main() -> None:
     write_json_atomic(args.out, report)
     plot(report, args.plot)
     print(report["summary"])
-
-
-def forward_backward_eval(policy, batches) -> list[float]:
-    from specroll_mcore.model import causal_mask
-    from specroll_mcore.rl.schedule import token_logprobs
-
-    out = []
-    for mb in batches:
-        b, L = mb.input_ids.shape
-        meta = policy.metadata(torch.arange(L)[None].expand(b, L), causal_mask(b, L, mb.input_ids.device, mb.lengths))
-        logits, _ = policy.stage_forward(mb.input_ids, meta, None)
-        logp = token_logprobs(policy, logits, mb.labels, 1.0)
-        out.append(float(-(logp * mb.loss_mask).sum() / mb.loss_mask.sum()))
-    return out
 
 
 def measure(args, step, tok, policy, vanilla, engines, heads) -> dict:

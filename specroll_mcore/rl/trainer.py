@@ -36,7 +36,7 @@ from specroll_mcore.rl.data import Example, load_examples, render_prompt
 from specroll_mcore.rl.grpo import group_advantages, policy_loss
 from specroll_mcore.rl.rewards import RewardConfig, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
-                                        global_grad_norm)
+                                       global_grad_norm, pack_micro_batch)
 from specroll_mcore.rollout import VanillaEngine, make_engine
 from specroll_mcore.rollout.profile import ensure_capacity
 
@@ -268,30 +268,10 @@ class GRPOTrainer:
 
     def _micro_batches(self, prompts: list[list[int]], rollout: Any, adv: torch.Tensor, G: int) -> list[MicroBatch]:
         """Prompt + response sequences, labels shifted by one, loss on response tokens only."""
-        device = self.ctx.device
-        seqs = []
-        for k, (toks, lps) in enumerate(zip(rollout.tokens, rollout.logprobs)):
-            seqs.append((prompts[k // G], toks, lps, float(adv[k])))
-        out = []
-        for s in range(0, len(seqs), self.cfg.micro_batch_size):
-            chunk = seqs[s:s + self.cfg.micro_batch_size]
-            L = max(len(p) + len(t) for p, t, _, _ in chunk)
-            B = len(chunk)
-            ids = torch.zeros(B, L, dtype=torch.long)
-            labels = torch.zeros(B, L, dtype=torch.long)
-            mask = torch.zeros(B, L)
-            old = torch.zeros(B, L)
-            lengths = torch.zeros(B, dtype=torch.long)
-            for i, (p, t, lp, _) in enumerate(chunk):
-                seq = p + t
-                ids[i, : len(seq)] = torch.tensor(seq)
-                labels[i, : len(seq) - 1] = torch.tensor(seq[1:])
-                mask[i, len(p) - 1: len(seq) - 1] = 1.0  # positions whose next token is a response token
-                old[i, len(p) - 1: len(seq) - 1] = lp.float()
-                lengths[i] = len(seq)
-            out.append(MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device),
-                                  old.to(device), torch.tensor([a for _, _, _, a in chunk], device=device)))
-        return out
+        seqs = [(prompts[k // G], toks, lps, float(adv[k]))
+                for k, (toks, lps) in enumerate(zip(rollout.tokens, rollout.logprobs))]
+        mb = self.cfg.micro_batch_size
+        return [pack_micro_batch(seqs[s:s + mb], self.ctx.device) for s in range(0, len(seqs), mb)]
 
     @contextlib.contextmanager
     def _weights(self, state: dict[str, torch.Tensor]) -> Iterator[None]:

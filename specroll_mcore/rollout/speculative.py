@@ -92,22 +92,26 @@ class SpeculativeEngine:
                  proposal: Optional[Proposal], temperature: float, rstate: Optional[reflex.ReflexState]) -> None:
         """The verifier's verdict at every position the accepted path reached -> Reflex memory and
         slow-path records (last stage)."""
+        if proposal is None:
+            # Plain decoding (a full batch): nothing was drafted, so nothing to monitor or correct, and
+            # recording every row's top-K would cost more than the records are worth; the slow
+            # path's streams restart with speculation.
+            if self.slow_path is not None:
+                self.slow_path.finished(active.tolist())
+            return
         H, k = self.spec.num_heads, self.spec.topk
         on_path = torch.arange(acc.path.shape[1], device=logits.device)[None] < acc.counts[:, None]
         rows, depth = on_path.nonzero(as_tuple=True)  # row-major: each row's path in order
         node = acc.path[rows, depth]
         p_logits = logits[rows, node].float()  # [m, V]: the distribution each emitted token came from
         tokens = acc.tokens[rows, depth]
-        if self.slow_path is not None and proposal is None:
-            # Plain decoding (a full batch): no drafts to monitor, and recording every row's top-K
-            # would cost more than the records are worth; the streams restart with speculation.
-            self.slow_path.finished(active.tolist())
-        elif self.slow_path is not None:
+        if self.slow_path is not None:
             K = self.spec.slow_path.target_topk
-            top_lp, top_ids = torch.log_softmax(p_logits, -1).topk(K, dim=-1)
+            top_logits, top_ids = p_logits.topk(K, dim=-1)
+            top_probs = torch.exp(top_logits - torch.logsumexp(p_logits, -1, keepdim=True))
             self.slow_path.observe(active.tolist(), acc.counts.tolist(), hidden_all[node, rows], top_ids,
-                                   top_lp.exp(), tokens, acc.tried.tolist(), acc.accepted.tolist())
-        if rstate is None or proposal is None:
+                                   top_probs, tokens, acc.tried.tolist(), acc.accepted.tolist())
+        if rstate is None:
             return
         cfg, model = self.reflex_cfg, self.model
         sel = depth < H  # head i drafted the token sampled at path node i
@@ -180,8 +184,8 @@ class SpeculativeEngine:
         rstate = (reflex.ReflexState.new(state.num, H, cfg.hidden_size, device)
                   if self.reflex_cfg is not None and ctx.is_last_stage else None)
         gate_open, gate_total = 0, 0
-        row_steps = torch.zeros(state.num, dtype=torch.long)
-        row_emitted = torch.zeros(state.num, dtype=torch.long)
+        row_steps = torch.zeros(state.num, dtype=torch.long, device=device)
+        row_emitted = torch.zeros(state.num, dtype=torch.long, device=device)
         timers["prefill"] = time.perf_counter() - t_start
 
         def sample_fn(logits_rows: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
@@ -243,8 +247,8 @@ class SpeculativeEngine:
                 c = counts_l[r]
                 keep.append(state.append(slot, emitted_l[r][:c], emitted_lp[r, :c]))
             keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
-            row_steps[active.cpu()] += 1
-            row_emitted[active.cpu()] += counts.cpu()
+            row_steps[active] += 1
+            row_emitted[active] += counts
             last = emitted[torch.arange(b, device=device), counts - 1]
             recorded = sum(len(state.responses[s]) for s in active.tolist()) - recorded_before
             t5 = time.perf_counter()

@@ -31,14 +31,7 @@ def run(ckpt, out, tp, pp, nproc, *extra):
 
 
 def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
-    import transformers
-
-    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
-
-    tok = tmp_path / "tok"
-    transformers.AutoTokenizer.from_pretrained(smollm2_gguf_path().parent,
-                                               gguf_file=smollm2_gguf_path().name).save_pretrained(tok)
-    ckpt = tiny_policy_checkpoint(tmp_path, tok, with_heads=False)
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
     ref_w = load_full_state_dict(tmp_path / "tp1")
     for tp, pp in [(2, 1), (1, 2)]:
@@ -58,14 +51,7 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
 def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
     """Consolidations run every step; the collective decisions and updates do not deadlock, and every
     data-parallel replica ends with the same heads."""
-    import transformers
-
-    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
-
-    tok = tmp_path / "tok"
-    transformers.AutoTokenizer.from_pretrained(smollm2_gguf_path().parent,
-                                               gguf_file=smollm2_gguf_path().name).save_pretrained(tok)
-    ckpt = tiny_policy_checkpoint(tmp_path, tok, with_heads=True)
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=True)
     rows = run(ckpt, tmp_path / "run", tp, 1, 2, "--specroll")
     assert rows[-1]["slow_path_events"] >= 2, rows
     assert json.loads((tmp_path / "run" / "heads_check.json").read_text())["dp_spread"] == 0.0

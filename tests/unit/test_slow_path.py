@@ -10,7 +10,7 @@ import torch
 
 from specroll_mcore.config import ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig, tiny_llama
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
-from specroll_mcore.slow_path import AcceptanceMonitor, RecordStreams, SlowPath
+from specroll_mcore.slow_path import AcceptanceMonitor, RecordBuffer, Records, RecordStreams, SlowPath
 
 from tests.unit.test_speculative import PROMPTS, policy_with_heads
 
@@ -69,6 +69,20 @@ def test_records_target_the_next_tokens_and_flush_partially_at_the_end():
     tail = st.take()
     assert tail.realised[:, 0].tolist() == [5] and tail.valid.tolist() == [[True, False]]
     assert 7 not in st.streams
+
+
+def test_buffer_keeps_the_most_recent_records_in_order():
+    def recs(start, n):
+        t = torch.arange(start, start + n, dtype=torch.float32)
+        return Records(t[:, None], torch.zeros(n, 1, 1), torch.zeros(n, 1, 1, dtype=torch.long), torch.zeros(n, 1, 1),
+                       torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.bool))
+
+    buf = RecordBuffer(5)
+    for start in range(0, 12, 3):  # 12 records in 4 adds, over 2 x capacity on the way
+        buf.add(recs(start, 3))
+    assert len(buf) == 5
+    assert buf.records.hidden[:, 0].tolist() == [7, 8, 9, 10, 11]
+    assert buf.latest(2, 0).hidden[:, 0].tolist() == [10, 11]
 
 
 def tiny_engine(ctx, **slow):

@@ -16,15 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    import transformers
-
-    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
-
-    root = tmp_path_factory.mktemp("tools")
-    tok = root / "tok"
-    transformers.AutoTokenizer.from_pretrained(smollm2_gguf_path().parent,
-                                               gguf_file=smollm2_gguf_path().name).save_pretrained(tok)
-    return tiny_policy_checkpoint(root, tok)
+    return tiny_policy_checkpoint(tmp_path_factory.mktemp("tools"))
 
 
 def run_tool(name, *args):

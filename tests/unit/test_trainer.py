@@ -23,15 +23,7 @@ TESTS = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
-
-    import transformers
-
-    root = tmp_path_factory.mktemp("grpo")
-    tok_dir = root / "tok"
-    transformers.AutoTokenizer.from_pretrained(smollm2_gguf_path().parent,
-                                               gguf_file=smollm2_gguf_path().name).save_pretrained(tok_dir)
-    return tiny_policy_checkpoint(root, tok_dir)
+    return tiny_policy_checkpoint(tmp_path_factory.mktemp("grpo"))
 
 
 def overrides(ckpt, out, *extra):
