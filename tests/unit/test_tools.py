@@ -43,3 +43,23 @@ def test_bench_drift_smoke(tiny_ckpt, tmp_path):
     assert [c["drift_step"] for c in report["checkpoints"]] == [0, 1]
     assert set(report["summary"]) == {"static", "reflex", "slow", "both"}
     assert (tmp_path / "d.png").is_file()
+
+
+def test_acceptance_ceiling_smoke(tiny_ckpt, tmp_path):
+    out = tmp_path / "c.json"
+    run_tool("acceptance_ceiling.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--max-new-tokens", 8,
+             "--budgets", "2,4", "--latency-reps", 1, "--out", out)
+    report = json.loads(out.read_text())
+    assert [b["nodes"] for b in report["budgets"]] == [2, 4]
+    for b in report["budgets"]:
+        assert 1.0 <= b["oracle_tau"] <= 1 + report["depth"] and 1.0 <= b["heads_tau"] <= 1 + report["depth"]
+        assert len(b["oracle_tree"]) <= b["nodes"] - 1  # fewer only if the responses hold fewer rank prefixes
+    cover = list(report["rank_coverage"].values())
+    assert cover == sorted(cover) and 0 <= cover[0] and cover[-1] <= 1
+
+
+def test_acceptance_ceiling_needs_two_prompts(tiny_ckpt, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "acceptance_ceiling.py"), "--checkpoint",
+                           str(tiny_ckpt), "--prompts", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--prompts >= 2" in proc.stderr
