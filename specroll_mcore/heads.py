@@ -42,17 +42,14 @@ class HorizonHeads(MegatronModule):
 
     def forward(self, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [n, h] -> z [H, n, h]. ``delta`` [H, n, h] is added to each head's input (Reflex)."""
-        out = []
-        for i, layer in enumerate(self.layers):
-            x = hidden if delta is None else hidden + delta[i]
-            y, _ = layer(x)  # [n, h/tp]
-            out.append(x + gather_from_tensor_model_parallel_region(F.silu(y)))
-        return torch.stack(out)
+        return torch.stack([self.forward_one(i, hidden, None if delta is None else delta[i])
+                            for i in range(self.num_heads)])
 
     def forward_one(self, index: int, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Head ``index`` alone: hidden [n, h] -> z [n, h] (the slow path trains one head at a time)."""
+        """Head ``index`` alone: hidden [n, h] (+ its delta [n, h]) -> z [n, h] (the slow path trains
+        one head at a time)."""
         x = hidden if delta is None else hidden + delta
-        y, _ = self.layers[index](x)
+        y, _ = self.layers[index](x)  # [n, h/tp]
         return x + gather_from_tensor_model_parallel_region(F.silu(y))
 
 
@@ -112,9 +109,10 @@ def vocab_rows(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> tor
     return rows * own[..., None].to(rows.dtype)
 
 
-def support_logits(weight: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, vocab_start: int, ctx: Any) -> torch.Tensor:
-    """Logits of the vocabulary entries ``ids`` [n, s] for inputs z [n, h]: ``W_ids z`` -> [n, s].
+def support_logits(rows: torch.Tensor, z: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """Logits of some vocabulary entries for inputs z [n, h]: ``W_ids z`` -> [n, s], with ``rows``
+    [n, s, h] = :func:`vocab_rows` of those ids.
 
     Inference only (the all-reduce is not differentiable); the slow path has its own autograd form."""
-    partial = torch.einsum("nsh,nh->ns", vocab_rows(weight, ids, vocab_start).to(z.dtype), z)
+    partial = torch.einsum("nsh,nh->ns", rows.to(z.dtype), z)
     return ctx.all_reduce_tp(partial.contiguous(), "sum")

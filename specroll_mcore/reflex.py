@@ -35,8 +35,6 @@ from typing import Any, Sequence
 
 import torch
 
-from specroll_mcore.heads import vocab_rows
-
 
 @dataclass
 class ReflexState:
@@ -108,10 +106,10 @@ def feedback_coefficients(p_logits: torch.Tensor, q_logits: torch.Tensor, ids: t
     return coef * valid.float()
 
 
-def feedback_vectors(weight: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor, vocab_start: int,
-                     ctx: Any) -> torch.Tensor:
-    """e = sum_s coef_s W_s -> [m, h]: partial sums over this rank's rows, all-reduced over TP."""
-    partial = torch.einsum("ms,msh->mh", coef, vocab_rows(weight, ids, vocab_start).float())
+def feedback_vectors(rows: torch.Tensor, coef: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """e = sum_s coef_s W_s -> [m, h] from ``rows`` [m, s, h] = this rank's :func:`vocab_rows` of
+    the support (zero where another rank owns the id): partial sums, all-reduced over TP."""
+    partial = torch.einsum("ms,msh->mh", coef, rows.float())
     return ctx.all_reduce_tp(partial.contiguous(), "sum")
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 import torch
@@ -302,10 +302,10 @@ class SlowPath:
             return None
         t0 = time.perf_counter()
         event = self.consolidate(head)
-        st.slow_seconds += time.perf_counter() - t0
+        event["seconds"] = time.perf_counter() - t0
+        st.slow_seconds += event["seconds"]
         st.batches_since_event = 0
         self.monitor.consolidated(head)
-        event["seconds"] = time.perf_counter() - t0
         st.events.append(event)
         return event
 
@@ -442,9 +442,7 @@ class SlowPath:
         st, rec = self.stats, self.buffer.records
         return {"monitor": self.monitor.state_dict(),
                 "buffer": None if rec is None else {f.name: getattr(rec, f.name).cpu() for f in fields(Records)},
-                "stats": {"events": st.events, "slow_seconds": st.slow_seconds,
-                          "generation_seconds": st.generation_seconds,
-                          "batches_since_event": st.batches_since_event, "skipped": st.skipped}}
+                "stats": asdict(st)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state["monitor"])

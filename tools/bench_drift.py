@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 import warnings
 
@@ -101,7 +102,7 @@ def main() -> None:
     initial_heads = copy.deepcopy(policy.heads.state_dict())
     for name, (rx, sl) in VARIANTS.items():
         spec = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, reflex=ReflexConfig(enabled=rx),
-                          slow_path=SlowPathConfig(**{**slow_cfg.__dict__, "enabled": sl}))
+                          slow_path=dataclasses.replace(slow_cfg, enabled=sl))
         engines[name] = SpeculativeEngine(policy, spec, eos_token_ids=eos, tokenizer=tok)
         heads[name] = copy.deepcopy(initial_heads)
     vanilla = VanillaEngine(policy, eos_token_ids=eos, tokenizer=tok)

@@ -25,8 +25,8 @@ warnings.filterwarnings("ignore")
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config  # noqa: E402
 from specroll_mcore.config import ParallelConfig  # noqa: E402
-from specroll_mcore.rollout.profile import forward_latency  # noqa: E402
-from specroll_mcore.tree.budget import capacity_from_latency, hardware_name, profile_key, save_capacity  # noqa: E402
+from specroll_mcore.rollout.profile import measure_capacity  # noqa: E402
+from specroll_mcore.tree.budget import profile_path  # noqa: E402
 
 
 def main() -> int:
@@ -45,15 +45,10 @@ def main() -> int:
     ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
     policy = load_policy(ckpt, ctx)
     sizes = [int(x) for x in args.tokens.split(",")]
-    curve = forward_latency(policy, sizes, args.reps, verbose=ctx.rank == 0)
-    c_hw = capacity_from_latency(curve["tokens"], curve["tree_row_s"], args.tolerance)
-    fp = read_checkpoint_config(ckpt).get("policy_fingerprint", "unknown")
-    key = profile_key(fp, hardware_name(), args.tp, args.pp)
-    record = {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {args.tolerance} x latency(1)",
-              "hardware": hardware_name(), "tp": args.tp, "pp": args.pp, "policy_fingerprint": fp, "curve": curve}
+    fp = read_checkpoint_config(ckpt).get("policy_fingerprint")
+    record = measure_capacity(policy, fp, sizes, args.reps, args.tolerance, verbose=True)
     if ctx.rank == 0:
-        path = save_capacity(key, record)
-        print(f"C_hw = {c_hw} tokens (key {key}, cached in {path})")
+        print(f"C_hw = {record['c_hw']} tokens (cached in {profile_path()})")
         if args.out:
             Path(args.out).write_text(json.dumps(record, indent=2))
     parallel.destroy()

@@ -33,25 +33,37 @@ def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None,
 def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_fingerprint: Optional[str],
                     tolerance: float = 1.5) -> int:
     """C_hw for this policy, hardware and layout: SpecConfig.c_hw if set, else the cached profile,
-    else a quick profile now (a few seconds to a minute; every rank runs it, the slowest rank's
-    latencies decide, rank 0 caches the result)."""
-    from specroll_mcore.tree.budget import capacity_from_latency, hardware_name, load_capacity, profile_key, save_capacity
+    else a quick profile now (a few seconds to a minute, see :func:`measure_capacity`)."""
+    from specroll_mcore.tree.budget import hardware_name, load_capacity, profile_key
 
     if configured:
         return configured
     ctx = policy.ctx
-    key = profile_key(policy_fingerprint or "unknown", hardware_name(), ctx.tp_size, ctx.pp_size)
-    cached = load_capacity(key)
+    cached = load_capacity(profile_key(policy_fingerprint or "unknown", hardware_name(), ctx.tp_size, ctx.pp_size))
     if cached:
         return cached
-    curve = forward_latency(policy, QUICK_SIZES, reps=3)
-    slowest = ctx.all_reduce_max(torch.tensor(curve["tree_row_s"], dtype=torch.float64))
-    c_hw = capacity_from_latency(list(QUICK_SIZES), slowest.tolist(), tolerance)
+    return measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=3, tolerance=tolerance, quick=True)["c_hw"]
+
+
+def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], sizes: Sequence[int], reps: int,
+                     tolerance: float = 1.5, quick: bool = False, verbose: bool = False) -> dict:
+    """Profile the forward latency on every rank (collective; the slowest rank's latencies decide),
+    derive C_hw by the documented rule (tree/budget.capacity_from_latency) and cache the record
+    (rank 0). Returns the record."""
+    from specroll_mcore.tree.budget import capacity_from_latency, hardware_name, profile_key, save_capacity
+
+    ctx = policy.ctx
+    fp = policy_fingerprint or "unknown"
+    curve = forward_latency(policy, sizes, reps, verbose=verbose and ctx.rank == 0)
+    for name in ("tree_row_s", "decode_rows_s"):
+        curve[name] = ctx.all_reduce_max(torch.tensor(curve[name], dtype=torch.float64)).tolist()
+    c_hw = capacity_from_latency(list(sizes), curve["tree_row_s"], tolerance)
+    record = {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {tolerance} x latency(1)",
+              "hardware": hardware_name(), "tp": ctx.tp_size, "pp": ctx.pp_size, "policy_fingerprint": fp,
+              "curve": curve, "quick": quick}
     if ctx.rank == 0:
-        save_capacity(key, {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {tolerance} x latency(1)",
-                            "hardware": hardware_name(), "tp": ctx.tp_size, "pp": ctx.pp_size,
-                            "policy_fingerprint": policy_fingerprint, "curve": curve, "quick": True})
-    return c_hw
+        save_capacity(profile_key(fp, hardware_name(), ctx.tp_size, ctx.pp_size), record)
+    return record
 
 
 @torch.inference_mode()

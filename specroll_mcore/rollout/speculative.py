@@ -26,7 +26,7 @@ import torch
 
 from specroll_mcore.config import SamplingConfig, SpecConfig
 from specroll_mcore import reflex
-from specroll_mcore.heads import support_logits, vocab_parallel_logsumexp, vocab_parallel_topk
+from specroll_mcore.heads import support_logits, vocab_parallel_logsumexp, vocab_parallel_topk, vocab_rows
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          validate_prompts)
@@ -122,11 +122,11 @@ class SpeculativeEngine:
         cand = proposal.candidates[rows, depth]
         ids, valid = reflex.support(cand, proposal.q_top[rows, depth, :cfg.support_topk],
                                     p_top[:, :cfg.support_topk], tokens[sel])
-        weight = model.output_weight()
-        q_l = support_logits(weight, ids, proposal.z[depth, rows], model.vocab_start, model.ctx).float() / t
+        w_s = vocab_rows(model.output_weight(), ids, model.vocab_start)  # [m, s, h], read once for both products
+        q_l = support_logits(w_s, proposal.z[depth, rows], model.ctx).float() / t
         coef = reflex.feedback_coefficients(pl.gather(1, ids), q_l, ids, valid, cand, p_top[:, :k],
                                             cfg.coverage_weight)
-        e = reflex.feedback_vectors(weight, ids, coef, model.vocab_start, model.ctx)
+        e = reflex.feedback_vectors(w_s, coef, model.ctx)
         reflex.update(rstate, active[rows], depth, e, cfg.decay_for(H))
 
     # -- 3. verify ------------------------------------------------------------------------------------

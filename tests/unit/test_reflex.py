@@ -8,6 +8,7 @@ import torch
 
 from specroll_mcore import reflex
 from specroll_mcore.config import ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig, tiny_llama
+from specroll_mcore.heads import vocab_rows
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
 
 from tests.unit.test_speculative import PROMPTS, policy_with_heads
@@ -46,7 +47,7 @@ def test_distribution_feedback_is_minus_the_gradient_of_support_cross_entropy():
     W, z, p_logits, cand, p_star, ids, valid = _problem()
     q_logits = torch.einsum("msh,mh->ms", W[ids], z)
     coef = reflex.feedback_coefficients(p_logits.gather(1, ids), q_logits, ids, valid, cand, p_star, 0.0)
-    e = reflex.feedback_vectors(W, ids, coef, 0, NoTP())
+    e = reflex.feedback_vectors(vocab_rows(W, ids, 0), coef, NoTP())
     # independent reference: autograd through the restricted softmax on S
     zz = z.clone().requires_grad_()
     ql = torch.einsum("msh,mh->ms", W[ids], zz).masked_fill(~valid, -math.inf)
@@ -61,7 +62,7 @@ def test_coverage_feedback_raises_missing_policy_tokens_over_the_weakest_candida
     q_logits = torch.einsum("msh,mh->ms", W[ids], z)
     dist = reflex.feedback_coefficients(p_logits.gather(1, ids), q_logits, ids, valid, cand, p_star, 0.0)
     both = reflex.feedback_coefficients(p_logits.gather(1, ids), q_logits, ids, valid, cand, p_star, 1.0)
-    r_cov = reflex.feedback_vectors(W, ids, both - dist, 0, NoTP()).double()
+    r_cov = reflex.feedback_vectors(vocab_rows(W, ids, 0), both - dist, NoTP()).double()
     p_s = torch.softmax(p_logits.gather(1, ids).masked_fill(~valid, -math.inf), -1)
     for r in range(z.shape[0]):
         missing = [y for y in p_star[r].tolist() if y not in cand[r].tolist()]
@@ -76,10 +77,10 @@ def test_coverage_feedback_raises_missing_policy_tokens_over_the_weakest_candida
 def test_vocab_parallel_partial_sums_equal_the_full_product():
     W, z, p_logits, cand, p_star, ids, valid = _problem(seed=5)
     coef = torch.randn(ids.shape, dtype=torch.float32)
-    full = reflex.feedback_vectors(W, ids, coef, 0, NoTP())
+    full = reflex.feedback_vectors(vocab_rows(W, ids, 0), coef, NoTP())
     half = W.shape[0] // 2
-    shards = reflex.feedback_vectors(W[:half], ids, coef, 0, NoTP()) + \
-        reflex.feedback_vectors(W[half:], ids, coef, half, NoTP())
+    shards = reflex.feedback_vectors(vocab_rows(W[:half], ids, 0), coef, NoTP()) + \
+        reflex.feedback_vectors(vocab_rows(W[half:], ids, half), coef, NoTP())
     torch.testing.assert_close(shards, full)
 
 

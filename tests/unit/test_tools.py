@@ -19,8 +19,8 @@ def tiny_ckpt(tmp_path_factory):
     return tiny_policy_checkpoint(tmp_path_factory.mktemp("tools"))
 
 
-def run_tool(name, *args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run_tool(name, *args, **env_extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -63,3 +63,13 @@ def test_acceptance_ceiling_needs_two_prompts(tiny_ckpt, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "acceptance_ceiling.py"), "--checkpoint",
                            str(tiny_ckpt), "--prompts", "1"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--prompts >= 2" in proc.stderr
+
+
+def test_profile_capacity_smoke(tiny_ckpt, tmp_path):
+    out = tmp_path / "p.json"
+    run_tool("profile_capacity.py", "--checkpoint", tiny_ckpt, "--tokens", "1,2,4", "--reps", 1, "--out", out,
+             SPECROLL_CACHE=str(tmp_path / "cache"))
+    record = json.loads(out.read_text())
+    assert record["c_hw"] in (1, 2, 4) and record["curve"]["tokens"] == [1, 2, 4]
+    cached = json.loads((tmp_path / "cache" / "capacity_profiles.json").read_text())
+    assert [r["c_hw"] for r in cached.values()] == [record["c_hw"]]
