@@ -135,21 +135,32 @@ class ParallelContext:
         dist.broadcast_object_list(holder, src=self.pp_ranks[-1], group=self.pp_group)
         return holder[0]
 
+    def _all_reduce(self, tensor: torch.Tensor, group: Optional[dist.ProcessGroup],
+                    op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce. A tensor that lives off the communication device (a CPU counter
+        under nccl) is reduced there and copied back."""
+        if tensor.device == self.device:
+            dist.all_reduce(tensor, op=op, group=group)
+            return tensor
+        on_device = tensor.to(self.device)
+        dist.all_reduce(on_device, op=op, group=group)
+        return tensor.copy_(on_device)
+
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """Element-wise max over every rank (all ranks agree on one measured profile)."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            self._all_reduce(tensor, None, dist.ReduceOp.MAX)
         return tensor
 
     def all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group (gradients, token counts)."""
         if self.dp_size > 1:
-            dist.all_reduce(tensor, group=self.dp_group)
+            self._all_reduce(tensor, self.dp_group)
         return tensor
 
     def all_reduce_pp(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.pp_size > 1:
-            dist.all_reduce(tensor, group=self.pp_group)
+            self._all_reduce(tensor, self.pp_group)
         return tensor
 
     def all_reduce_embedding_group(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -157,7 +168,7 @@ class ParallelContext:
         from megatron.core import parallel_state as ps
 
         if self.pp_size > 1:
-            dist.all_reduce(tensor, group=ps.get_embedding_group())
+            self._all_reduce(tensor, ps.get_embedding_group())
         return tensor
 
     def broadcast_from_last_stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -190,7 +201,7 @@ class ParallelContext:
 
     def all_reduce_tp(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.tp_size > 1:
-            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=self.tp_group)
+            self._all_reduce(tensor, self.tp_group, getattr(dist.ReduceOp, op.upper()))
         return tensor
 
     def gather_to_rank0(self, items: list) -> list:
@@ -254,6 +265,13 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         create_gloo_process_groups=False,
     )
+    if use_cuda:
+        # megatron-core initialises weights on the GPU inside its model-parallel RNG tracker, which
+        # must hold a state first. Checkpoints overwrite these weights; the seed only makes a
+        # randomly initialised model reproducible.
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
     return context_from_parallel_state(device)
 
 

@@ -36,6 +36,7 @@ from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
+from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
 BINS = [(129, 10**9), (65, 128), (33, 64), (17, 32), (9, 16), (5, 8), (3, 4), (2, 2), (1, 1)]
 
@@ -50,14 +51,21 @@ def run(engine, prompts, sp):
     return time.perf_counter() - t0, out
 
 
+def wait(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_hf(hf, prompts, sp, tok, prompt_lookup: int = 0) -> float:
+    wait(hf.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for p in prompts:  # batch 1: what prompt lookup decoding supports
             kw = dict(prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else {}
-            hf.generate(torch.tensor([p]), do_sample=sp.temperature > 0, temperature=sp.temperature or None,
+            hf.generate(torch.tensor([p], device=hf.device), do_sample=sp.temperature > 0, temperature=sp.temperature or None,
                         top_p=1.0, top_k=0,
                         max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id, **kw)
+    wait(hf.device)
     return time.perf_counter() - t0
 
 
@@ -68,12 +76,15 @@ def time_hf_batch(hf, prompts, sp, tok) -> float:
     for i, p in enumerate(prompts):
         ids[i, longest - len(p):] = torch.tensor(p)
         mask[i, longest - len(p):] = 1
+    ids, mask = ids.to(hf.device), mask.to(hf.device)
+    wait(hf.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         hf.generate(input_ids=ids, attention_mask=mask, do_sample=sp.temperature > 0, temperature=sp.temperature or None,
                     top_p=1.0, top_k=0,
                     max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id,
                     num_return_sequences=sp.num_samples)
+    wait(hf.device)
     return time.perf_counter() - t0
 
 
@@ -108,7 +119,7 @@ def plot(rows, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("unfinished responses B_t")
     ax.set_ylabel("SpecRoll / vanilla tokens per second")
-    ax.set_title("Generation speedup over the rollout (SmolLM2-135M, CPU)")
+    ax.set_title(f"Generation speedup over the rollout (SmolLM2-135M, {hardware_name()})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -166,7 +177,8 @@ def main() -> int:
     eos = [tok.eos_token_id]
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
     spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos)
-    report = {"checkpoint": str(ckpt), "spec": dataclasses.asdict(spec_cfg), "threads": torch.get_num_threads(),
+    report = {"checkpoint": str(ckpt), "hardware": hardware_name(), "spec": dataclasses.asdict(spec_cfg),
+              "threads": torch.get_num_threads(),
               "temperature": args.temperature,
               "reps": args.reps, "max_new_tokens": args.max_new_tokens}
     print(f"c_hw={c_hw} heads={policy.num_heads} topk={args.topk} n_max={args.n_max} threads={torch.get_num_threads()}")
@@ -195,6 +207,7 @@ def main() -> int:
     hf = None
     if not args.skip_hf:
         hf = transformers.AutoModelForCausalLM.from_pretrained(default_hf_dir(), dtype=torch.float32).eval()
+        hf.to(ctx.device)
     if not args.skip_batch1:
         report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps)
     if not args.skip_batch1 and hf is not None:

@@ -71,8 +71,10 @@ def forward_latency(policy: PolicyModel, sizes: Sequence[int], reps: int, contex
                     verbose: bool = False) -> dict:
     """Median seconds of one forward holding N new tokens, in two shapes alternated: one row
     appending an N-node tree (a causal chain, the densest mask) and N rows appending one token each
-    (decode), each on a ``context``-token committed prefix. Run on every rank of the layout."""
+    (decode), each on a ``context``-token committed prefix. Run on every rank of the layout. On a
+    GPU each timing waits for the device (kernels run asynchronously)."""
     device = policy.ctx.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     res = {"tokens": list(sizes), "context": context, "tree_row_s": [], "decode_rows_s": []}
     prompt = [list(range(5, 5 + context))]
     one = torch.zeros(1, dtype=torch.long, device=device)
@@ -85,12 +87,14 @@ def forward_latency(policy: PolicyModel, sizes: Sequence[int], reps: int, contex
         dec_cache.copy_slots(torch.zeros(n, dtype=torch.long, device=device), rows)
         tree_t, dec_t = [], []
         for _ in range(reps):
+            sync()
             t0 = time.perf_counter()
             meta = policy.metadata(tree_cache.lengths[one][:, None] + torch.arange(n, device=device)[None],
                                    causal_mask(1, n, device), tree_cache, one)
             out = policy(torch.full((1, n), 7, device=device), meta)
             if out is not None:
                 policy.full_logits(out)
+            sync()
             tree_t.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             meta = policy.metadata(dec_cache.lengths[rows][:, None],
@@ -98,6 +102,7 @@ def forward_latency(policy: PolicyModel, sizes: Sequence[int], reps: int, contex
             out = policy(torch.full((n, 1), 7, device=device), meta)
             if out is not None:
                 policy.full_logits(out)
+            sync()
             dec_t.append(time.perf_counter() - t0)
         res["tree_row_s"].append(statistics.median(tree_t))
         res["decode_rows_s"].append(statistics.median(dec_t))

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Every GPU check in one run, for a machine with CUDA where the package and its dependencies import
+# (the SmolLM2 checkpoint with heads in $SPECROLL_CACHE, or converted on first use):
+#
+#   bash tools/gpu_checks.sh OUT_DIR            # about 8 minutes on one H200
+#
+# Stages, in order of value, each under its own time limit and skipped when the overall budget
+# (BUDGET_S seconds, default 540) would run out: the capacity profile (C_hw on this GPU), SpecRoll
+# against the vanilla engine and transformers at T=1 (batch 1 and 32 prompts x 8 samples x 256
+# tokens), batch 1 at T=0, and a short GRPO run that times the vanilla engine on the same steps.
+# Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
+# workload to a few tokens (a dry run of this script on any machine).
+set -uo pipefail
+OUT=${1:?usage: tools/gpu_checks.sh OUT_DIR}
+PY=${PY:-python3}
+BUDGET_S=${BUDGET_S:-540}
+CKPT=${CKPT:-smollm2}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+LOG="$OUT/gpu_checks.log"
+deadline=$((SECONDS + BUDGET_S))
+
+if [ "${QUICK:-0}" = 1 ]; then
+  B1="--batch1-prompts 1 --max-new-tokens 8 --reps 1"; FULL="--prompts 2 --samples 2"; TOKENS="1,2,4"
+  GRPO="--set steps=2 --set prompts_per_step=2 --set sampling.num_samples=2 --set sampling.max_new_tokens=8"
+else
+  B1="--batch1-prompts 4 --max-new-tokens 256 --reps 3"; FULL="--prompts 32 --samples 8"
+  TOKENS="1,2,4,8,16,32,64,128,256,512,1024,2048"
+  GRPO="--set steps=6 --set prompts_per_step=8 --set sampling.num_samples=8 --set sampling.max_new_tokens=256"
+fi
+
+stage() {  # stage NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), log it, never abort the rest
+  local name=$1 limit=$2 left=$((deadline - SECONDS))
+  shift 2
+  if [ "$left" -lt 30 ]; then echo "== $name skipped: ${left}s of the budget left" | tee -a "$LOG"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  echo "== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s" | tee -a "$LOG"
+}
+
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 | tee -a "$LOG"
+stage profile 120 $PY tools/profile_capacity.py --checkpoint "$CKPT" --tokens "$TOKENS" --out "$OUT/capacity.json"
+# shellcheck disable=SC2086
+stage bench_t1 300 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 $FULL \
+  --out "$OUT/bench_specroll_t1.json" --plot "$OUT/bench_specroll_t1.png"
+# shellcheck disable=SC2086
+stage bench_t0 120 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --temperature 0 --skip-full --skip-hf \
+  --out "$OUT/bench_specroll_t0.json"
+GRPO_DIR=$(mktemp -d)
+# shellcheck disable=SC2086
+stage grpo 240 $PY -m specroll_mcore.cli train --config examples/configs/smollm2_gsm8k_cpu.yaml \
+  --set "checkpoint=$CKPT" --set "output_dir=$GRPO_DIR" --set save_every=1000 $GRPO
+cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
+echo "== done in ${SECONDS}s" | tee -a "$LOG"
