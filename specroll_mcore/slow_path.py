@@ -33,7 +33,6 @@ batches; other stages are not involved.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
@@ -117,64 +116,125 @@ class RecordBuffer:
 
 
 class RecordStreams:
-    """Per-response entries (hidden state, target top-K, token) -> matured :class:`Records`."""
+    """Per-response entries (hidden state, target top-K, token) -> matured :class:`Records`.
+
+    Each response keeps its last ``2H + 2`` entries in device ring buffers (an entry waits for its H
+    successors; one step appends at most H + 1), so a verification step costs a few batched copies
+    and gathers whatever the number of rows."""
 
     def __init__(self, num_heads: int, hidden_size: int, topk: int) -> None:
         self.H, self.h, self.K = num_heads, hidden_size, topk
-        self.streams: dict[int, deque] = {}
+        self.W = 2 * num_heads + 2
+        self.count: dict[int, int] = {}  # slot -> entries appended so far
+        self.matured: dict[int, int] = {}  # slot -> entries already turned into records
         self.ready: list[Records] = []
+        self._buf: Optional[dict[str, torch.Tensor]] = None
+
+    def _ensure(self, slots: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+        need = max(slots) + 1
+        buf = self._buf
+        if buf is not None and buf["tok"].shape[0] >= need:
+            return buf
+        n, W, H, h, K = max(need, 2 * (0 if buf is None else buf["tok"].shape[0])), self.W, self.H, self.h, self.K
+        new = {"hid": torch.zeros(n, W, h, device=device), "delta": torch.zeros(n, W, H, h, device=device),
+               "ids": torch.zeros(n, W, K, dtype=torch.long, device=device),
+               "probs": torch.zeros(n, W, K, device=device), "tok": torch.zeros(n, W, dtype=torch.long, device=device)}
+        if buf is not None:
+            old = buf["tok"].shape[0]
+            for k in new:
+                new[k][:old] = buf[k]
+        self._buf = new
+        return new
 
     def add(self, slot: int, hidden: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
             tokens: torch.Tensor) -> None:
         """Append response tokens j.. of one slot: the hidden state each was sampled from [c, h],
         the top-K of the distribution it was sampled from [c, K] and the tokens [c]."""
-        s = self.streams.setdefault(slot, deque())
-        for i in range(tokens.shape[0]):
-            s.append([hidden[i].float(), ids[i], probs[i].float(), tokens[i], None])
-        self._mature(slot, final=False)
+        self.add_rows([slot], [tokens.shape[0]], hidden, ids, probs, tokens)
+
+    def add_rows(self, slots: list[int], counts: list[int], hidden: torch.Tensor, ids: torch.Tensor,
+                 probs: torch.Tensor, tokens: torch.Tensor) -> None:
+        """:meth:`add` for many slots at once; the entries are flattened slot by slot (``counts`` each)."""
+        if max(counts, default=0) > self.H + 1:  # more than one step's worth: feed it step-sized
+            start, take = 0, []
+            for c in counts:
+                take.append((start, min(c, self.H + 1)))
+                start += c
+            lo = [a for a, _ in take]
+            cut = [c for _, c in take]
+            idx = torch.tensor([a + i for a, c in zip(lo, cut) for i in range(c)], device=tokens.device)
+            self.add_rows(slots, cut, hidden[idx], ids[idx], probs[idx], tokens[idx])
+            rest = [c - k for c, k in zip(counts, cut)]
+            keep = torch.tensor([a + i for a, c, k in zip(lo, counts, cut) for i in range(k, c)], device=tokens.device)
+            self.add_rows(slots, rest, hidden[keep], ids[keep], probs[keep], tokens[keep])
+            return
+        buf = self._ensure(slots, hidden.device)
+        dst_slot, dst_pos = [], []
+        for slot, c in zip(slots, counts):
+            n = self.count.setdefault(slot, 0)
+            self.matured.setdefault(slot, 0)
+            dst_slot += [slot] * c
+            dst_pos += [(n + i) % self.W for i in range(c)]
+            self.count[slot] = n + c
+        if dst_slot:
+            at = (torch.tensor(dst_slot, device=hidden.device), torch.tensor(dst_pos, device=hidden.device))
+            buf["hid"][at] = hidden.float()
+            buf["delta"][at] = 0.0
+            buf["ids"][at] = ids
+            buf["probs"][at] = probs.float()
+            buf["tok"][at] = tokens
+        self._mature(slots, final=False)
 
     def set_delta(self, slots: list[int], delta: torch.Tensor) -> None:
         """The proposal from each slot's newest entry used ``delta`` [H, b, h]."""
-        for r, slot in enumerate(slots):
-            s = self.streams.get(slot)
-            if s:
-                s[-1][4] = delta[:, r].float()
+        rows = [r for r, s in enumerate(slots) if self.count.get(s, 0) > self.matured.get(s, 0)]
+        if not rows or self._buf is None:
+            return
+        dev = delta.device
+        at = (torch.tensor([slots[r] for r in rows], device=dev),
+              torch.tensor([(self.count[slots[r]] - 1) % self.W for r in rows], device=dev))
+        self._buf["delta"][at] = delta[:, rows].transpose(0, 1).float()
 
     def finish(self, slot: int) -> None:
         """The response ended (or its stream pauses): its last entries become partial records."""
-        if slot in self.streams:
-            self._mature(slot, final=True)
-            self.streams.pop(slot)
+        self.finish_rows([slot])
+
+    def finish_rows(self, slots: list[int]) -> None:
+        slots = [s for s in slots if s in self.count]
+        if slots:
+            self._mature(slots, final=True)
+        for s in slots:
+            del self.count[s], self.matured[s]
 
     def take(self) -> Optional[Records]:
         out, self.ready = self.ready, []
         return Records.cat(out) if out else None
 
-    def _mature(self, slot: int, final: bool) -> None:
-        s, H = self.streams[slot], self.H
-        n = len(s) if final else max(0, len(s) - H)
-        if n == 0:
+    def _mature(self, slots: list[int], final: bool) -> None:
+        """Records for every entry whose H targets are known (all remaining ones if ``final``; an
+        entry with no successor at all gives none), in slot order, oldest entry first."""
+        H, W = self.H, self.W
+        src_slot, src_pos, last = [], [], []
+        for slot in slots:
+            n, done = self.count[slot], self.matured[slot]
+            upto = n - 1 if final else n - H  # entries [done, upto) mature now
+            for j in range(done, upto):
+                src_slot.append(slot)
+                src_pos.append(j)
+                last.append(n - 1)
+            self.matured[slot] = max(done, upto)
+        if not src_slot:
             return
-        entries = list(s)
-        rows = []
-        for i in range(n):
-            tgt = entries[i + 1:i + 1 + H]
-            if not tgt:
-                continue
-            device = entries[i][0].device
-            valid = torch.zeros(H, dtype=torch.bool, device=device)
-            valid[:len(tgt)] = True
-            pad = H - len(tgt)
-            ids = torch.stack([t[1] for t in tgt] + [tgt[-1][1]] * pad)
-            probs = torch.stack([t[2] for t in tgt] + [tgt[-1][2]] * pad)
-            toks = torch.stack([t[3] for t in tgt] + [tgt[-1][3]] * pad)
-            delta = entries[i][4] if entries[i][4] is not None else torch.zeros(H, self.h, device=device)
-            rows.append((entries[i][0], delta, ids, probs, toks, valid))
-        for _ in range(n):
-            s.popleft()
-        if rows:
-            cols = list(zip(*rows))
-            self.ready.append(Records(*(torch.stack(c) for c in cols)))
+        buf, dev = self._buf, self._buf["tok"].device
+        s_t = torch.tensor(src_slot, device=dev)
+        j_t = torch.tensor(src_pos, device=dev)
+        tgt = j_t[:, None] + 1 + torch.arange(H, device=dev)[None]  # [m, H] positions j+1 .. j+H
+        last_t = torch.tensor(last, device=dev)[:, None]
+        valid = tgt <= last_t
+        tgt = torch.minimum(tgt, last_t) % W  # missing targets repeat the last one (masked by valid)
+        ts = s_t[:, None].expand_as(tgt)
+        self.ready.append(Records(buf["hid"][s_t, j_t % W], buf["delta"][s_t, j_t % W], buf["ids"][ts, tgt],
+                                  buf["probs"][ts, tgt], buf["tok"][ts, tgt], valid))
 
 
 class AcceptanceMonitor:
@@ -259,19 +319,14 @@ class SlowPath:
         """One verification step: rows' emitted tokens (flattened over rows, ``counts`` each) with
         the hidden state each was sampled from and the top-K of its distribution."""
         self.monitor.observe(tried, accepted)
-        start = 0
-        for slot, c in zip(slots, counts):
-            self.streams.add(slot, hidden[start:start + c], top_ids[start:start + c], top_probs[start:start + c],
-                             tokens[start:start + c])
-            start += c
+        self.streams.add_rows(slots, counts, hidden, top_ids, top_probs, tokens)
         self._collect()
 
     def proposal_delta(self, slots: list[int], delta: torch.Tensor) -> None:
         self.streams.set_delta(slots, delta)
 
     def finished(self, slots: list[int]) -> None:
-        for s in slots:
-            self.streams.finish(s)
+        self.streams.finish_rows(slots)
         self._collect()
 
     def _collect(self) -> None:

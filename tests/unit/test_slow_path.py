@@ -68,7 +68,62 @@ def test_records_target_the_next_tokens_and_flush_partially_at_the_end():
     st.finish(7)
     tail = st.take()
     assert tail.realised[:, 0].tolist() == [5] and tail.valid.tolist() == [[True, False]]
-    assert 7 not in st.streams
+    st.add(7, hid[:2], ids[:2], probs[:2], torch.tensor([8, 9]))  # slot 7 reused: a fresh stream
+    st.finish(7)
+    again = st.take()
+    assert again.realised.tolist() == [[9, 9]] and again.valid.tolist() == [[True, False]]
+    assert again.delta.abs().sum() == 0
+
+
+def reference_records(history, j, H):
+    """The record of entry j of one response's full history [(hidden, ids, probs, token, delta)], built
+    directly from the definition: targets j+1 .. j+H, missing ones repeat the last and are invalid."""
+    tgt = history[j + 1:j + 1 + H]
+    pad = tgt + [tgt[-1]] * (H - len(tgt))
+    return (history[j][0], history[j][4], torch.stack([t[1] for t in pad]), torch.stack([t[2] for t in pad]),
+            torch.stack([t[3] for t in pad]), torch.tensor([k < len(tgt) for k in range(H)]))
+
+
+@pytest.mark.parametrize("long_row", [False, True])
+def test_batched_records_match_their_definition(long_row):
+    """add_rows over ragged rows, with Reflex deltas, then finish: every entry but each response's
+    last becomes the record its definition gives; in slot order, oldest first (one step's worth per
+    row), or as a whole multiset when a row brings more than H + 1 entries at once."""
+    H, h, K = 3, 5, 2
+    g = torch.Generator().manual_seed(0)
+    steps = [[(0, 2), (4, 4), (1, 1)], [(0, 4), (4, 1)], [(1, 9 if long_row else 4), (0, 3), (4, 2)], [(1, 1)]]
+    st = RecordStreams(H, h, K)
+    hist = {0: [], 1: [], 4: []}
+    done = {0: 0, 1: 0, 4: 0}
+    got, want = [], []
+    for step in steps:
+        n = sum(c for _, c in step)
+        hid, ids = torch.randn(n, h, generator=g), torch.randint(0, 50, (n, K), generator=g)
+        probs, toks = torch.rand(n, K, generator=g), torch.randint(0, 50, (n,), generator=g)
+        st.add_rows([s for s, _ in step], [c for _, c in step], hid, ids, probs, toks)
+        start = 0
+        for s, c in step:
+            hist[s] += [[hid[i], ids[i], probs[i], toks[i], torch.zeros(H, h)] for i in range(start, start + c)]
+            start += c
+            want += [reference_records(hist[s], j, H) for j in range(done[s], len(hist[s]) - H)]
+            done[s] = max(done[s], len(hist[s]) - H)
+        delta = torch.randn(H, len(step), h, generator=g)
+        st.set_delta([s for s, _ in step], delta)
+        for r, (s, _) in enumerate(step):
+            hist[s][-1][4] = delta[:, r]
+        got.append(st.take())
+    st.finish_rows([4, 0, 1])
+    for s in (4, 0, 1):
+        want += [reference_records(hist[s], j, H) for j in range(done[s], len(hist[s]) - 1)]
+    got.append(st.take())
+    rec = Records.cat([r for r in got if r is not None])
+    expect = Records(*(torch.stack(col) for col in zip(*want)))
+    assert len(rec) == sum(len(v) for v in hist.values()) - 3
+    if long_row:
+        order_got, order_want = rec.hidden[:, 0].argsort(), expect.hidden[:, 0].argsort()
+        rec, expect = rec.select(order_got), expect.select(order_want)
+    for f in dataclasses.fields(Records):
+        assert torch.equal(getattr(rec, f.name), getattr(expect, f.name)), f.name
 
 
 def test_buffer_keeps_the_most_recent_records_in_order():
