@@ -6,14 +6,15 @@ A node at depth d >= 1 carries one of head d's candidates. Growth order:
      likely continuation, depth H);
   2. then, greedily, the free slot (a node u at depth d < H, head d+1's next-ranked candidate under
      u) with the highest cumulative draft log-probability  sum of log q along the path,
-until the row's budget of nodes (root included) is spent. Every node's parent is in the tree
+until the row's budget of nodes (root included) is spent. All rows are built at once with tensor
+operations (no per-row loop: on a GPU the step's host work is what speculation must beat). Every node's parent is in the tree
 (prefix-closed) and siblings carry distinct tokens (distinct candidates of one head), so at most
 one child can match the policy's sample.
 """
 
 from __future__ import annotations
 
-import heapq
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,46 +36,62 @@ class TreeBatch:
         return tuple(self.tokens.shape)  # type: ignore[return-value]
 
 
+@functools.lru_cache(maxsize=64)
+def _rank_tuples(H: int, k: int, budget: int) -> tuple[torch.Tensor, ...]:
+    """Every node a tree of ``budget`` nodes can hold, as rank tuples (r_1 .. r_d): node (.., r) is
+    added only after (.., r - 1) and its parent, so its tree holds >= sum(r) + d + 1 nodes. Returns
+    (ranks [T, H] padded with 0, depth [T], parent [T] (T = the root), trunk [T] bool), parents
+    before children."""
+    tuples, index = [], {(): None}
+    frontier = [()]
+    for d in range(1, H + 1):
+        nxt = []
+        for t in frontier:
+            for r in range(k):
+                u = t + (r,)
+                if sum(u) + d + 1 > budget:
+                    break
+                index[u] = len(tuples)
+                tuples.append(u)
+                nxt.append(u)
+        frontier = nxt
+    T = len(tuples)
+    ranks = torch.tensor([list(u) + [0] * (H - len(u)) for u in tuples], dtype=torch.long).reshape(T, H)
+    depth = torch.tensor([len(u) for u in tuples], dtype=torch.long)
+    parent = torch.tensor([T if len(u) == 1 else index[u[:-1]] for u in tuples], dtype=torch.long)
+    trunk = torch.tensor([not any(u) for u in tuples], dtype=torch.bool)
+    return ranks, depth, parent, trunk
+
+
 def build_trees(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_logq: torch.Tensor,
                 budget: int) -> TreeBatch:
     """root_tokens [b]; cand_tokens, cand_logq [b, H, k] (each head's top-k, best first);
-    budget: nodes per row, root included (>= 1); a row gets fewer only if its candidates run out."""
+    budget: nodes per row, root included (>= 1); fewer only if the candidates run out.
+
+    Batched: the greedy growth from the trunk picks free slots in non-increasing cumulative log q
+    (a child never scores above its parent, nor a candidate above a better-ranked sibling), so a
+    row's tree is its trunk plus its best-scoring other nodes, in that order; ties go to the
+    shallower node, then to the better ranks."""
     b, H, k = cand_tokens.shape
-    cand_tokens_l, cand_logq_l = cand_tokens.tolist(), cand_logq.float().tolist()
-    roots = root_tokens.tolist()
-    rows = []
-    for r in range(b):
-        toks, logq = cand_tokens_l[r], cand_logq_l[r]
-        tokens, parents, depths, cum = [roots[r]], [ROOT], [0], [0.0]
-        heap: list[tuple[float, int, int, int]] = []  # (-cumulative log q, tie-break, parent, rank)
-
-        def add(u: int, rank: int) -> int:
-            d = depths[u]
-            tokens.append(toks[d][rank])
-            parents.append(u)
-            depths.append(d + 1)
-            cum.append(cum[u] + logq[d][rank])
-            if rank + 1 < k:  # the parent's next-ranked candidate becomes a free slot
-                heapq.heappush(heap, (-(cum[u] + logq[d][rank + 1]), len(tokens), u, rank + 1))
-            return len(tokens) - 1
-
-        u = 0  # 1. trunk: each head's top-1 under the previous one
-        while len(tokens) < budget and depths[u] < H:
-            u = add(u, 0)
-        while len(tokens) < budget and heap:  # 2. greedy growth
-            _, _, parent, rank = heapq.heappop(heap)
-            v = add(parent, rank)
-            if depths[v] < H:
-                heapq.heappush(heap, (-(cum[v] + logq[depths[v]][0]), len(tokens) + b * k, v, 0))
-        rows.append((tokens, parents, depths))
-    n = max(len(t) for t, _, _ in rows)
-    tokens_t = torch.zeros(b, n, dtype=torch.long)
-    parents_t = torch.full((b, n), PAD, dtype=torch.long)
-    depth_t = torch.zeros(b, n, dtype=torch.long)
-    for r, (t, p, d) in enumerate(rows):
-        tokens_t[r, : len(t)] = torch.tensor(t)
-        parents_t[r, : len(p)] = torch.tensor(p)
-        depth_t[r, : len(d)] = torch.tensor(d)
-    dev = root_tokens.device
-    return TreeBatch(tokens_t.to(dev), parents_t.to(dev), depth_t.to(dev),
-                     torch.tensor([len(t) for t, _, _ in rows], device=dev))
+    dev = cand_tokens.device
+    ranks, depth, parent, trunk = (t.to(dev) for t in _rank_tuples(H, k, budget))
+    T = depth.shape[0]
+    m = min(budget - 1, T)
+    level = torch.arange(H, device=dev)
+    on_path = level[None, :] < depth[:, None]  # [T, H]
+    lq = cand_logq.float()[:, level[None, :], ranks]  # [b, T, H]: log q of each level's candidate
+    score = torch.where(on_path, lq, torch.zeros((), device=dev)).sum(-1)
+    key = torch.where(trunk, torch.full_like(score, float("-inf")), -score)  # trunk first
+    order = depth.argsort(stable=True).expand(b, T)  # shallower first among equal keys
+    order = order.gather(1, key.gather(1, order).argsort(dim=1, stable=True))[:, :m]  # [b, m]
+    # tree positions: root 0, the chosen nodes 1..m in order
+    pos = torch.zeros(b, T + 1, dtype=torch.long, device=dev)
+    pos.scatter_(1, order, torch.arange(1, m + 1, device=dev).expand(b, m))
+    node_depth = depth[order]
+    last_rank = ranks.gather(1, (depth - 1).clamp(min=0)[:, None])[:, 0][order]  # [b, m]
+    tokens = cand_tokens[torch.arange(b, device=dev)[:, None], (node_depth - 1).clamp(min=0), last_rank]
+    root = root_tokens.to(dev)[:, None]
+    return TreeBatch(torch.cat([root, tokens], 1),
+                     torch.cat([torch.full((b, 1), ROOT, dtype=torch.long, device=dev), pos.gather(1, parent[order])], 1),
+                     torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), node_depth], 1),
+                     torch.full((b,), m + 1, dtype=torch.long, device=dev))

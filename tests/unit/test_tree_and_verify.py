@@ -45,6 +45,49 @@ def test_trunk_first_then_greedy_by_cumulative_probability():
     assert tree.parents[0].tolist() == [ROOT, 0, 1, 2, 0, 1, 5, 4]
 
 
+def greedy_reference(root, toks, logq, budget):
+    """One row grown node by node from the definition: the trunk of top-1s, then repeatedly the free
+    slot (the next unused candidate under a node above depth H) with the best cumulative log q."""
+    H, k = len(toks), len(toks[0])
+    tokens, parents, depths, cum, used = [root], [ROOT], [0], [0.0], [0]
+
+    def add(u, rank):
+        d = depths[u]
+        tokens.append(toks[d][rank])
+        parents.append(u)
+        depths.append(d + 1)
+        cum.append(cum[u] + logq[d][rank])
+        used[u] += 1
+        used.append(0)
+        return len(tokens) - 1
+
+    u = 0
+    while len(tokens) < budget and depths[u] < H:
+        u = add(u, 0)
+    while len(tokens) < budget:
+        slots = [(cum[u] + logq[depths[u]][used[u]], u) for u in range(len(tokens)) if depths[u] < H and used[u] < k]
+        if not slots:
+            break
+        _, u = max(slots)
+        add(u, used[u])
+    return tokens, parents, depths
+
+
+def test_batched_trees_equal_node_by_node_greedy_growth():
+    rng = random.Random(1)
+    for b, H, k in ((5, 3, 4), (3, 2, 6), (4, 4, 3), (2, 1, 5)):
+        for budget in (1, 2, 4, 7, 16, 33):
+            toks, logq = random_candidates(rng, b, H, k, vocab=99)
+            tree = build_trees(torch.arange(b), toks, logq, budget)
+            for r in range(b):
+                want = greedy_reference(r, toks[r].tolist(), logq[r].tolist(), budget)
+                n = int(tree.num_nodes[r])
+                assert n == len(want[0])
+                assert tree.tokens[r, :n].tolist() == want[0]
+                assert tree.parents[r, :n].tolist() == want[1]
+                assert tree.depth[r, :n].tolist() == want[2]
+
+
 def test_budget_and_chunks():
     assert node_budget(256, 64, 1, 16) == 1
     assert node_budget(8, 64, 1, 16) == 8
