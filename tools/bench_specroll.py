@@ -51,6 +51,22 @@ def run(engine, prompts, sp):
     return time.perf_counter() - t0, out
 
 
+def hf_twin(name: str, ckpt: Path):
+    """The same weights as a ``transformers`` model: SmolLM2's HF form, or the checkpoint exported."""
+    import tempfile
+
+    import transformers
+
+    from specroll_mcore.checkpoint.convert import convert_mcore_to_hf
+    from specroll_mcore.checkpoint.smollm2 import MODEL_ALIAS, default_hf_dir
+
+    if name == MODEL_ALIAS:
+        return transformers.AutoModelForCausalLM.from_pretrained(default_hf_dir(), dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = convert_mcore_to_hf(ckpt, Path(tmp) / "hf")
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def wait(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -167,10 +183,6 @@ def main() -> int:
     ap.add_argument("--out", default="bench_specroll.json")
     ap.add_argument("--plot", default="bench_specroll.png")
     args = ap.parse_args()
-    import transformers
-
-    from specroll_mcore.checkpoint.smollm2 import default_hf_dir
-
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk)
@@ -206,8 +218,7 @@ def main() -> int:
 
     hf = None
     if not args.skip_hf:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(default_hf_dir(), dtype=torch.float32).eval()
-        hf.to(ctx.device)
+        hf = hf_twin(args.checkpoint, ckpt).to(ctx.device)
     if not args.skip_batch1:
         report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps)
     if not args.skip_batch1 and hf is not None:

@@ -73,3 +73,21 @@ def test_profile_capacity_smoke(tiny_ckpt, tmp_path):
     assert record["c_hw"] in (1, 2, 4) and record["curve"]["tokens"] == [1, 2, 4]
     cached = json.loads((tmp_path / "cache" / "capacity_profiles.json").read_text())
     assert [r["c_hw"] for r in cached.values()] == [record["c_hw"]]
+
+
+def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
+    """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here) and leaves their results;
+    on the tiny checkpoint the transformers baseline is its own export, not SmolLM2."""
+    out = tmp_path / "gpu"
+    env = dict(os.environ, OMP_NUM_THREADS="1", QUICK="1", CKPT=str(tiny_ckpt), PY=sys.executable,
+               SPECROLL_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_checks.sh"), str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    log = (out / "gpu_checks.log").read_text()
+    for stage in ("profile", "bench_full", "bench_batch1", "bench_batch1_t0", "grpo"):
+        assert f"== {stage} rc=0" in log, log[-3000:]
+    full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
+    assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
+    assert json.loads((out / "bench_specroll_b1.json").read_text())["batch1"]["identical_tokens"]
+    assert (out / "grpo_metrics.jsonl").read_text().count("\n") == 2
