@@ -86,10 +86,13 @@ def time_hf(hf, prompts, new_tokens: int, pad_id: int) -> float:
     for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
         ids[i, longest - len(p):] = torch.tensor(p)
         mask[i, longest - len(p):] = 1
+    ids, mask = ids.to(hf.device), mask.to(hf.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
     dt = time.perf_counter() - t0
     assert out.shape[1] == longest + new_tokens
     return dt
@@ -109,6 +112,7 @@ def main() -> int:
 
     ctx = parallel.initialize(ParallelConfig())
     policy, hf, tokenizer = load_models(args.model, ctx)
+    hf.to(ctx.device)
     engine = VanillaEngine(policy)
     batches = [int(b) for b in args.batches.split(",")]
     prompts_all = make_prompts(tokenizer, max(batches), policy.config.vocab_size)

@@ -91,3 +91,39 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
     assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
     assert json.loads((out / "bench_specroll_b1.json").read_text())["batch1"]["identical_tokens"]
     assert (out / "grpo_metrics.jsonl").read_text().count("\n") == 2
+
+
+def test_bench_rollout_smoke(tmp_path):
+    out = tmp_path / "r.json"
+    run_tool("bench_rollout.py", "--model", "tiny", "--batches", "1,2", "--new-tokens", 4, "--reps", 1,
+             "--latency-tokens", "1,2", "--latency-reps", 1, "--out", out)
+    report = json.loads(out.read_text())
+    assert report["forward_latency"]["tokens"] == [1, 2]
+    assert [r["batch"] for r in report["throughput"]] == [1, 2]
+    assert all(r["speed_ratio_ours_over_hf"] > 0 for r in report["throughput"])
+
+
+def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
+    ckpt = tiny_policy_checkpoint(tmp_path / "fresh", with_heads=False)
+    out = tmp_path / "h.json"
+    run_tool("train_heads.py", "--checkpoint", ckpt, "--prompts", 4, "--samples", 1, "--max-new-tokens", 8,
+             "--steps", 3, "--batch", 8, "--save-every", 2, "--out", out)
+    summary = json.loads(out.read_text())
+    assert summary["train_positions"] > 0 and summary["heldout_positions"] > 0
+    assert set(summary["heldout_after"]) == set(summary["heldout_before"])
+    from specroll_mcore.checkpoint.megatron import load_heads, read_checkpoint_config
+
+    heads, meta = load_heads(ckpt)  # tied to this policy
+    assert meta["steps"] == 3 and meta["fitted_on"] == read_checkpoint_config(ckpt)["policy_fingerprint"]
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--checkpoint", tmp_path / "nope"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "is not a specroll Megatron checkpoint" in proc.stderr
+
+
+def test_bench_convert_smoke(tmp_path):
+    out = tmp_path / "c.json"
+    run_tool("bench_convert.py", "--synthetic-layers", 2, "--synthetic-hidden", 64, "--synthetic-ffn", 128,
+             "--synthetic-vocab", 256, "--tp", 2, "--out", out)
+    report = json.loads(out.read_text())
+    assert set(report) == {"smollm2", "synthetic_tp1", "synthetic_tp2"}
+    assert all(r["seconds"] > 0 and r["peak_rss_mb"] > 0 for r in report.values())
