@@ -225,6 +225,10 @@ class ReflexConfig:
     min_observations: int = 4
     """Alignments needed before the gate may open."""
 
+    gate: bool = True
+    """False applies the memory whenever ``min_observations`` alignments exist, whatever they say:
+    an ablation that shows what the gate protects against (tools/ablate_reflex.py)."""
+
     support_topk: int = 8
     """|top-k(q)| and |top-k(p)| in the support S = candidates + top-k(q) + top-k(p) + {sample}."""
 

@@ -55,23 +55,26 @@ class ReflexState:
         for t in (self.memory, self.count, self.mean, self.m2):
             t[slots] = 0
 
-    def gate(self, slots: torch.Tensor, z_delta: float, min_observations: int) -> torch.Tensor:
-        """[b, H] bool: the lower confidence bound of the alignment is positive."""
+    def gate(self, slots: torch.Tensor, z_delta: float, min_observations: int, gated: bool = True) -> torch.Tensor:
+        """[b, H] bool: the lower confidence bound of the alignment is positive (only the count of
+        alignments is checked when not ``gated``)."""
         n, mean, m2 = self.count[slots], self.mean[slots], self.m2[slots]
+        if not gated:
+            return n >= min_observations
         std = torch.sqrt(m2 / (n - 1).clamp(min=1))
         lcb = mean - z_delta * std / torch.sqrt(n.clamp(min=1))
         return (n >= min_observations) & (lcb > 0)
 
 
 def correction(state: ReflexState, slots: torch.Tensor, x: torch.Tensor, alpha: float, z_delta: float,
-               min_observations: int) -> tuple[torch.Tensor, torch.Tensor]:
+               min_observations: int, gated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The bounded input correction for the next proposal.
 
     x [b, h] is the heads' input. Returns delta [H, b, h] (x's dtype; zero where the gate is closed)
     and the gate [b, H]."""
     m = state.memory[slots]  # [b, H, h]
     rms_m = m.pow(2).mean(-1).sqrt()
-    open_ = state.gate(slots, z_delta, min_observations) & (rms_m > 0)
+    open_ = state.gate(slots, z_delta, min_observations, gated) & (rms_m > 0)
     rms_x = x.float().pow(2).mean(-1).sqrt()  # [b]
     scale = alpha * rms_x[:, None] / rms_m.clamp(min=1e-12) * open_.float()  # [b, H]
     return (m * scale[..., None]).transpose(0, 1).to(x.dtype), open_

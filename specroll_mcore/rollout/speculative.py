@@ -211,7 +211,8 @@ class SpeculativeEngine:
                 delta = None
                 if rstate is not None:
                     r = self.reflex_cfg
-                    delta, open_ = reflex.correction(rstate, active, hidden, r.alpha, r.z_delta, r.min_observations)
+                    delta, open_ = reflex.correction(rstate, active, hidden, r.alpha, r.z_delta, r.min_observations,
+                                                      r.gate)
                     gate_open, gate_total = gate_open + int(open_.sum()), gate_total + open_.numel()
                     if self.slow_path is not None:
                         self.slow_path.proposal_delta(active.tolist(), delta)

@@ -120,6 +120,20 @@ def test_correction_is_bounded_and_gated():
     assert delta[:, 2:].abs().max() == 0
 
 
+def test_ungated_correction_ignores_the_alignments():
+    S, H, h = 3, 2, 8
+    st = reflex.ReflexState.new(S, H, h, torch.device("cpu"))
+    st.memory[:] = torch.randn(S, H, h)
+    st.count[:2] = 10
+    st.mean[:2] = -0.5  # memory that pointed the wrong way
+    x = torch.randn(S, h)
+    _, gated = reflex.correction(st, torch.arange(S), x, 0.1, 2.0, 4)
+    delta, ungated = reflex.correction(st, torch.arange(S), x, 0.1, 2.0, 4, gated=False)
+    assert not gated.any()
+    assert ungated[:2].all() and not ungated[2].any()  # still needs min_observations
+    assert delta[:, :2].abs().min() > 0
+
+
 def test_release_forgets_one_trajectory_only():
     st = reflex.ReflexState.new(3, 2, 8, torch.device("cpu"))
     slots, hz = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1])
