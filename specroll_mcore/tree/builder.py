@@ -7,8 +7,8 @@ A node at depth d >= 1 carries one of head d's candidates. Growth order:
   2. then, greedily, the free slot (a node u at depth d < H, head d+1's next-ranked candidate under
      u) with the highest cumulative draft log-probability  sum of log q along the path,
 until the row's budget of nodes (root included) is spent. All rows are built at once with tensor
-operations (no per-row loop: on a GPU the step's host work is what speculation must beat). Every node's parent is in the tree
-(prefix-closed) and siblings carry distinct tokens (distinct candidates of one head), so at most
+operations (no per-row loop: on a GPU the step's host work is what speculation must beat). Every
+node's parent is in the tree (prefix-closed) and siblings carry distinct tokens (distinct candidates of one head), so at most
 one child can match the policy's sample.
 """
 
@@ -37,7 +37,7 @@ class TreeBatch:
 
 
 @functools.lru_cache(maxsize=64)
-def _rank_tuples(H: int, k: int, budget: int) -> tuple[torch.Tensor, ...]:
+def _rank_tuples(H: int, k: int, budget: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Every node a tree of ``budget`` nodes can hold, as rank tuples (r_1 .. r_d): node (.., r) is
     added only after (.., r - 1) and its parent, so its tree holds >= sum(r) + d + 1 nodes. Returns
     (ranks [T, H] padded with 0, depth [T], parent [T] (T = the root), trunk [T] bool), parents
@@ -60,7 +60,7 @@ def _rank_tuples(H: int, k: int, budget: int) -> tuple[torch.Tensor, ...]:
     depth = torch.tensor([len(u) for u in tuples], dtype=torch.long)
     parent = torch.tensor([T if len(u) == 1 else index[u[:-1]] for u in tuples], dtype=torch.long)
     trunk = torch.tensor([not any(u) for u in tuples], dtype=torch.bool)
-    return ranks, depth, parent, trunk
+    return tuple(t.to(device) for t in (ranks, depth, parent, trunk))
 
 
 def build_trees(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_logq: torch.Tensor,
@@ -74,7 +74,7 @@ def build_trees(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_logq:
     shallower node, then to the better ranks."""
     b, H, k = cand_tokens.shape
     dev = cand_tokens.device
-    ranks, depth, parent, trunk = (t.to(dev) for t in _rank_tuples(H, k, budget))
+    ranks, depth, parent, trunk = _rank_tuples(H, k, budget, dev)
     T = depth.shape[0]
     m = min(budget - 1, T)
     level = torch.arange(H, device=dev)
