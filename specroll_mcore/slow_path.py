@@ -155,18 +155,15 @@ class RecordStreams:
     def add_rows(self, slots: list[int], counts: list[int], hidden: torch.Tensor, ids: torch.Tensor,
                  probs: torch.Tensor, tokens: torch.Tensor) -> None:
         """:meth:`add` for many slots at once; the entries are flattened slot by slot (``counts`` each)."""
-        if max(counts, default=0) > self.H + 1:  # more than one step's worth: feed it step-sized
-            start, take = 0, []
-            for c in counts:
-                take.append((start, min(c, self.H + 1)))
-                start += c
-            lo = [a for a, _ in take]
-            cut = [c for _, c in take]
-            idx = torch.tensor([a + i for a, c in zip(lo, cut) for i in range(c)], device=tokens.device)
-            self.add_rows(slots, cut, hidden[idx], ids[idx], probs[idx], tokens[idx])
-            rest = [c - k for c, k in zip(counts, cut)]
-            keep = torch.tensor([a + i for a, c, k in zip(lo, counts, cut) for i in range(k, c)], device=tokens.device)
-            self.add_rows(slots, rest, hidden[keep], ids[keep], probs[keep], tokens[keep])
+        if max(counts, default=0) > self.H + 1:  # more than one step's worth: feed it step by step
+            offsets = [sum(counts[:r]) for r in range(len(counts))]
+            fed = [0] * len(counts)
+            while any(f < c for f, c in zip(fed, counts)):
+                take = [min(self.H + 1, c - f) for f, c in zip(fed, counts)]
+                idx = torch.tensor([o + f + i for o, f, t in zip(offsets, fed, take) for i in range(t)],
+                                   dtype=torch.long, device=tokens.device)
+                self.add_rows(slots, take, hidden[idx], ids[idx], probs[idx], tokens[idx])
+                fed = [f + t for f, t in zip(fed, take)]
             return
         buf = self._ensure(slots, hidden.device)
         dst_slot, dst_pos = [], []
