@@ -155,7 +155,9 @@ class RecordStreams:
     def add_rows(self, slots: list[int], counts: list[int], hidden: torch.Tensor, ids: torch.Tensor,
                  probs: torch.Tensor, tokens: torch.Tensor) -> None:
         """:meth:`add` for many slots at once; the entries are flattened slot by slot (``counts`` each)."""
-        if max(counts, default=0) > self.H + 1:  # more than one step's worth: feed it step by step
+        if not slots:
+            return
+        if max(counts) > self.H + 1:  # more than one step's worth: feed it step by step
             offsets = [sum(counts[:r]) for r in range(len(counts))]
             fed = [0] * len(counts)
             while any(f < c for f, c in zip(fed, counts)):
