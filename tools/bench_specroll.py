@@ -12,7 +12,9 @@ Every repetition checks that both engines emitted identical tokens. Reported: th
 time ratios (vanilla / SpecRoll), tau (tokens per verification step and response), acceptance per
 head depth, the speedup against the number of unfinished responses over the rollout (binned, also
 drawn to --plot), and transformers ``generate`` (and its prompt-lookup decoding at batch 1) on the
-same prompts as ratios. Absolute times on shared machines are noisy; the ratios are the result.
+same prompts as ratios. On a GPU one extra SpecRoll run per scenario waits for the device at every
+stage boundary and reports that time split too (``time_split_synced_s``). Absolute times on shared
+machines are noisy; the ratios are the result.
 """
 
 from __future__ import annotations
@@ -102,6 +104,16 @@ def time_hf_batch(hf, prompts, sp, tok) -> float:
                     num_return_sequences=sp.num_samples)
     wait(hf.device)
     return time.perf_counter() - t0
+
+
+def synced_split(spec, runner, prompts, sp) -> dict:
+    """On a GPU, one more SpecRoll run that waits for the device at each stage boundary, so its time
+    split charges every stage its own kernels (the timed runs overlap them)."""
+    spec.sync_timers = True
+    try:
+        return run(runner, prompts, sp)[1].stats["time_split_s"]
+    finally:
+        spec.sync_timers = False
 
 
 def binned_speedup(vanilla_steps, spec_steps) -> list[dict]:
@@ -221,6 +233,8 @@ def main() -> int:
         hf = hf_twin(args.checkpoint, ckpt).to(ctx.device)
     if not args.skip_batch1:
         report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps)
+        if ctx.device.type == "cuda":
+            report["batch1"]["time_split_synced_s"] = synced_split(spec, one_at_a_time(spec), p1[:1], sp1)
     if not args.skip_batch1 and hf is not None:
         t_hf = time_hf(hf, p1, sp1, tok)
         t_spec = statistics.median(report["batch1"]["specroll_s"])
@@ -239,6 +253,8 @@ def main() -> int:
                              seed=2)
         pf = chat_prompts(tok, args.prompts, seed=4242)
         report["full"] = scenario(f"{args.prompts} prompts x {args.samples} samples", vanilla, spec, pf, spf, args.reps)
+        if ctx.device.type == "cuda":
+            report["full"]["time_split_synced_s"] = synced_split(spec, spec, pf, spf)
         if hf is not None:
             t_hf = time_hf_batch(hf, pf, spf, tok)
             report["full"]["hf_generate_s"] = t_hf

@@ -55,7 +55,11 @@ class SpeculativeEngine:
     :attr:`slow_path` across :meth:`generate` calls."""
 
     def __init__(self, model: PolicyModel, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
-                 tokenizer: Any = None, max_prefill_tokens: int = 4096, seed: int = 0) -> None:
+                 tokenizer: Any = None, max_prefill_tokens: int = 4096, seed: int = 0,
+                 sync_timers: bool = False) -> None:
+        """``sync_timers``: on a GPU, wait for the device at every stage boundary so that
+        ``time_split_s`` charges each stage its own kernels (slower: a profiling run, not a rollout);
+        without it a stage's time is its host work plus whatever earlier GPU work it waits on."""
         if model.num_heads != spec.num_heads:
             raise ValueError(f"SpecConfig.num_heads ({spec.num_heads}) != heads of the policy ({model.num_heads}); "
                              f"build the PolicyModel with num_heads={spec.num_heads}")
@@ -65,6 +69,7 @@ class SpeculativeEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_prefill_tokens = max_prefill_tokens
+        self.sync_timers = sync_timers
         self.c_hw = spec.c_hw or DEFAULT_C_HW
         self.reflex_cfg = spec.reflex if spec.reflex.enabled else None
         self.slow_path = (SlowPath(model, spec.slow_path, spec.topk, seed)
@@ -173,7 +178,14 @@ class SpeculativeEngine:
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
         device, H = ctx.device, spec.num_heads
         timers = dict(prefill=0.0, propose=0.0, build=0.0, verify=0.0, accept=0.0, commit=0.0, feedback=0.0)
-        t_start = time.perf_counter()
+        sync = self.sync_timers and device.type == "cuda"
+
+        def clock() -> float:
+            if sync:
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        t_start = clock()
 
         state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=spec.n_max)
         roots, logp, hidden = state.start(prompts, self.max_prefill_tokens)
@@ -186,7 +198,7 @@ class SpeculativeEngine:
         gate_open, gate_total = 0, 0
         row_steps = torch.zeros(state.num, dtype=torch.long, device=device)
         row_emitted = torch.zeros(state.num, dtype=torch.long, device=device)
-        timers["prefill"] = time.perf_counter() - t_start
+        timers["prefill"] = clock() - t_start
 
         def sample_fn(logits_rows: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
             tok, lp = sample(logits_rows, state.keys(active[rows], positions), sampling.temperature,
@@ -199,11 +211,11 @@ class SpeculativeEngine:
         while active.numel() > 0:
             b = active.numel()
             n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
-            t0 = time.perf_counter()
+            t0 = clock()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
             proposal = None
             if n == 1:  # a full batch: plain decoding, no proposal
-                t1 = time.perf_counter()
+                t1 = clock()
                 tree = TreeBatch(roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
                                  torch.zeros(b, 1, dtype=torch.long, device=device), torch.ones(b, dtype=torch.long,
                                                                                                 device=device))
@@ -217,15 +229,15 @@ class SpeculativeEngine:
                     if self.slow_path is not None:
                         self.slow_path.proposal_delta(active.tolist(), delta)
                 proposal = self.propose(hidden, sampling.temperature, delta)
-                t1 = time.perf_counter()
+                t1 = clock()
                 tree = build_trees(roots, proposal.candidates, proposal.logq, n)
             else:
-                t1, tree = time.perf_counter(), None
+                t1, tree = clock(), None
             tree = self._share_tree(tree, b, n)
-            t2 = time.perf_counter()
+            t2 = clock()
             # 3. verify
             logits, hidden_all = self.verify(state, active, tree)
-            t3 = time.perf_counter()
+            t3 = clock()
             # 4. accept (last stage), shared with every stage
             if logits is not None:
                 acc = accept(tree, logits, sample_fn, torch.tensor([len(state.responses[s]) for s in active.tolist()],
@@ -238,7 +250,7 @@ class SpeculativeEngine:
                 packed = self._empty_pack(b, H, device)
                 next_hidden = None
             emitted, emitted_lp, path, counts = ctx.broadcast_from_last_stage(packed)
-            t4 = time.perf_counter()
+            t4 = clock()
             # 5. commit the root and the accepted drafts; record tokens; retire finished responses.
             path_len = (path >= 0).sum(-1)
             state.cache.commit(active, path_len, path.clamp(min=0))
@@ -252,7 +264,7 @@ class SpeculativeEngine:
             row_emitted[active] += counts
             last = emitted[torch.arange(b, device=device), counts - 1]
             recorded = sum(len(state.responses[s]) for s in active.tolist()) - recorded_before
-            t5 = time.perf_counter()
+            t5 = clock()
             # 6. feedback (last stage): Reflex memory, slow-path records; finished rows are released.
             if logits is not None and (rstate is not None or self.slow_path is not None):
                 self.feedback(active, acc, logits, hidden_all, proposal, sampling.temperature, rstate)
@@ -261,9 +273,9 @@ class SpeculativeEngine:
                     rstate.release(done)
                 if self.slow_path is not None:
                     self.slow_path.finished(done.tolist())
-            timers["feedback"] += time.perf_counter() - t5
+            timers["feedback"] += clock() - t5
             per_step.append({"active": b, "nodes_per_row": int(tree.shape[1]), "emitted": int(counts.sum()),
-                             "tokens": recorded, "seconds": time.perf_counter() - t0})
+                             "tokens": recorded, "seconds": clock() - t0})
             active, roots = active[keep_t], last[keep_t]
             hidden = next_hidden[keep_t] if next_hidden is not None else None
             timers["propose"] += t1 - t0

@@ -52,6 +52,8 @@ def test_speculative_equals_vanilla_on_gpu(gpu_ctx):
     a = VanillaEngine(model).generate(prompts, sp)
     b = SpeculativeEngine(model, SpecConfig(c_hw=64)).generate(prompts, sp)
     assert a.tokens == b.tokens
+    synced = SpeculativeEngine(model, SpecConfig(c_hw=64), sync_timers=True).generate(prompts, sp)
+    assert synced.tokens == a.tokens and synced.stats["time_split_s"]["verify"] > 0
 
 
 def test_reflex_and_slow_path_on_gpu(gpu_ctx):
