@@ -140,9 +140,8 @@ class SpeculativeEngine:
         [n, b, h] on the last stage (None elsewhere). Plain decoding (one node per row, when B_t
         exceeds C_hw) stays one forward, as in the vanilla engine: splitting it would only add passes."""
         model = self.model
-        depth = tree_depths(tree.parents)
         mask = tree_ancestor_mask(tree.parents)
-        positions = state.cache.lengths[active][:, None] + depth
+        positions = state.cache.lengths[active][:, None] + tree.depth
         logits, hidden = [], []
         chunks = row_chunks(active.numel(), tree.shape[1], self.c_hw) if tree.shape[1] > 1 else [(0, active.numel())]
         for s, e in chunks:

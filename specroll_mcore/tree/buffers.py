@@ -14,25 +14,19 @@ ROOT, PAD = -1, -2
 
 def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[b, n, n] bool: node i may attend to node j iff j is i or an ancestor of i.
-    Padding nodes see only themselves."""
+    Padding nodes see only themselves.
+
+    Batched, with no host round trips: start from "self or parent" and square the relation
+    ceil(log2(n)) times (each squaring doubles the path length it covers)."""
     b, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
-    mask = eye.clone()
-    for i in range(n):  # topological order: a parent's row is complete before its children's
-        p = parents[:, i]
-        has_parent = p >= 0
-        if has_parent.any():
-            rows = torch.nonzero(has_parent, as_tuple=True)[0]
-            mask[rows, i] |= mask[rows, p[rows]]
-    return mask
+    idx = torch.arange(n, device=parents.device)
+    step = (idx[:, None] == idx[None, :])[None] | (parents[:, :, None] == idx[None, None, :])  # [b, n, n]
+    m = step.float()
+    for _ in range((n - 1).bit_length()):
+        m = (torch.bmm(m, m) > 0).float()
+    return m.bool()
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """[b, n] long: 0 for roots (and padding), parent depth + 1 otherwise."""
-    b, n = parents.shape
-    depth = torch.zeros(b, n, dtype=torch.long, device=parents.device)
-    for i in range(n):
-        p = parents[:, i]
-        has_parent = p >= 0
-        depth[has_parent, i] = depth[has_parent, p[has_parent]] + 1
-    return depth
+    """[b, n] long: 0 for roots (and padding), parent depth + 1 otherwise (ancestors counted)."""
+    return tree_ancestor_mask(parents).sum(-1) - 1

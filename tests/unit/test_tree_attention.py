@@ -81,3 +81,25 @@ def test_tree_logits_equal_path_forward_and_commit(ctx):
             for r in range(3):
                 seq = prompts[r] + [int(tokens[r, j]) for j in accepted[r]] + [int(nxt[r, 0])]
                 assert (out[r] - causal_logits(model, seq)[-1]).abs().max() < 1e-5
+
+
+def test_ancestor_mask_and_depths_match_a_walk_up_the_parents():
+    """Random forests with padding, against following parent pointers node by node."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 5, 9, 17):
+        parents = torch.full((6, n), PAD)
+        for r in range(6):
+            size = int(torch.randint(1, n + 1, (1,), generator=g))
+            for i in range(size):
+                parents[r, i] = ROOT if i == 0 or torch.rand(1, generator=g) < 0.2 else \
+                    int(torch.randint(0, i, (1,), generator=g))
+        mask, depth = tree_ancestor_mask(parents), tree_depths(parents)
+        for r in range(6):
+            for i in range(n):
+                chain, j = {i}, int(parents[r, i])
+                while j >= 0:
+                    chain.add(j)
+                    j = int(parents[r, j])
+                assert set(mask[r, i].nonzero().flatten().tolist()) == chain
+                assert int(depth[r, i]) == (len(chain) - 1 if int(parents[r, i]) != PAD else 0)
+
