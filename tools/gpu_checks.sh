@@ -5,9 +5,10 @@
 #   bash tools/gpu_checks.sh OUT_DIR            # about 8 minutes on one H200
 #
 # Stages, in order of value, each under its own time limit and skipped when the overall budget
-# (BUDGET_S seconds, default 540) would run out: the capacity profile (C_hw on this GPU), SpecRoll
-# against the vanilla engine and transformers at T=1 on 32 prompts x 8 samples x 256 tokens, then at
-# batch 1, batch 1 at T=0, and a short GRPO run that times the vanilla engine on the same steps.
+# (BUDGET_S seconds, default 540) would run out: tests/gpu, the capacity profile (C_hw on this GPU),
+# SpecRoll against the vanilla engine and transformers at T=1 on 32 prompts x 8 samples x 256
+# tokens, then at batch 1, batch 1 at T=0, and a short GRPO run that times the vanilla engine on the
+# same steps.
 # Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
 # workload to a few tokens (a dry run of this script on any machine).
 set -uo pipefail
@@ -43,6 +44,7 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), l
 
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
 torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 | tee -a "$LOG"
+stage tests 120 $PY -m pytest -q tests/gpu
 stage profile 120 $PY tools/profile_capacity.py --checkpoint "$CKPT" --tokens "$TOKENS" --out "$OUT/capacity.json"
 # shellcheck disable=SC2086
 stage bench_full 150 $PY tools/bench_specroll.py --checkpoint "$CKPT" $FULL --skip-batch1 \

@@ -85,7 +85,7 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     log = (out / "gpu_checks.log").read_text()
-    for stage in ("profile", "bench_full", "bench_batch1", "bench_batch1_t0", "grpo"):
+    for stage in ("tests", "profile", "bench_full", "bench_batch1", "bench_batch1_t0", "grpo"):
         assert f"== {stage} rc=0" in log, log[-3000:]
     full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
     assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
