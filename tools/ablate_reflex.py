@@ -23,8 +23,7 @@ warnings.filterwarnings("ignore")
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig  # noqa: E402
-from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
-from specroll_mcore.rl.synthetic import problems  # noqa: E402
+from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine  # noqa: E402
 from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
 
@@ -54,7 +53,7 @@ def main() -> int:
 
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
-    prompts = [chat_prompt_ids(tok, p.question) for p in problems(args.prompts, seed=555)]
+    prompts = synthetic_chat_prompts(tok, args.prompts, seed=555)
     sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     report = {"checkpoint": str(ckpt), "c_hw": c_hw, "args": vars(args), "variants": {}}
     reference = None

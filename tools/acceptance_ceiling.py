@@ -34,8 +34,7 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig  # noqa: E402
 from specroll_mcore.model import causal_mask  # noqa: E402
-from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
-from specroll_mcore.rl.synthetic import problems  # noqa: E402
+from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.profile import forward_latency, open_for_rollout  # noqa: E402
 from specroll_mcore.tree.oracle import best_rank_tree, oracle_tau  # noqa: E402
@@ -74,7 +73,7 @@ def main() -> int:
         raise SystemExit("acceptance_ceiling.py runs in one process (TP=1, PP=1)")
     ckpt, policy, tok, _ = open_for_rollout(args.checkpoint, ctx, c_hw=max(budgets) * args.prompts)
     depth = policy.num_heads  # heads.pt is required (load_policy says how to make one)
-    prompts = [chat_prompt_ids(tok, p.question) for p in problems(args.prompts, seed=args.seed)]
+    prompts = synthetic_chat_prompts(tok, args.prompts, seed=args.seed)
     sp = SamplingConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                         num_samples=1, seed=args.seed)
     eos = [tok.eos_token_id]

@@ -33,8 +33,7 @@ from specroll_mcore.config import ParallelConfig, SamplingConfig  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.profile import forward_latency  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
-from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
-from specroll_mcore.rl.synthetic import problems  # noqa: E402
+from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 
 
 def load_models(name: str, ctx):
@@ -67,7 +66,7 @@ def make_prompts(tokenizer, n: int, vocab: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(0)
         return [torch.randint(3, vocab, (int(torch.randint(40, 80, (1,), generator=g)),), generator=g).tolist()
                 for _ in range(n)]
-    return [chat_prompt_ids(tokenizer, p.question) for p in problems(n, seed=1234)]
+    return synthetic_chat_prompts(tokenizer, n, seed=1234)
 
 
 def time_ours(engine, prompts, new_tokens: int) -> float:

@@ -34,17 +34,12 @@ import torch  # noqa: E402
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
-from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
-from specroll_mcore.rl.synthetic import problems  # noqa: E402
+from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
 from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
 BINS = [(129, 10**9), (65, 128), (33, 64), (17, 32), (9, 16), (5, 8), (3, 4), (2, 2), (1, 1)]
-
-
-def chat_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    return [chat_prompt_ids(tok, p.question) for p in problems(n, seed=seed)]
 
 
 def run(engine, prompts, sp):
@@ -207,7 +202,7 @@ def main() -> int:
               "reps": args.reps, "max_new_tokens": args.max_new_tokens}
     print(f"c_hw={c_hw} heads={policy.num_heads} topk={args.topk} n_max={args.n_max} threads={torch.get_num_threads()}")
     sp1 = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=1, seed=1)
-    p1 = chat_prompts(tok, args.batch1_prompts, seed=777)
+    p1 = synthetic_chat_prompts(tok, args.batch1_prompts, seed=777)
     run(vanilla, p1[:1], SamplingConfig(max_new_tokens=4))  # warm-up
 
     def one_at_a_time(engine):
@@ -251,7 +246,7 @@ def main() -> int:
     if not args.skip_full:
         spf = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
                              seed=2)
-        pf = chat_prompts(tok, args.prompts, seed=4242)
+        pf = synthetic_chat_prompts(tok, args.prompts, seed=4242)
         report["full"] = scenario(f"{args.prompts} prompts x {args.samples} samples", vanilla, spec, pf, spf, args.reps)
         if ctx.device.type == "cuda":
             report["full"]["time_split_synced_s"] = synced_split(spec, spec, pf, spf)

@@ -94,6 +94,12 @@ def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)  # transformers 5 returns an encoding
 
 
+def synthetic_chat_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
+    """``n`` questions of the offline GSM8K-style generator as chat prompts (what the rollout
+    benchmarks feed both engines)."""
+    return [chat_prompt_ids(tokenizer, p.question) for p in problems(n, seed=seed)]
+
+
 def render_prompt(tokenizer: Any, question: str, chat: bool = True) -> list[int]:
     """Token ids of a GRPO prompt: the question with the answer-format instruction, in the chat template."""
     text = f"{question}\n{SYSTEM_SUFFIX}"

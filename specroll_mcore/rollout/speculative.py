@@ -93,16 +93,17 @@ class SpeculativeEngine:
         return Proposal(ids[..., :k], logq.reshape(H, b, k).transpose(0, 1), ids, z)
 
     # -- 6. feedback ----------------------------------------------------------------------------------
-    def feedback(self, active: torch.Tensor, acc: Any, logits: torch.Tensor, hidden_all: torch.Tensor,
-                 proposal: Optional[Proposal], temperature: float, rstate: Optional[reflex.ReflexState]) -> None:
+    def feedback(self, active: torch.Tensor, slots: list[int], counts: list[int], acc: Any, logits: torch.Tensor,
+                 hidden_all: torch.Tensor, proposal: Optional[Proposal], temperature: float,
+                 rstate: Optional[reflex.ReflexState]) -> None:
         """The verifier's verdict at every position the accepted path reached -> Reflex memory and
-        slow-path records (last stage)."""
+        slow-path records (last stage). ``slots``, ``counts``: ``active`` and ``acc.counts`` as lists."""
         if proposal is None:
             # Plain decoding (a full batch): nothing was drafted, so nothing to monitor or correct, and
             # recording every row's top-K would cost more than the records are worth; the slow
             # path's streams restart with speculation.
             if self.slow_path is not None:
-                self.slow_path.finished(active.tolist())
+                self.slow_path.finished(slots)
             return
         H, k = self.spec.num_heads, self.spec.topk
         on_path = torch.arange(acc.path.shape[1], device=logits.device)[None] < acc.counts[:, None]
@@ -114,7 +115,7 @@ class SpeculativeEngine:
             K = self.spec.slow_path.target_topk
             top_logits, top_ids = p_logits.topk(K, dim=-1)
             top_probs = torch.exp(top_logits - torch.logsumexp(p_logits, -1, keepdim=True))
-            self.slow_path.observe(active.tolist(), acc.counts.tolist(), hidden_all[node, rows], top_ids,
+            self.slow_path.observe(slots, counts, hidden_all[node, rows], top_ids,
                                    top_probs, tokens, acc.tried.tolist(), acc.accepted.tolist())
         if rstate is None:
             return
@@ -208,7 +209,7 @@ class SpeculativeEngine:
         tried_total = torch.zeros(H, dtype=torch.long)
         accepted_total = torch.zeros(H, dtype=torch.long)
         while active.numel() > 0:
-            b = active.numel()
+            b, active_l = active.numel(), active.tolist()
             n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
             t0 = clock()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
@@ -226,7 +227,7 @@ class SpeculativeEngine:
                                                       r.gate)
                     gate_open, gate_total = gate_open + int(open_.sum()), gate_total + open_.numel()
                     if self.slow_path is not None:
-                        self.slow_path.proposal_delta(active.tolist(), delta)
+                        self.slow_path.proposal_delta(active_l, delta)
                 proposal = self.propose(hidden, sampling.temperature, delta)
                 t1 = clock()
                 tree = build_trees(roots, proposal.candidates, proposal.logq, n)
@@ -239,7 +240,7 @@ class SpeculativeEngine:
             t3 = clock()
             # 4. accept (last stage), shared with every stage
             if logits is not None:
-                acc = accept(tree, logits, sample_fn, torch.tensor([len(state.responses[s]) for s in active.tolist()],
+                acc = accept(tree, logits, sample_fn, torch.tensor([len(state.responses[s]) for s in active_l],
                                                                    device=device), max_depth=H)
                 tried_total += acc.tried
                 accepted_total += acc.accepted
@@ -253,28 +254,29 @@ class SpeculativeEngine:
             # 5. commit the root and the accepted drafts; record tokens; retire finished responses.
             path_len = (path >= 0).sum(-1)
             state.cache.commit(active, path_len, path.clamp(min=0))
-            keep, recorded_before = [], sum(len(state.responses[s]) for s in active.tolist())
+            keep, recorded = [], 0
             emitted_l, counts_l = emitted.tolist(), counts.tolist()
-            for r, slot in enumerate(active.tolist()):
-                c = counts_l[r]
+            for r, slot in enumerate(active_l):
+                c, before = counts_l[r], len(state.responses[slot])
                 keep.append(state.append(slot, emitted_l[r][:c], emitted_lp[r, :c]))
+                recorded += len(state.responses[slot]) - before
             keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
             row_steps[active] += 1
             row_emitted[active] += counts
             last = emitted[torch.arange(b, device=device), counts - 1]
-            recorded = sum(len(state.responses[s]) for s in active.tolist()) - recorded_before
             t5 = clock()
             # 6. feedback (last stage): Reflex memory, slow-path records; finished rows are released.
             if logits is not None and (rstate is not None or self.slow_path is not None):
-                self.feedback(active, acc, logits, hidden_all, proposal, sampling.temperature, rstate)
-                done = active[~keep_t]
+                self.feedback(active, active_l, counts_l, acc, logits, hidden_all, proposal, sampling.temperature,
+                              rstate)
                 if rstate is not None:
-                    rstate.release(done)
+                    rstate.release(active[~keep_t])
                 if self.slow_path is not None:
-                    self.slow_path.finished(done.tolist())
-            timers["feedback"] += clock() - t5
-            per_step.append({"active": b, "nodes_per_row": int(tree.shape[1]), "emitted": int(counts.sum()),
-                             "tokens": recorded, "seconds": clock() - t0})
+                    self.slow_path.finished([s for s, k in zip(active_l, keep) if not k])
+            t6 = clock()
+            timers["feedback"] += t6 - t5
+            per_step.append({"active": b, "nodes_per_row": int(tree.shape[1]), "emitted": sum(counts_l),
+                             "tokens": recorded, "seconds": t6 - t0})
             active, roots = active[keep_t], last[keep_t]
             hidden = next_hidden[keep_t] if next_hidden is not None else None
             timers["propose"] += t1 - t0
