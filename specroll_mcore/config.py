@@ -334,6 +334,13 @@ class SpecConfig:
     n_max: int = 16
     """Largest tree per row."""
 
+    coupled: bool = True
+    """Draft with the sampler's own noise: head i proposes the ids with the largest
+    ``filtered draft logits / T + g`` at the response position it drafts (g: that position's
+    counter-based Gumbel noise), i.e. the token the policy itself will sample there whenever draft
+    and policy agree closely enough, however flat the distribution. False ranks candidates by draft
+    probability alone. Speed only (tokens never change); no effect at T = 0."""
+
     reflex: ReflexConfig = field(default_factory=ReflexConfig)
     slow_path: SlowPathConfig = field(default_factory=SlowPathConfig)
 

@@ -23,6 +23,8 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from specroll_mcore.sampling import SampleKeys, gumbel_noise
+
 
 @dataclass
 class HorizonHeadsSubmodules:
@@ -97,6 +99,40 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_si
     idx = all_idx.permute(1, 0, 2).reshape(idx.shape[0], -1)
     order = torch.argsort(-values, dim=-1, stable=True)[:, :k]
     return values.gather(-1, order), idx.gather(-1, order)
+
+
+def vocab_parallel_filter(logits: torch.Tensor, top_p: float, top_k: int, vocab_start: int, vocab_size: int,
+                          ctx: Any, window: int = 256) -> torch.Tensor:
+    """The sampler's top-k / top-p filter (:func:`specroll_mcore.sampling.filter_logits`, temperature
+    already applied) on vocab-parallel logits [n, V/tp], for drafting: removed ids get -inf.
+
+    Top-k is exact (the global k-th value). Top-p reads the global top-``window`` ids: when the
+    kept set lies within them (mass of better ids reaches top_p) the cut equals the sampler's up to
+    ties; otherwise nothing beyond top-k is removed. Drafts only decide speed, so this never changes
+    a token; it never gathers the vocabulary."""
+    x = _mask_padding(logits, vocab_start, vocab_size)
+    if 0 < top_k < vocab_size:
+        kth = vocab_parallel_topk(x, top_k, vocab_start, vocab_size, ctx)[0][:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        values, _ = vocab_parallel_topk(x, min(window, vocab_size), vocab_start, vocab_size, ctx)
+        probs = torch.exp(values.float() - vocab_parallel_logsumexp(x, vocab_start, vocab_size, ctx)[:, None])
+        kept = ((torch.cumsum(probs, dim=-1) - probs) < top_p).sum(-1, keepdim=True)  # >= 1
+        cut = values.gather(-1, (kept - 1).clamp(max=values.shape[-1] - 1))
+        cut = cut.masked_fill(kept >= values.shape[-1], float("-inf"))
+        x = x.masked_fill(x < cut, float("-inf"))
+    return x
+
+
+def coupled_scores(logits: torch.Tensor, keys: SampleKeys, top_p: float, top_k: int, vocab_start: int,
+                   vocab_size: int, ctx: Any) -> torch.Tensor:
+    """Vocab-parallel logits [n, V/tp] (temperature applied) -> the sampler's own scores for them:
+    filtered logits plus this shard's slice of the Gumbel noise of ``keys`` [n]. Their argmax over
+    the vocabulary is the token :func:`specroll_mcore.sampling.sample` would draw from these logits
+    (up to the top-p approximation of :func:`vocab_parallel_filter`), so a draft ranked by them is
+    the policy's sample wherever draft and policy agree."""
+    x = vocab_parallel_filter(logits, top_p, top_k, vocab_start, vocab_size, ctx)
+    return x + gumbel_noise(keys, x.shape[-1], x.dtype, vocab_start)
 
 
 def vocab_rows(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor:

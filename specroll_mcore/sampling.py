@@ -53,23 +53,25 @@ class SampleKeys:
         return h  # [n]
 
 
-def _token_hash(keys: SampleKeys, vocab: int) -> torch.Tensor:
-    """[n, vocab] uint32 values (in int64): one avalanche round of (row hash, token id)."""
-    v = torch.arange(vocab, dtype=torch.long, device=keys.prompt.device)
+def _token_hash(keys: SampleKeys, vocab: int, start: int = 0) -> torch.Tensor:
+    """[n, vocab] uint32 values (in int64) for token ids start .. start + vocab - 1: one avalanche
+    round of (row hash, token id)."""
+    v = torch.arange(start, start + vocab, dtype=torch.long, device=keys.prompt.device)
     return _fmix32(keys.row_hash()[:, None] ^ ((v * 0x9E3779B1) & _M32)[None, :])
 
 
-def uniform_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """[n, vocab] uniforms in (0, 1), one per (key, token id)."""
-    return ((_token_hash(keys, vocab).to(torch.float64) + 0.5) * (1.0 / 2**32)).to(dtype)
+def uniform_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64, start: int = 0) -> torch.Tensor:
+    """[n, vocab] uniforms in (0, 1), one per (key, token id) for ids start .. start + vocab - 1."""
+    return ((_token_hash(keys, vocab, start).to(torch.float64) + 0.5) * (1.0 / 2**32)).to(dtype)
 
 
-def gumbel_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """[n, vocab] standard Gumbel noise, a pure function of (seed, step, prompt, sample, position, v).
+def gumbel_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64, start: int = 0) -> torch.Tensor:
+    """[n, vocab] standard Gumbel noise, a pure function of (seed, step, prompt, sample, position, v),
+    for token ids v = start .. start + vocab - 1 (a vocabulary shard reads its own slice).
 
     g = -log(E) with E = -log(u) ~ Exp(1). E is computed in float64 (u close to 1 needs it: those
     are the largest g); its logarithm in float32 is exact to float32 precision."""
-    exp1 = -torch.log(uniform_noise(keys, vocab, torch.float64))
+    exp1 = -torch.log(uniform_noise(keys, vocab, torch.float64, start))
     return (-torch.log(exp1.to(torch.float32))).to(dtype)
 
 

@@ -8,9 +8,12 @@ the horizon heads, per tree budget.
 2. One teacher-forced forward per response gives the policy's rank of every sampled token.
 3. For each budget N (nodes per tree, root included), the best fixed rank tree (tree/oracle.py) is
    chosen on half of the responses and replayed on the other half: the tau a drafter that ranks
-   exactly like the policy would reach with N nodes (a ceiling for depth-H trees of N nodes).
+   exactly like the policy would reach with N nodes (a ceiling for depth-H trees of N nodes whose
+   drafts ignore the sampler's noise; coupled drafts, SpecConfig.coupled, are not bound by it: a
+   coupled drafter equal to the policy reaches tau = H + 1 at any temperature).
 4. The heads in the checkpoint draft on the same prompts with the same seed at every budget
-   (SpecRoll engine, static heads: Reflex and slow path off), giving their tau.
+   (SpecRoll engine, static heads: Reflex and slow path off; coupled unless --no-coupled), giving
+   their tau.
 5. The latency of a verification forward of N tokens against a one-token forward on this machine
    turns each tau into a speedup bound tau / (latency(N) / latency(1)): drafting, tree building
    and acceptance are not counted, so real speedups are lower.
@@ -60,6 +63,8 @@ def main() -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--budgets", default="2,4,8,16", help="nodes per tree, root included")
     ap.add_argument("--topk", type=int, default=4, help="candidates per head for the heads' trees")
+    ap.add_argument("--coupled", action=argparse.BooleanOptionalAction, default=True,
+                    help="heads draft with the sampler's noise (SpecConfig.coupled)")
     ap.add_argument("--latency-reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--out", default="acceptance_ceiling.json")
@@ -94,6 +99,7 @@ def main() -> int:
         tree = best_rank_tree(fit, n, depth)
         o_tau = oracle_tau(held, tree, depth)
         spec_cfg = SpecConfig(num_heads=depth, topk=args.topk, c_hw=n * len(prompts), n_min=n, n_max=n,
+                              coupled=args.coupled,
                               reflex=ReflexConfig(enabled=False), slow_path=SlowPathConfig(enabled=False))
         spec_out = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos).generate(
             prompts, sp, prompt_ids=list(range(len(prompts))))
@@ -110,6 +116,7 @@ def main() -> int:
               f" | heads tau {h_tau:.2f} (bound {h_tau / latency_ratio:.2f}x)", flush=True)
     report = {"checkpoint": str(ckpt), "temperature": args.temperature, "top_p": args.top_p,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "depth": depth, "topk": args.topk,
+              "coupled": args.coupled,
               "sampled_tokens": len(flat), "rank_coverage": coverage, "threads": torch.get_num_threads(),
               "latency": lat, "budgets": rows}
     write_json_atomic(Path(args.out), report)

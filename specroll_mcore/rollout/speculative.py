@@ -1,7 +1,8 @@
 """The SpecRoll speculative engine: a drop-in for :class:`VanillaEngine` that emits the same tokens.
 
 One round, for all unfinished responses at once:
-  1. propose   heads read each response's last hidden state and draft H tokens (top-k each);
+  1. propose   heads read each response's last hidden state and draft H tokens (top-k each, ranked
+               with the noise the sampler will use at those positions: SpecConfig.coupled);
   2. build     a sparse tree per response under the node budget N_t = clip(C_hw / B_t, N_min, N_max);
   3. verify    ONE policy forward over every tree (tree attention on top of the KV cache);
   4. accept    walk each tree with the policy's own counter-based samples (verify.py);
@@ -26,11 +27,12 @@ import torch
 
 from specroll_mcore.config import SamplingConfig, SpecConfig
 from specroll_mcore import reflex
-from specroll_mcore.heads import support_logits, vocab_parallel_logsumexp, vocab_parallel_topk, vocab_rows
+from specroll_mcore.heads import (coupled_scores, support_logits, vocab_parallel_logsumexp, vocab_parallel_topk,
+                                  vocab_rows)
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          validate_prompts)
-from specroll_mcore.sampling import sample
+from specroll_mcore.sampling import SampleKeys, sample
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import TreeBatch, build_trees, node_budget, row_chunks, tree_ancestor_mask, tree_depths
 from specroll_mcore.tree.budget import DEFAULT_C_HW
@@ -41,8 +43,8 @@ from specroll_mcore.verify import accept
 class Proposal:
     """What the heads drafted from each row's hidden state (last stage)."""
 
-    candidates: torch.Tensor  # [b, H, k] token ids, most likely first
-    logq: torch.Tensor  # [b, H, k] draft log-probs (temperature applied)
+    candidates: torch.Tensor  # [b, H, k] token ids, best first
+    logq: torch.Tensor  # [b, H, k] their log-probs: draft (temperature applied) or, coupled, of being sampled
     q_top: torch.Tensor  # [b, H, k'] the draft's top-k' ids (k' = max(k, Reflex support_topk))
     z: torch.Tensor  # [H, b, h] the heads' outputs (Reflex correction included)
 
@@ -76,21 +78,33 @@ class SpeculativeEngine:
                           if spec.slow_path.enabled and model.heads is not None else None)
 
     # -- 1. propose ---------------------------------------------------------------------------------
-    def propose(self, hidden: torch.Tensor, temperature: float, delta: Optional[torch.Tensor] = None) -> Proposal:
-        """hidden [b, h] (+ Reflex correction delta [H, b, h]) -> the heads' drafts (last stage only)."""
-        model, k = self.model, self.spec.topk
+    def propose(self, hidden: torch.Tensor, sampling: SamplingConfig, keys: Optional[SampleKeys] = None,
+                delta: Optional[torch.Tensor] = None) -> Proposal:
+        """hidden [b, h] (+ Reflex correction delta [H, b, h]) -> the heads' drafts (last stage only).
+
+        ``keys`` [H * b], head-major: the sampling keys of the positions the heads draft; with
+        ``SpecConfig.coupled`` (and T > 0) each head ranks ids by its filtered logits / T plus that
+        position's Gumbel noise, and ``logq`` is the log-probability of each candidate being the
+        argmax of those scores (the draft's belief that it is the token the policy will sample)."""
+        model, k, temperature = self.model, self.spec.topk, sampling.temperature
         kq = max(k, self.reflex_cfg.support_topk) if self.reflex_cfg else k
+        start, vocab = model.vocab_start, model.config.vocab_size
         z = model.heads(hidden, delta)  # [H, b, h]
         logits = model.vocab_projection(z)  # [H, b, V/tp]
         if temperature > 0:
             logits = logits / temperature
         H, b = logits.shape[:2]
         flat = logits.reshape(H * b, -1)
-        values, ids = vocab_parallel_topk(flat, kq, model.vocab_start, model.config.vocab_size, model.ctx)
-        lse = vocab_parallel_logsumexp(flat, model.vocab_start, model.config.vocab_size, model.ctx)
-        logq = values[:, :k].float() - lse[:, None]
-        ids = ids.reshape(H, b, kq).transpose(0, 1)
-        return Proposal(ids[..., :k], logq.reshape(H, b, k).transpose(0, 1), ids, z)
+        values, ids = vocab_parallel_topk(flat, kq, start, vocab, model.ctx)
+        if self.spec.coupled and temperature > 0 and keys is not None:
+            scores = coupled_scores(flat, keys, sampling.top_p, sampling.top_k, start, vocab, model.ctx)
+            cand_values, cand = vocab_parallel_topk(scores, k, start, vocab, model.ctx)
+            logq = cand_values.float() - vocab_parallel_logsumexp(scores, start, vocab, model.ctx)[:, None]
+        else:
+            cand = ids[:, :k]
+            logq = values[:, :k].float() - vocab_parallel_logsumexp(flat, start, vocab, model.ctx)[:, None]
+        return Proposal(cand.reshape(H, b, k).transpose(0, 1), logq.reshape(H, b, k).transpose(0, 1),
+                        ids.reshape(H, b, kq).transpose(0, 1), z)
 
     # -- 6. feedback ----------------------------------------------------------------------------------
     def feedback(self, active: torch.Tensor, slots: list[int], counts: list[int], acc: Any, logits: torch.Tensor,
@@ -210,6 +224,8 @@ class SpeculativeEngine:
         accepted_total = torch.zeros(H, dtype=torch.long)
         while active.numel() > 0:
             b, active_l = active.numel(), active.tolist()
+            # response index of the token sampled at each root (head i drafts position + i)
+            position = torch.tensor([len(state.responses[s]) for s in active_l], device=device)
             n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
             t0 = clock()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
@@ -228,7 +244,8 @@ class SpeculativeEngine:
                     gate_open, gate_total = gate_open + int(open_.sum()), gate_total + open_.numel()
                     if self.slow_path is not None:
                         self.slow_path.proposal_delta(active_l, delta)
-                proposal = self.propose(hidden, sampling.temperature, delta)
+                keys = state.keys(active.repeat(H), (position[None] + torch.arange(H, device=device)[:, None]).flatten())
+                proposal = self.propose(hidden, sampling, keys, delta)
                 t1 = clock()
                 tree = build_trees(roots, proposal.candidates, proposal.logq, n)
             else:
@@ -240,8 +257,7 @@ class SpeculativeEngine:
             t3 = clock()
             # 4. accept (last stage), shared with every stage
             if logits is not None:
-                acc = accept(tree, logits, sample_fn, torch.tensor([len(state.responses[s]) for s in active_l],
-                                                                   device=device), max_depth=H)
+                acc = accept(tree, logits, sample_fn, position, max_depth=H)
                 tried_total += acc.tried
                 accepted_total += acc.accepted
                 packed = [acc.tokens, acc.logprobs, acc.path, acc.counts]

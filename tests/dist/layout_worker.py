@@ -12,10 +12,12 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
 from specroll_mcore.config import (ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig,  # noqa: E402
                                    tiny_llama, tiny_qwen2)
-from specroll_mcore.heads import vocab_parallel_logsumexp, vocab_parallel_topk  # noqa: E402
+from specroll_mcore.heads import (coupled_scores, vocab_parallel_filter, vocab_parallel_logsumexp,  # noqa: E402
+                                  vocab_parallel_topk)
 from specroll_mcore.model import PolicyModel, causal_mask  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.base import prefill  # noqa: E402
+from specroll_mcore.sampling import SampleKeys  # noqa: E402
 from specroll_mcore.tree import tree_ancestor_mask, tree_depths  # noqa: E402
 
 PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37]]
@@ -53,6 +55,12 @@ def run(arch: str, dtype: str, ctx) -> dict:
             out["heads_topk"] = (values, ids)
             out["heads_lse"] = vocab_parallel_logsumexp(flat, model.vocab_start, cfg.vocab_size, ctx)
             out["heads_full"] = model.full_logits(head_logits)
+            # coupled drafting: the sampler's scores, top-p / top-k filtered without gathering
+            keys = SampleKeys(3, 1, torch.arange(15), torch.zeros(15, dtype=torch.long), torch.arange(15) + 4)
+            scores = coupled_scores(flat, keys, 0.9, 20, model.vocab_start, cfg.vocab_size, ctx)
+            out["heads_coupled"] = vocab_parallel_topk(scores, 4, model.vocab_start, cfg.vocab_size, ctx)[1]
+            kept = torch.isfinite(vocab_parallel_filter(flat, 0.9, 0, model.vocab_start, cfg.vocab_size, ctx, window=16))
+            out["heads_filter_kept"] = ctx.all_reduce_tp(kept.sum(-1), "sum")
     engine = VanillaEngine(model, eos_token_ids=[3])
     for name, sp in {"t1": SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=16, num_samples=2, seed=5),
                      "greedy": SamplingConfig(temperature=0.0, max_new_tokens=16)}.items():

@@ -18,6 +18,8 @@ HERE = Path(__file__).parent
 
 import layout_worker  # noqa: E402
 
+from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise  # noqa: E402
+
 pytestmark = pytest.mark.dist
 
 
@@ -51,6 +53,10 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp):
         assert torch.equal(ids, ref_ids) and torch.allclose(values, ref_values)
         assert torch.allclose(got[name]["heads_lse"], torch.logsumexp(full.double(), -1).float(), atol=1e-5)
         assert (got[name]["heads_full"] - ref["heads_full"]).abs().max() < tol
+        keys = SampleKeys(3, 1, torch.arange(15), torch.zeros(15, dtype=torch.long), torch.arange(15) + 4)
+        coupled = filter_logits(full, 1.0, 0.9, 20) + gumbel_noise(keys, full.shape[-1], full.dtype)
+        assert torch.equal(got[name]["heads_coupled"], coupled.topk(4, dim=-1).indices), name
+        assert torch.equal(got[name]["heads_filter_kept"], ref["heads_filter_kept"]), name
         for key in ("t1", "greedy", "spec-t1", "spec-greedy"):
             if key.startswith("spec-"):  # the speculative engine equals the vanilla engine of TP=1/PP=1
                 vanilla = ref[key[5:]]

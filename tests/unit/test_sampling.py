@@ -65,3 +65,8 @@ def test_noise_is_a_pure_function_of_the_key():
     u = uniform_noise(keys_for(200), 1000)
     assert 0 < u.min() and u.max() < 1
     assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
+
+
+def test_noise_of_a_vocabulary_slice_is_that_slice_of_the_noise():
+    keys = keys_for(4, seed=8, step=1)
+    assert torch.equal(gumbel_noise(keys, 70, start=30), gumbel_noise(keys, 100)[:, 30:])

@@ -38,10 +38,12 @@ def test_identical_to_vanilla_float64(ctx, make_cfg, mode):
     sp = SAMPLINGS[mode]
     eos = VanillaEngine(model).generate(PROMPTS, sp, step=2).tokens[0][12]  # a token some response emits
     ref = VanillaEngine(model, eos_token_ids=[eos]).generate(PROMPTS, sp, step=2)
-    for c_hw in (3, 16, 64):  # full batch (plain decoding), small trees, large trees
-        out = SpeculativeEngine(model, SpecConfig(c_hw=c_hw), eos_token_ids=[eos]).generate(PROMPTS, sp, step=2)
+    # full batch (plain decoding), small trees, large trees; drafts coupled to the noise or not
+    for c_hw, coupled in ((3, True), (16, True), (64, True), (16, False)):
+        out = SpeculativeEngine(model, SpecConfig(c_hw=c_hw, coupled=coupled), eos_token_ids=[eos]).generate(
+            PROMPTS, sp, step=2)
         same, lp = compare(ref, out)
-        assert all(same), f"c_hw={c_hw}: near-ties are impossible in float64"
+        assert all(same), f"c_hw={c_hw}, coupled={coupled}: near-ties are impossible in float64"
         assert out.finish_reason == ref.finish_reason
         assert lp < 1e-9
     assert "eos" in ref.finish_reason and len({len(t) for t in ref.tokens}) > 1  # ragged, early EOS
