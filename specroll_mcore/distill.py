@@ -4,7 +4,7 @@ For a sequence x (prompt + a response the policy sampled), the policy's hidden s
 next-token distributions p_t are computed once. Head h (1..H) at position t is trained towards the
 policy's distribution for token t+h+1, i.e. p_{t+h}, and the token actually realised there:
 
-    loss_h(t) = CE(p_{t+h}^topK, q_h(. | h_t)) + NLL(x_{t+h+1} | q_h(. | h_t))
+    loss_h(t) = CE(p_{t+h}^topK, q_h(. | h_t, x_{t+1})) + NLL(x_{t+h+1} | q_h(. | h_t, x_{t+1}))
 
 (the soft cross-entropy on the policy's top-K equals the KL to it up to a constant). Only the head
 weights receive gradients; the backbone and the shared vocab projection are frozen. Records are
@@ -13,7 +13,7 @@ plain tensors, so the slow path can reuse this loss on verification by-products.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -26,6 +26,7 @@ class DistillRecords:
     """N training positions for H heads."""
 
     hidden: torch.Tensor  # [N, h] the policy's final hidden state at t
+    root: torch.Tensor  # [N] x_{t+1}, the token sampled from it
     target_ids: torch.Tensor  # [N, H, K] top-K ids of p_{t+h}
     target_probs: torch.Tensor  # [N, H, K] their probabilities
     realised: torch.Tensor  # [N, H] x_{t+h+1}
@@ -35,13 +36,11 @@ class DistillRecords:
         return self.hidden.shape[0]
 
     def subset(self, idx: torch.Tensor) -> "DistillRecords":
-        return DistillRecords(*(getattr(self, f)[idx] for f in ("hidden", "target_ids", "target_probs",
-                                                                 "realised", "valid")))
+        return DistillRecords(*(getattr(self, f.name)[idx] for f in fields(DistillRecords)))
 
     @staticmethod
     def cat(parts: Sequence["DistillRecords"]) -> "DistillRecords":
-        return DistillRecords(*(torch.cat([getattr(p, f) for p in parts]) for f in
-                                ("hidden", "target_ids", "target_probs", "realised", "valid")))
+        return DistillRecords(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(DistillRecords)))
 
 
 @torch.no_grad()
@@ -59,12 +58,13 @@ def records_from_sequence(policy: PolicyModel, tokens: Sequence[int], start: int
     tgt = (pos[:, None] + torch.arange(1, H + 1, device=ids.device)[None]).clamp(max=L - 1)  # t+h
     valid = (pos[:, None] + torch.arange(1, H + 1, device=ids.device)[None] + 1) < L  # x_{t+h+1} exists
     realised = ids[0, (tgt + 1).clamp(max=L - 1)]
-    return DistillRecords(hidden[pos, 0].float(), top_i[tgt], top_p[tgt], realised, valid)
+    return DistillRecords(hidden[pos, 0].float(), ids[0, pos + 1], top_i[tgt], top_p[tgt], realised, valid)
 
 
 def head_loss(policy: PolicyModel, rec: DistillRecords) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean over valid (position, head) pairs of soft CE to the policy's top-K plus NLL of the realised token."""
-    logq = torch.log_softmax(policy.full_logits(policy.head_logits(rec.hidden.to(policy.dtype))).float(), -1)
+    logits = policy.full_logits(policy.head_logits(rec.hidden.to(policy.dtype), rec.root))
+    logq = torch.log_softmax(logits.float(), -1)
     logq = logq.transpose(0, 1)  # [N, H, V]
     soft = -(rec.target_probs * logq.gather(-1, rec.target_ids)).sum(-1)  # [N, H]
     nll = -logq.gather(-1, rec.realised[..., None])[..., 0]
@@ -81,7 +81,8 @@ def head_accuracy(policy: PolicyModel, rec: DistillRecords, k: int = 5, batch: i
     hit1, hitk, agree, count = torch.zeros(H), torch.zeros(H), torch.zeros(H), torch.zeros(H)
     for s in range(0, len(rec), batch):
         r = rec.subset(torch.arange(s, min(len(rec), s + batch)))
-        top = policy.full_logits(policy.head_logits(r.hidden.to(policy.dtype))).topk(k, -1).indices.transpose(0, 1)
+        logits = policy.full_logits(policy.head_logits(r.hidden.to(policy.dtype), r.root))
+        top = logits.topk(k, -1).indices.transpose(0, 1)
         w = r.valid.float()
         hit1 += ((top[..., 0] == r.realised).float() * w).sum(0)
         hitk += ((top == r.realised[..., None]).any(-1).float() * w).sum(0)

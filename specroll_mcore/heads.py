@@ -1,14 +1,20 @@
 """Horizon heads: H small residual blocks that draft tokens t+2 ... t+H+1 from the policy's h_t.
 
-    z_h = h_t + SiLU(W_h h_t),   W_h zero-initialised (a new head starts as the policy itself)
+    z_h = h_t + SiLU(W_h h_t + U_h e(x_{t+1}))
     logits_h = output_layer(z_h, weight=shared)        (the policy's own vocab-parallel projection)
 
-The heads own no vocabulary matrix, no KV cache and no backbone. Under TP, ``W_h`` is a megatron
-``ColumnParallelLinear`` (each rank holds h/tp output rows); SiLU is elementwise, so each rank
-activates its slice and the slices are all-gathered before the residual add. The logits stay
-sharded over the vocabulary: :func:`vocab_parallel_topk` and :func:`vocab_parallel_logsumexp`
-never gather the full vocabulary (local top-k plus a small all-gather; a global log-sum-exp by
-all-reduce).
+``x_{t+1}`` is the root: the token the policy sampled from h_t, known when the heads draft (at
+T = 1 it is often not the policy's most likely token, and h_t alone cannot tell which one it was).
+``e(x)`` is its row of the policy's vocab projection (on the last stage for tied and untied
+models alike). W_h and U_h are zero-initialised: a new head starts as the policy itself, and
+heads saved without U (``z_h = h_t + SiLU(W_h h_t)``) load with U_h = 0.
+
+The heads own no vocabulary matrix, no KV cache and no backbone. Under TP, ``W_h`` and ``U_h`` are
+megatron ``ColumnParallelLinear`` layers (each rank holds h/tp output rows); SiLU is elementwise,
+so each rank activates its slice and the slices are all-gathered before the residual add. The
+logits stay sharded over the vocabulary: :func:`vocab_parallel_topk` and
+:func:`vocab_parallel_logsumexp` never gather the full vocabulary (local top-k plus a small
+all-gather; a global log-sum-exp by all-reduce).
 """
 
 from __future__ import annotations
@@ -32,27 +38,42 @@ class HorizonHeadsSubmodules:
 
 
 class HorizonHeads(MegatronModule):
-    """H residual heads on the final hidden state; parameters ``layers.{h}.weight`` ([h/tp, h])."""
+    """H residual heads on the final hidden state; parameters ``layers.{i}.weight`` (W_i) and
+    ``root_layers.{i}.weight`` (U_i), [h/tp, h] each."""
 
     def __init__(self, config: Any, submodules: HorizonHeadsSubmodules, num_heads: int) -> None:
         super().__init__(config=config)
         self.num_heads = num_heads
-        self.layers = torch.nn.ModuleList(
-            build_module(submodules.linear, config.hidden_size, config.hidden_size, config=config,
-                         init_method=torch.nn.init.zeros_, bias=False, gather_output=False, skip_bias_add=True)
-            for _ in range(num_heads))
 
-    def forward(self, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """hidden [n, h] -> z [H, n, h]. ``delta`` [H, n, h] is added to each head's input (Reflex)."""
-        return torch.stack([self.forward_one(i, hidden, None if delta is None else delta[i])
+        def linears() -> torch.nn.ModuleList:
+            return torch.nn.ModuleList(
+                build_module(submodules.linear, config.hidden_size, config.hidden_size, config=config,
+                             init_method=torch.nn.init.zeros_, bias=False, gather_output=False, skip_bias_add=True)
+                for _ in range(num_heads))
+
+        self.layers = linears()
+        self.root_layers = linears()
+
+    def forward(self, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None,
+                root: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden [n, h] -> z [H, n, h]. ``delta`` [H, n, h] is added to each head's input (Reflex);
+        ``root`` [n, h]: e(x_{t+1}) (:meth:`PolicyModel.root_features`), None for U = 0."""
+        return torch.stack([self.forward_one(i, hidden, None if delta is None else delta[i], root)
                             for i in range(self.num_heads)])
 
-    def forward_one(self, index: int, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Head ``index`` alone: hidden [n, h] (+ its delta [n, h]) -> z [n, h] (the slow path trains
-        one head at a time)."""
+    def forward_one(self, index: int, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None,
+                    root: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Head ``index`` alone: hidden [n, h] (+ its delta [n, h], root features [n, h]) -> z [n, h]
+        (the slow path trains one head at a time)."""
         x = hidden if delta is None else hidden + delta
         y, _ = self.layers[index](x)  # [n, h/tp]
+        if root is not None:
+            y = y + self.root_layers[index](root)[0]
         return x + gather_from_tensor_model_parallel_region(F.silu(y))
+
+    def head_parameters(self, index: int) -> list[torch.nn.Parameter]:
+        """Head ``index``'s own parameters (W_i, U_i)."""
+        return [*self.layers[index].parameters(), *self.root_layers[index].parameters()]
 
 
 def horizon_heads_spec(num_heads: int) -> ModuleSpec:

@@ -52,6 +52,7 @@ class Records:
     target_probs: torch.Tensor  # [N, H, K]
     realised: torch.Tensor  # [N, H] token j+h
     valid: torch.Tensor  # [N, H] bool: token j+h exists
+    root: torch.Tensor  # [N] token j (the heads' root when they drafted from this hidden state)
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
@@ -233,7 +234,7 @@ class RecordStreams:
         tgt = torch.minimum(tgt, last_t) % W  # missing targets repeat the last one (masked by valid)
         ts = s_t[:, None].expand_as(tgt)
         self.ready.append(Records(buf["hid"][s_t, j_t % W], buf["delta"][s_t, j_t % W], buf["ids"][ts, tgt],
-                                  buf["probs"][ts, tgt], buf["tok"][ts, tgt], valid))
+                                  buf["probs"][ts, tgt], buf["tok"][ts, tgt], valid, buf["tok"][s_t, j_t % W]))
 
 
 class AcceptanceMonitor:
@@ -393,8 +394,7 @@ class SlowPath:
         hold, train = rec.select(perm[:n_hold]), rec.select(perm[n_hold:])
         support = torch.unique(torch.cat([rec.target_ids[:, head].flatten(), rec.realised[:, head],
                                           self.head_candidates(rec, head, 2 * self.candidates).flatten()]))
-        layer = policy.heads.layers[head]
-        params = [p for p in layer.parameters()]
+        params = policy.heads.head_parameters(head)
         prev = [p.detach().clone() for p in params]
         before = self.expected_acceptance(hold, head)
         steps, losses = 0, []
@@ -455,12 +455,13 @@ class SlowPath:
         def kl(logits: torch.Tensor) -> torch.Tensor:
             return (p_s * (logp - torch.log_softmax(logits.float(), -1))).sum(-1).mean()
 
-        hidden = rec.hidden.to(dtype)
-        l_raw = self._logits_on(heads.forward_one(head, hidden), support)
+        hidden, root = rec.hidden.to(dtype), self.policy.root_features(rec.root).to(dtype)
+        l_raw = self._logits_on(heads.forward_one(head, hidden, None, root), support)
         loss_raw = kl(l_raw)
         loss_cor = torch.zeros((), device=hidden.device)
         if cfg.corrected_weight > 0 and bool(rec.delta[:, head].abs().sum() > 0):
-            loss_cor = kl(self._logits_on(heads.forward_one(head, hidden, rec.delta[:, head].to(dtype)), support))
+            z_cor = heads.forward_one(head, hidden, rec.delta[:, head].to(dtype), root)
+            loss_cor = kl(self._logits_on(z_cor, support))
         # ranking: the head's logit gap between the policy's most likely token and every other support
         # entry should reach the policy's own log-prob gap, capped at the margin.
         top = torch.searchsorted(support, rec.target_ids[:, head, :1].contiguous())  # [N, 1]
@@ -468,7 +469,7 @@ class SlowPath:
         gap = l_raw.float().gather(1, top) - l_raw.float()
         others = torch.ones(N, u, dtype=torch.bool, device=support.device).scatter_(1, top, False)
         rank = (torch.relu(want - gap) * others).sum(-1).div(others.sum(-1).clamp(min=1)).mean()
-        prox = sum(((w - w0) ** 2).sum() for w, w0 in zip(heads.layers[head].parameters(), prev))
+        prox = sum(((w - w0) ** 2).sum() for w, w0 in zip(heads.head_parameters(head), prev))
         loss = loss_raw + cfg.corrected_weight * loss_cor + cfg.rank_weight * rank + cfg.proximal * prox
         return loss, {"loss": float(loss.detach()), "kl_raw": float(loss_raw.detach()), "kl_corrected": float(loss_cor.detach()),
                       "rank": float(rank.detach()), "proximal": float(prox.detach())}
@@ -477,7 +478,9 @@ class SlowPath:
     def head_candidates(self, rec: Records, head: int, k: int) -> torch.Tensor:
         """The head's current top-k ids [N, k] (full vocabulary, vocab-parallel top-k)."""
         policy = self.policy
-        logits = policy.vocab_projection(policy.heads.forward_one(head, rec.hidden.to(policy.dtype)))
+        hidden = rec.hidden.to(policy.dtype)
+        z = policy.heads.forward_one(head, hidden, None, policy.root_features(rec.root).to(policy.dtype))
+        logits = policy.vocab_projection(z)
         return vocab_parallel_topk(logits, k, policy.vocab_start, policy.config.vocab_size, policy.ctx)[1]
 
     @torch.no_grad()
@@ -501,5 +504,7 @@ class SlowPath:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state["monitor"])
         buf = state.get("buffer")
+        if buf is not None and set(buf) != {f.name for f in fields(Records)}:
+            buf = None  # records of an older layout (before root tokens): the buffer refills from rollouts
         self.buffer.records = None if buf is None else Records(**{k: v for k, v in buf.items()})
         self.stats = SlowPathStats(**state["stats"])

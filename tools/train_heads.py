@@ -14,6 +14,7 @@ Progress bar; a checkpoint of the heads every --save-every steps. JSON summary w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -33,6 +34,25 @@ from specroll_mcore.distill import (DistillRecords, freeze_all_but_heads, full_h
 from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
+
+
+def save_records(path: Path, train: DistillRecords, heldout: DistillRecords) -> None:
+    torch.save({"fields": [f.name for f in dataclasses.fields(DistillRecords)],
+                "train": dataclasses.asdict(train), "heldout": dataclasses.asdict(heldout)}, path)
+
+
+def load_records(path: Path) -> tuple[DistillRecords, DistillRecords]:
+    """Records saved by :func:`save_records` (plain tensors: loaded with ``weights_only=True``)."""
+    want = [f.name for f in dataclasses.fields(DistillRecords)]
+    try:
+        blob = torch.load(path, weights_only=True)
+        ok = isinstance(blob, dict) and blob.get("fields") == want
+    except Exception:  # noqa: BLE001  (any unreadable file gets the same answer)
+        ok = False
+    if not ok:
+        raise SystemExit(f"--records-cache {path} is not a records file of this version (fields {want}); "
+                         "delete it, or pass another path to sample new records")
+    return DistillRecords(**blob["train"]), DistillRecords(**blob["heldout"])
 
 
 def main() -> int:
@@ -71,8 +91,7 @@ def main() -> int:
     cache = Path(args.records_cache) if args.records_cache else None
     t_sample = t_records = 0.0
     if cache is not None and cache.is_file():
-        blob = torch.load(cache, weights_only=False)
-        train, heldout = blob["train"], blob["heldout"]
+        train, heldout = load_records(cache)
         print(f"loaded distillation records from {cache}")
     else:
         # 1. The policy's own continuations.
@@ -95,7 +114,7 @@ def main() -> int:
         train, heldout = DistillRecords.cat(train_parts), DistillRecords.cat(held_parts)
         t_records = time.perf_counter() - t0 - t_sample
         if cache is not None:
-            torch.save({"train": train, "heldout": heldout}, cache)
+            save_records(cache, train, heldout)
     before = head_accuracy(policy, heldout)
     print(f"{len(train)} training / {len(heldout)} held-out positions; held-out before: {json.dumps(before)}")
 

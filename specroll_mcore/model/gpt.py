@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict, shard_tensor
 from specroll_mcore.config import ModelConfig
-from specroll_mcore.heads import HorizonHeads, horizon_heads_spec
+from specroll_mcore.heads import HorizonHeads, horizon_heads_spec, vocab_rows
 from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
 from specroll_mcore.model.kv_cache import KVCache
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
@@ -199,14 +199,18 @@ class PolicyModel(torch.nn.Module):
                 own[name].copy_(tensor)
 
     def load_full_heads(self, full: Mapping[str, torch.Tensor]) -> None:
-        """Load head weights given unsharded (``heads.layers.{i}.weight`` [h, h]); no-op off the last stage."""
+        """Load head weights given unsharded (``heads.layers.{i}.weight``, ``heads.root_layers.{i}.weight``,
+        [h, h] each; missing root layers are zero); no-op off the last stage."""
         if self.heads is None:
             return
         own = {k: v for k, v in self.heads.state_dict().items() if not k.endswith("_extra_state")}
         expected = {f"heads.{k}" for k in own}
-        if set(full) != expected:
+        optional = {f"heads.{k}" for k in own if k.startswith("root_layers.")}  # heads saved before U
+        if not (expected - optional) <= set(full) <= expected:
             raise ValueError(f"head weights {sorted(full)} do not match this policy's heads {sorted(expected)}")
         with torch.no_grad():
+            for name in optional - set(full):
+                own[name[len("heads."):]].zero_()
             for name, tensor in full.items():
                 own[name[len("heads."):]].copy_(shard_tensor(name, tensor, self.config, self.ctx.tp_size,
                                                              self.ctx.tp_rank))
@@ -216,11 +220,21 @@ class PolicyModel(torch.nn.Module):
         """First vocabulary id of this rank's vocab-parallel logits."""
         return self.ctx.tp_rank * (self.padded_vocab_size // self.ctx.tp_size)
 
-    def head_logits(self, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Vocab-parallel logits of every head: hidden [n, h] -> [H, n, V/tp], through the policy's
-        own output layer in one call (its weight is read once for all heads)."""
+    @torch.no_grad()
+    def root_features(self, ids: torch.Tensor) -> torch.Tensor:
+        """e(x) for the heads: the rows of the vocab projection for token ids [...] -> [..., h]
+        (each TP rank reads the rows it owns; one all-reduce; the matrix is never gathered)."""
+        rows = vocab_rows(self.output_weight(), ids, self.vocab_start)
+        return self.ctx.all_reduce_tp(rows.contiguous(), "sum") if self.ctx.tp_size > 1 else rows
+
+    def head_logits(self, hidden: torch.Tensor, root_ids: torch.Tensor,
+                    delta: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Vocab-parallel logits of every head: hidden [n, h] and the roots sampled from it [n] ->
+        [H, n, V/tp], through the policy's own output layer in one call (its weight is read once
+        for all heads)."""
         assert self.heads is not None, "this policy was built without heads (num_heads=0) or is not the last stage"
-        return self.vocab_projection(self.heads(hidden, delta))  # [H, n, h] -> [H, n, V/tp]
+        z = self.heads(hidden, delta, self.root_features(root_ids).to(hidden.dtype))
+        return self.vocab_projection(z)  # [H, n, h] -> [H, n, V/tp]
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel logits [..., V/tp] -> the true vocabulary [..., vocab_size]."""

@@ -1,7 +1,7 @@
 """The SpecRoll speculative engine: a drop-in for :class:`VanillaEngine` that emits the same tokens.
 
 One round, for all unfinished responses at once:
-  1. propose   heads read each response's last hidden state and draft H tokens (top-k each, ranked
+  1. propose   heads read each response's last hidden state and root token and draft H tokens (top-k each, ranked
                with the noise the sampler will use at those positions: SpecConfig.coupled);
   2. build     a sparse tree per response under the node budget N_t = clip(C_hw / B_t, N_min, N_max);
   3. verify    ONE policy forward over every tree (tree attention on top of the KV cache);
@@ -78,9 +78,10 @@ class SpeculativeEngine:
                           if spec.slow_path.enabled and model.heads is not None else None)
 
     # -- 1. propose ---------------------------------------------------------------------------------
-    def propose(self, hidden: torch.Tensor, sampling: SamplingConfig, keys: Optional[SampleKeys] = None,
-                delta: Optional[torch.Tensor] = None) -> Proposal:
-        """hidden [b, h] (+ Reflex correction delta [H, b, h]) -> the heads' drafts (last stage only).
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, sampling: SamplingConfig,
+                keys: Optional[SampleKeys] = None, delta: Optional[torch.Tensor] = None) -> Proposal:
+        """hidden [b, h], the roots sampled from it [b] (+ Reflex correction delta [H, b, h]) -> the
+        heads' drafts (last stage only).
 
         ``keys`` [H * b], head-major: the sampling keys of the positions the heads draft; with
         ``SpecConfig.coupled`` (and T > 0) each head ranks ids by its filtered logits / T plus that
@@ -89,7 +90,7 @@ class SpeculativeEngine:
         model, k, temperature = self.model, self.spec.topk, sampling.temperature
         kq = max(k, self.reflex_cfg.support_topk) if self.reflex_cfg else k
         start, vocab = model.vocab_start, model.config.vocab_size
-        z = model.heads(hidden, delta)  # [H, b, h]
+        z = model.heads(hidden, delta, model.root_features(roots).to(hidden.dtype))  # [H, b, h]
         logits = model.vocab_projection(z)  # [H, b, V/tp]
         if temperature > 0:
             logits = logits / temperature
@@ -245,7 +246,7 @@ class SpeculativeEngine:
                     if self.slow_path is not None:
                         self.slow_path.proposal_delta(active_l, delta)
                 keys = state.keys(active.repeat(H), (position[None] + torch.arange(H, device=device)[:, None]).flatten())
-                proposal = self.propose(hidden, sampling, keys, delta)
+                proposal = self.propose(hidden, roots, sampling, keys, delta)
                 t1 = clock()
                 tree = build_trees(roots, proposal.candidates, proposal.logq, n)
             else:

@@ -34,8 +34,9 @@ def run(arch: str, dtype: str, ctx) -> dict:
     model = PolicyModel(cfg, ctx, num_heads=3).eval()
     model.load_full_state_dict(random_full_state_dict(cfg, seed=7, std=0.08))
     g = torch.Generator().manual_seed(11)
-    model.load_full_heads({f"heads.layers.{i}.weight": (0.05 * torch.randn(cfg.hidden_size, cfg.hidden_size, generator=g)).to(cfg.torch_dtype)
-                           for i in range(3)})
+    h = cfg.hidden_size
+    model.load_full_heads({f"heads.{kind}.{i}.weight": (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype)
+                           for kind in ("layers", "root_layers") for i in range(3)})
     out = {}
     with torch.no_grad():
         ids = torch.tensor([p + [1] * (7 - len(p)) for p in PROMPTS])
@@ -49,7 +50,8 @@ def run(arch: str, dtype: str, ctx) -> dict:
         logits = model(TREE_TOKENS, model.metadata(positions, tree_ancestor_mask(TREE_PARENTS), cache, torch.arange(3)))
         out["tree"] = model.full_logits(logits) if logits is not None else None
         if ctx.is_last_stage:  # vocab-parallel top-k / log-sum-exp of the head logits, never gathered
-            head_logits = model.head_logits(torch.randn(5, cfg.hidden_size, generator=g).to(cfg.torch_dtype))
+            head_logits = model.head_logits(torch.randn(5, cfg.hidden_size, generator=g).to(cfg.torch_dtype),
+                                            torch.tensor([3, 150, 151, 299, 0]))  # roots on both vocab shards
             flat = head_logits.reshape(15, -1)
             values, ids = vocab_parallel_topk(flat, 6, model.vocab_start, cfg.vocab_size, ctx)
             out["heads_topk"] = (values, ids)

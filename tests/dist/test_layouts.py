@@ -72,4 +72,7 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp):
         assert adapt_ref["gate"] > 0 and adapt_ref["event"]["steps"] == 3
         if name.endswith("float64"):
             assert adapt["tokens"] == adapt_ref["tokens"] and adapt["tau_per_row"] == adapt_ref["tau_per_row"]
-        assert (adapt["head1"] - adapt_ref["head1"]).abs().max() < tol * 10, name
+        # Adam divides each gradient entry by its own magnitude, so an entry whose gradient nearly
+        # cancels carries the TP reduction-order difference into the update: 1e-6 (float64) against
+        # steps of ~1e-3.
+        assert (adapt["head1"] - adapt_ref["head1"]).abs().max() < (1e-6 if name.endswith("float64") else 1e-3), name

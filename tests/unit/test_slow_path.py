@@ -77,11 +77,12 @@ def test_records_target_the_next_tokens_and_flush_partially_at_the_end():
 
 def reference_records(history, j, H):
     """The record of entry j of one response's full history [(hidden, ids, probs, token, delta)], built
-    directly from the definition: targets j+1 .. j+H, missing ones repeat the last and are invalid."""
+    directly from the definition: targets j+1 .. j+H, missing ones repeat the last and are invalid;
+    its root is token j itself."""
     tgt = history[j + 1:j + 1 + H]
     pad = tgt + [tgt[-1]] * (H - len(tgt))
     return (history[j][0], history[j][4], torch.stack([t[1] for t in pad]), torch.stack([t[2] for t in pad]),
-            torch.stack([t[3] for t in pad]), torch.tensor([k < len(tgt) for k in range(H)]))
+            torch.stack([t[3] for t in pad]), torch.tensor([k < len(tgt) for k in range(H)]), history[j][3])
 
 
 @pytest.mark.parametrize("long_row", [False, True])
@@ -130,7 +131,8 @@ def test_buffer_keeps_the_most_recent_records_in_order():
     def recs(start, n):
         t = torch.arange(start, start + n, dtype=torch.float32)
         return Records(t[:, None], torch.zeros(n, 1, 1), torch.zeros(n, 1, 1, dtype=torch.long), torch.zeros(n, 1, 1),
-                       torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.bool))
+                       torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.bool),
+                       torch.zeros(n, dtype=torch.long))
 
     buf = RecordBuffer(5)
     for start in range(0, 12, 3):  # 12 records in 4 adds, over 2 x capacity on the way

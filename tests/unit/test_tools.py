@@ -105,9 +105,10 @@ def test_bench_rollout_smoke(tmp_path):
 
 def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     ckpt = tiny_policy_checkpoint(tmp_path / "fresh", with_heads=False)
-    out = tmp_path / "h.json"
-    run_tool("train_heads.py", "--checkpoint", ckpt, "--prompts", 4, "--samples", 1, "--max-new-tokens", 8,
-             "--steps", 3, "--batch", 8, "--save-every", 2, "--out", out)
+    out, cache = tmp_path / "h.json", tmp_path / "records.pt"
+    args = ["--checkpoint", ckpt, "--prompts", 4, "--samples", 1, "--max-new-tokens", 8, "--steps", 3, "--batch", 8,
+            "--save-every", 2, "--records-cache", cache, "--out", out]
+    run_tool("train_heads.py", *args)
     summary = json.loads(out.read_text())
     assert summary["train_positions"] > 0 and summary["heldout_positions"] > 0
     assert set(summary["heldout_after"]) == set(summary["heldout_before"])
@@ -115,6 +116,14 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
 
     heads, meta = load_heads(ckpt)  # tied to this policy
     assert meta["steps"] == 3 and meta["fitted_on"] == read_checkpoint_config(ckpt)["policy_fingerprint"]
+    assert {f"heads.root_layers.{i}.weight" for i in range(3)} <= set(heads)
+    assert any(v.abs().sum() > 0 for k, v in heads.items() if "root_layers" in k)  # U trained too
+    run_tool("train_heads.py", *args)  # the same records, read back from the cache
+    assert json.loads(out.read_text())["train_positions"] == summary["train_positions"]
+    cache.write_bytes(b"not records")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "is not a records file of this version" in proc.stderr
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--checkpoint", tmp_path / "nope"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "is not a specroll Megatron checkpoint" in proc.stderr
