@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Warm-start the horizon heads of a policy checkpoint by self-distillation (backbone frozen).
 
-    python tools/train_heads.py --checkpoint smollm2 --prompts 160 --steps 300
+    python tools/train_heads.py --checkpoint smollm2 --prompts 160 --steps 800
 
 1. samples continuations of GSM8K-style prompts with the policy itself (vanilla engine, T=1);
 2. runs the policy once over each sequence for its hidden states and next-token distributions;
@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=2, help="continuations per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=256, help="positions per step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--save-every", type=int, default=100)
