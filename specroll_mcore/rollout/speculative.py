@@ -1,8 +1,8 @@
 """The SpecRoll speculative engine: a drop-in for :class:`VanillaEngine` that emits the same tokens.
 
 One round, for all unfinished responses at once:
-  1. propose   heads read each response's last hidden state and root token and draft H tokens (top-k each, ranked
-               with the noise the sampler will use at those positions: SpecConfig.coupled);
+  1. propose   heads read each response's last hidden state and root token and draft H tokens
+               (top-k each, ranked with the noise the sampler will use there: SpecConfig.coupled);
   2. build     a sparse tree per response under the node budget N_t = clip(C_hw / B_t, N_min, N_max);
   3. verify    ONE policy forward over every tree (tree attention on top of the KV cache);
   4. accept    walk each tree with the policy's own counter-based samples (verify.py);
@@ -96,16 +96,18 @@ class SpeculativeEngine:
             logits = logits / temperature
         H, b = logits.shape[:2]
         flat = logits.reshape(H * b, -1)
-        values, ids = vocab_parallel_topk(flat, kq, start, vocab, model.ctx)
         if self.spec.coupled and temperature > 0 and keys is not None:
-            scores = coupled_scores(flat, keys, sampling.top_p, sampling.top_k, start, vocab, model.ctx)
-            cand_values, cand = vocab_parallel_topk(scores, k, start, vocab, model.ctx)
-            logq = cand_values.float() - vocab_parallel_logsumexp(scores, start, vocab, model.ctx)[:, None]
+            ranked = coupled_scores(flat, keys, sampling.top_p, sampling.top_k, start, vocab, model.ctx)
+            values, cand = vocab_parallel_topk(ranked, k, start, vocab, model.ctx)
+            # the draft's own top ids: Reflex's support (unused without Reflex)
+            q_top = vocab_parallel_topk(flat, kq, start, vocab, model.ctx)[1] if self.reflex_cfg else cand
         else:
-            cand = ids[:, :k]
-            logq = values[:, :k].float() - vocab_parallel_logsumexp(flat, start, vocab, model.ctx)[:, None]
+            ranked = flat
+            values, q_top = vocab_parallel_topk(flat, kq, start, vocab, model.ctx)
+            values, cand = values[:, :k], q_top[:, :k]
+        logq = values.float() - vocab_parallel_logsumexp(ranked, start, vocab, model.ctx)[:, None]
         return Proposal(cand.reshape(H, b, k).transpose(0, 1), logq.reshape(H, b, k).transpose(0, 1),
-                        ids.reshape(H, b, kq).transpose(0, 1), z)
+                        q_top.reshape(H, b, kq).transpose(0, 1), z)
 
     # -- 6. feedback ----------------------------------------------------------------------------------
     def feedback(self, active: torch.Tensor, slots: list[int], counts: list[int], acc: Any, logits: torch.Tensor,
@@ -245,7 +247,8 @@ class SpeculativeEngine:
                     gate_open, gate_total = gate_open + int(open_.sum()), gate_total + open_.numel()
                     if self.slow_path is not None:
                         self.slow_path.proposal_delta(active_l, delta)
-                keys = state.keys(active.repeat(H), (position[None] + torch.arange(H, device=device)[:, None]).flatten())
+                drafted = position[None] + torch.arange(H, device=device)[:, None]  # [H, b] head-major
+                keys = state.keys(active.repeat(H), drafted.flatten())
                 proposal = self.propose(hidden, roots, sampling, keys, delta)
                 t1 = clock()
                 tree = build_trees(roots, proposal.candidates, proposal.logq, n)

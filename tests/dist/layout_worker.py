@@ -61,7 +61,8 @@ def run(arch: str, dtype: str, ctx) -> dict:
             keys = SampleKeys(3, 1, torch.arange(15), torch.zeros(15, dtype=torch.long), torch.arange(15) + 4)
             scores = coupled_scores(flat, keys, 0.9, 20, model.vocab_start, cfg.vocab_size, ctx)
             out["heads_coupled"] = vocab_parallel_topk(scores, 4, model.vocab_start, cfg.vocab_size, ctx)[1]
-            kept = torch.isfinite(vocab_parallel_filter(flat, 0.9, 0, model.vocab_start, cfg.vocab_size, ctx, window=16))
+            kept = torch.isfinite(vocab_parallel_filter(flat, 0.9, 0, model.vocab_start, cfg.vocab_size, ctx,
+                                                        window=16))
             out["heads_filter_kept"] = ctx.all_reduce_tp(kept.sum(-1), "sum")
     engine = VanillaEngine(model, eos_token_ids=[3])
     for name, sp in {"t1": SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=16, num_samples=2, seed=5),
