@@ -194,7 +194,8 @@ def main() -> int:
     args = ap.parse_args()
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
-    spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk, coupled=args.coupled)
+    spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk,
+                          coupled=args.coupled)
     eos = [tok.eos_token_id]
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
     spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos)

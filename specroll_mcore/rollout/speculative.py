@@ -34,7 +34,7 @@ from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutStat
                                          validate_prompts)
 from specroll_mcore.sampling import SampleKeys, sample
 from specroll_mcore.slow_path import SlowPath
-from specroll_mcore.tree import TreeBatch, build_trees, node_budget, row_chunks, tree_ancestor_mask, tree_depths
+from specroll_mcore.tree import TreeBatch, build_trees, node_budget, row_chunks, tree_ancestor_mask
 from specroll_mcore.tree.budget import DEFAULT_C_HW
 from specroll_mcore.verify import accept
 
@@ -247,8 +247,10 @@ class SpeculativeEngine:
                     gate_open, gate_total = gate_open + int(open_.sum()), gate_total + open_.numel()
                     if self.slow_path is not None:
                         self.slow_path.proposal_delta(active_l, delta)
-                drafted = position[None] + torch.arange(H, device=device)[:, None]  # [H, b] head-major
-                keys = state.keys(active.repeat(H), drafted.flatten())
+                keys = None
+                if spec.coupled and sampling.temperature > 0:  # the noise of the positions the heads draft
+                    drafted = position[None] + torch.arange(H, device=device)[:, None]  # [H, b] head-major
+                    keys = state.keys(active.repeat(H), drafted.flatten())
                 proposal = self.propose(hidden, roots, sampling, keys, delta)
                 t1 = clock()
                 tree = build_trees(roots, proposal.candidates, proposal.logq, n)
@@ -326,16 +328,15 @@ class SpeculativeEngine:
         if ctx.pp_size == 1 or n == 1:  # every stage builds the one-node trees itself
             return tree
         device = ctx.device
-        tokens = tree.tokens if tree is not None else torch.zeros(b, n, dtype=torch.long, device=device)
-        parents = tree.parents if tree is not None else torch.zeros(b, n, dtype=torch.long, device=device)
-        width = torch.tensor([tokens.shape[1]], device=device)
+        width = torch.tensor([tree.shape[1] if tree is not None else n], device=device)
         (width,) = ctx.broadcast_from_last_stage([width])
         w = int(width)
-        if tokens.shape[1] != w:
-            tokens = torch.zeros(b, w, dtype=torch.long, device=device)
-            parents = torch.zeros(b, w, dtype=torch.long, device=device)
-        tokens, parents = ctx.broadcast_from_last_stage([tokens, parents])
-        return TreeBatch(tokens, parents, tree_depths(parents), (parents != -2).sum(-1))
+        if tree is None or tree.shape[1] != w:
+            parts = [torch.zeros(b, w, dtype=torch.long, device=device) for _ in range(3)]
+        else:
+            parts = [tree.tokens, tree.parents, tree.depth]
+        tokens, parents, depth = ctx.broadcast_from_last_stage(parts)  # depths travel: no stage rederives them
+        return TreeBatch(tokens, parents, depth, (parents != -2).sum(-1))
 
     @staticmethod
     def _empty_pack(b: int, H: int, device: torch.device):
