@@ -341,12 +341,21 @@ class SpecConfig:
     and policy agree closely enough, however flat the distribution. False ranks candidates by draft
     probability alone. Speed only (tokens never change); no effect at T = 0."""
 
+    shortlist: int = 256
+    """Ids a head after the first scores under each draft path: its top ``shortlist`` by the
+    path-free score (one vocabulary projection for all heads); the path-conditioned logits are then
+    taken on those ids only (one dot product per id instead of another pass over the vocabulary
+    matrix). Speed only. Measured on SmolLM2 (held-out, teacher-forced): the path-conditioned
+    coupled top-1 of head 3 lies in the path-free top-64 81% of the time, top-256 94%, top-1024 99%."""
+
     reflex: ReflexConfig = field(default_factory=ReflexConfig)
     slow_path: SlowPathConfig = field(default_factory=SlowPathConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_heads >= 1, f"SpecConfig.num_heads must be >= 1, got {self.num_heads}")
         _check(self.topk >= 1, f"SpecConfig.topk must be >= 1, got {self.topk}")
+        _check(self.shortlist >= self.topk,
+               f"SpecConfig.shortlist ({self.shortlist}) must be >= SpecConfig.topk ({self.topk})")
         _check(1 <= self.n_min <= self.n_max,
                f"need 1 <= SpecConfig.n_min ({self.n_min}) <= SpecConfig.n_max ({self.n_max})")
         _check(self.c_hw is None or self.c_hw >= 1, f"SpecConfig.c_hw must be >= 1, got {self.c_hw}")

@@ -4,9 +4,12 @@ For a sequence x (prompt + a response the policy sampled), the policy's hidden s
 next-token distributions p_t are computed once. Head h (1..H) at position t is trained towards the
 policy's distribution for token t+h+1, i.e. p_{t+h}, and the token actually realised there:
 
-    loss_h(t) = CE(p_{t+h}^topK, q_h(. | h_t, x_{t+1})) + NLL(x_{t+h+1} | q_h(. | h_t, x_{t+1}))
+    loss_h(t) = CE(p_{t+h}^topK, q_h(. | h_t, x_{t+1} .. x_{t+h})) + NLL(x_{t+h+1} | q_h(. | h_t, x_{t+1} .. x_{t+h}))
 
-(the soft cross-entropy on the policy's top-K equals the KL to it up to a constant). Only the head
+(the soft cross-entropy on the policy's top-K equals the KL to it up to a constant). Head h reads
+the realised tokens between the root and its target as its draft path (teacher forcing: at
+inference it reads the drafted tokens of the node it extends, which match these whenever that node
+can be accepted). Only the head
 weights receive gradients; the backbone and the shared vocab projection are frozen. Records are
 plain tensors, so the slow path can reuse this loss on verification by-products.
 """
@@ -61,9 +64,15 @@ def records_from_sequence(policy: PolicyModel, tokens: Sequence[int], start: int
     return DistillRecords(hidden[pos, 0].float(), ids[0, pos + 1], top_i[tgt], top_p[tgt], realised, valid)
 
 
+def draft_path(rec: "DistillRecords") -> torch.Tensor:
+    """[N, H-1]: the tokens head i reads as its path (the first i), x_{t+2} .. x_{t+H}: realised
+    tokens of the earlier heads' targets. Records of the slow path have the same layout."""
+    return rec.realised[:, :-1]
+
+
 def head_loss(policy: PolicyModel, rec: DistillRecords) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean over valid (position, head) pairs of soft CE to the policy's top-K plus NLL of the realised token."""
-    logits = policy.full_logits(policy.head_logits(rec.hidden.to(policy.dtype), rec.root))
+    logits = policy.full_logits(policy.head_logits(rec.hidden.to(policy.dtype), rec.root, path_ids=draft_path(rec)))
     logq = torch.log_softmax(logits.float(), -1)
     logq = logq.transpose(0, 1)  # [N, H, V]
     soft = -(rec.target_probs * logq.gather(-1, rec.target_ids)).sum(-1)  # [N, H]
@@ -81,7 +90,7 @@ def head_accuracy(policy: PolicyModel, rec: DistillRecords, k: int = 5, batch: i
     hit1, hitk, agree, count = torch.zeros(H), torch.zeros(H), torch.zeros(H), torch.zeros(H)
     for s in range(0, len(rec), batch):
         r = rec.subset(torch.arange(s, min(len(rec), s + batch)))
-        logits = policy.full_logits(policy.head_logits(r.hidden.to(policy.dtype), r.root))
+        logits = policy.full_logits(policy.head_logits(r.hidden.to(policy.dtype), r.root, path_ids=draft_path(r)))
         top = logits.topk(k, -1).indices.transpose(0, 1)
         w = r.valid.float()
         hit1 += ((top[..., 0] == r.realised).float() * w).sum(0)

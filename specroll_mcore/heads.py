@@ -1,16 +1,19 @@
 """Horizon heads: H small residual blocks that draft tokens t+2 ... t+H+1 from the policy's h_t.
 
-    z_h = h_t + SiLU(W_h h_t + U_h e(x_{t+1}))
-    logits_h = output_layer(z_h, weight=shared)        (the policy's own vocab-parallel projection)
+    z_i = h_t + SiLU(W_i h_t + U_i e(x_{t+1}) + sum_{j=1..i} V_{i,j} e(y_j))      (i = 0 .. H-1)
+    logits_i = output_layer(z_i, weight=shared)        (the policy's own vocab-parallel projection)
 
 ``x_{t+1}`` is the root: the token the policy sampled from h_t, known when the heads draft (at
 T = 1 it is often not the policy's most likely token, and h_t alone cannot tell which one it was).
-``e(x)`` is its row of the policy's vocab projection (on the last stage for tied and untied
-models alike). W_h and U_h are zero-initialised: a new head starts as the policy itself, and
-heads saved without U (``z_h = h_t + SiLU(W_h h_t)``) load with U_h = 0.
+``y_1 .. y_i`` are the drafted tokens on the path from the root to the node head i extends: head i
+drafts the children of a node at depth i, conditioned on the tokens that node stands for (in
+training, the realised tokens x_{t+2} .. x_{t+i+1}). ``e(x)`` is a token's row of the policy's
+vocab projection (on the last stage for tied and untied models alike). W, U and V are
+zero-initialised: a new head starts as the policy itself. Heads saved without U or V load with
+them zero (``z_i = h_t + SiLU(W_i h_t)`` is the first form; U alone the second).
 
-The heads own no vocabulary matrix, no KV cache and no backbone. Under TP, ``W_h`` and ``U_h`` are
-megatron ``ColumnParallelLinear`` layers (each rank holds h/tp output rows); SiLU is elementwise,
+The heads own no vocabulary matrix, no KV cache and no backbone. Under TP, every W, U, V is a
+megatron ``ColumnParallelLinear`` (each rank holds h/tp output rows); SiLU is elementwise,
 so each rank activates its slice and the slices are all-gathered before the residual add. The
 logits stay sharded over the vocabulary: :func:`vocab_parallel_topk` and
 :func:`vocab_parallel_logsumexp` never gather the full vocabulary (local top-k plus a small
@@ -38,42 +41,49 @@ class HorizonHeadsSubmodules:
 
 
 class HorizonHeads(MegatronModule):
-    """H residual heads on the final hidden state; parameters ``layers.{i}.weight`` (W_i) and
-    ``root_layers.{i}.weight`` (U_i), [h/tp, h] each."""
+    """H residual heads on the final hidden state; parameters ``layers.{i}.weight`` (W_i),
+    ``root_layers.{i}.weight`` (U_i) and ``path_layers.{i}.{j}.weight`` (V_{i,j+1}, j < i), [h/tp, h] each."""
 
     def __init__(self, config: Any, submodules: HorizonHeadsSubmodules, num_heads: int) -> None:
         super().__init__(config=config)
         self.num_heads = num_heads
 
-        def linears() -> torch.nn.ModuleList:
+        def linears(n: int) -> torch.nn.ModuleList:
             return torch.nn.ModuleList(
                 build_module(submodules.linear, config.hidden_size, config.hidden_size, config=config,
                              init_method=torch.nn.init.zeros_, bias=False, gather_output=False, skip_bias_add=True)
-                for _ in range(num_heads))
+                for _ in range(n))
 
-        self.layers = linears()
-        self.root_layers = linears()
+        self.layers = linears(num_heads)
+        self.root_layers = linears(num_heads)
+        self.path_layers = torch.nn.ModuleList(linears(i) for i in range(num_heads))
 
     def forward(self, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None,
-                root: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """hidden [n, h] -> z [H, n, h]. ``delta`` [H, n, h] is added to each head's input (Reflex);
-        ``root`` [n, h]: e(x_{t+1}) (:meth:`PolicyModel.root_features`), None for U = 0."""
-        return torch.stack([self.forward_one(i, hidden, None if delta is None else delta[i], root)
+                root: Optional[torch.Tensor] = None, path: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Every head on the same inputs (training, with the realised tokens as the path):
+        hidden [n, h] -> z [H, n, h]. ``delta`` [H, n, h] is added to each head's input (Reflex);
+        ``root`` [n, h]: e(x_{t+1}); ``path`` [n, >= H-1, h]: e(y_1), e(y_2), ... (each head reads
+        the first i)."""
+        return torch.stack([self.forward_one(i, hidden, None if delta is None else delta[i], root, path)
                             for i in range(self.num_heads)])
 
     def forward_one(self, index: int, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None,
-                    root: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Head ``index`` alone: hidden [n, h] (+ its delta [n, h], root features [n, h]) -> z [n, h]
-        (the slow path trains one head at a time)."""
+                    root: Optional[torch.Tensor] = None, path: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Head ``index`` alone: hidden [n, h] (+ its delta [n, h], root features [n, h], path
+        features [n, >= index, h]) -> z [n, h]. A missing root or path counts as U = 0 or V = 0."""
         x = hidden if delta is None else hidden + delta
         y, _ = self.layers[index](x)  # [n, h/tp]
         if root is not None:
             y = y + self.root_layers[index](root)[0]
+        if path is not None:
+            for j, layer in enumerate(self.path_layers[index]):
+                y = y + layer(path[:, j])[0]
         return x + gather_from_tensor_model_parallel_region(F.silu(y))
 
     def head_parameters(self, index: int) -> list[torch.nn.Parameter]:
-        """Head ``index``'s own parameters (W_i, U_i)."""
-        return [*self.layers[index].parameters(), *self.root_layers[index].parameters()]
+        """Head ``index``'s own parameters (W_i, U_i, V_i,.)."""
+        return [*self.layers[index].parameters(), *self.root_layers[index].parameters(),
+                *self.path_layers[index].parameters()]
 
 
 def horizon_heads_spec(num_heads: int) -> ModuleSpec:
@@ -148,12 +158,16 @@ def vocab_parallel_filter(logits: torch.Tensor, top_p: float, top_k: int, vocab_
 def coupled_scores(logits: torch.Tensor, keys: SampleKeys, top_p: float, top_k: int, vocab_start: int,
                    vocab_size: int, ctx: Any) -> torch.Tensor:
     """Vocab-parallel logits [n, V/tp] (temperature applied) -> the sampler's own scores for them:
-    filtered logits plus this shard's slice of the Gumbel noise of ``keys`` [n]. Their argmax over
-    the vocabulary is the token :func:`specroll_mcore.sampling.sample` would draw from these logits
-    (up to the top-p approximation of :func:`vocab_parallel_filter`), so a draft ranked by them is
-    the policy's sample wherever draft and policy agree."""
+    filtered logits plus this shard's slice of the Gumbel noise of ``keys`` [n / P]: key r scores
+    rows r*P .. r*P + P - 1 (P drafts of the same position, under different draft paths: the
+    sampler's noise depends on the position, not on the path). Their argmax over the vocabulary is
+    the token :func:`specroll_mcore.sampling.sample` would draw from these logits (up to the top-p
+    approximation of :func:`vocab_parallel_filter`), so a draft ranked by them is the policy's sample
+    wherever draft and policy agree."""
     x = vocab_parallel_filter(logits, top_p, top_k, vocab_start, vocab_size, ctx)
-    return x + gumbel_noise(keys, x.shape[-1], x.dtype, vocab_start)
+    n, v = x.shape
+    noise = gumbel_noise(keys, v, x.dtype, vocab_start)  # [n / P, V/tp]
+    return (x.view(noise.shape[0], -1, v) + noise[:, None]).view(n, v)
 
 
 def vocab_rows(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor:

@@ -46,6 +46,11 @@ class SampleKeys:
     sample: torch.Tensor  # [n] long
     position: torch.Tensor  # [n] long, 0-based index in the response
 
+    def rows(self, start: int, end: int) -> "SampleKeys":
+        """Keys start .. end - 1."""
+        return SampleKeys(self.seed, self.step, self.prompt[start:end], self.sample[start:end],
+                          self.position[start:end])
+
     def row_hash(self) -> torch.Tensor:
         h = _fmix32(torch.full_like(self.prompt, (self.seed ^ 0x5BD1E995) & _M32))
         for field in (torch.full_like(self.prompt, self.step), self.prompt, self.sample, self.position):
@@ -58,6 +63,12 @@ def _token_hash(keys: SampleKeys, vocab: int, start: int = 0) -> torch.Tensor:
     round of (row hash, token id)."""
     v = torch.arange(start, start + vocab, dtype=torch.long, device=keys.prompt.device)
     return _fmix32(keys.row_hash()[:, None] ^ ((v * 0x9E3779B1) & _M32)[None, :])
+
+
+def gumbel_noise_at(keys: SampleKeys, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The entries of :func:`gumbel_noise` for some token ids only: ids [n, s] -> [n, s]."""
+    u = (_fmix32(keys.row_hash()[:, None] ^ ((ids * 0x9E3779B1) & _M32)).to(torch.float64) + 0.5) * (1.0 / 2**32)
+    return (-torch.log((-torch.log(u)).to(torch.float32))).to(dtype)
 
 
 def uniform_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64, start: int = 0) -> torch.Tensor:

@@ -25,6 +25,7 @@ Reflex correction that was applied when the record's proposal was made; the rank
 head's logit gaps between the policy's most likely token and the rest of S to reach the policy's own
 log-prob gaps (capped at ``rank_margin``). The backbone and the vocab projection are frozen; logits
 are taken on S only (each TP rank multiplies its own vocabulary rows, partial sums are all-reduced).
+As in distillation, head i reads the record's realised tokens j+1 .. j+i as its draft path.
 The update is rolled back if the held-out expected acceptance (the policy's probability mass on the
 head's top-k candidates) gets worse. It runs on the last pipeline stage only, between rollout
 batches; other stages are not involved.
@@ -455,12 +456,12 @@ class SlowPath:
         def kl(logits: torch.Tensor) -> torch.Tensor:
             return (p_s * (logp - torch.log_softmax(logits.float(), -1))).sum(-1).mean()
 
-        hidden, root = rec.hidden.to(dtype), self.policy.root_features(rec.root).to(dtype)
-        l_raw = self._logits_on(heads.forward_one(head, hidden, None, root), support)
+        hidden, root, path = self._inputs(rec, head)
+        l_raw = self._logits_on(heads.forward_one(head, hidden, None, root, path), support)
         loss_raw = kl(l_raw)
         loss_cor = torch.zeros((), device=hidden.device)
         if cfg.corrected_weight > 0 and bool(rec.delta[:, head].abs().sum() > 0):
-            z_cor = heads.forward_one(head, hidden, rec.delta[:, head].to(dtype), root)
+            z_cor = heads.forward_one(head, hidden, rec.delta[:, head].to(dtype), root, path)
             loss_cor = kl(self._logits_on(z_cor, support))
         # ranking: the head's logit gap between the policy's most likely token and every other support
         # entry should reach the policy's own log-prob gap, capped at the margin.
@@ -474,12 +475,19 @@ class SlowPath:
         return loss, {"loss": float(loss.detach()), "kl_raw": float(loss_raw.detach()), "kl_corrected": float(loss_cor.detach()),
                       "rank": float(rank.detach()), "proximal": float(prox.detach())}
 
+    def _inputs(self, rec: Records, head: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The head's inputs for records: hidden [N, h], root features [N, h] and its draft path's
+        features [N, head, h] (the realised tokens between the root and its target; None for head 0)."""
+        policy, dtype = self.policy, self.policy.dtype
+        path = policy.root_features(rec.realised[:, :head]).to(dtype) if head > 0 else None
+        return rec.hidden.to(dtype), policy.root_features(rec.root).to(dtype), path
+
     @torch.no_grad()
     def head_candidates(self, rec: Records, head: int, k: int) -> torch.Tensor:
         """The head's current top-k ids [N, k] (full vocabulary, vocab-parallel top-k)."""
         policy = self.policy
-        hidden = rec.hidden.to(policy.dtype)
-        z = policy.heads.forward_one(head, hidden, None, policy.root_features(rec.root).to(policy.dtype))
+        hidden, root, path = self._inputs(rec, head)
+        z = policy.heads.forward_one(head, hidden, None, root, path)
         logits = policy.vocab_projection(z)
         return vocab_parallel_topk(logits, k, policy.vocab_start, policy.config.vocab_size, policy.ctx)[1]
 

@@ -200,12 +200,13 @@ class PolicyModel(torch.nn.Module):
 
     def load_full_heads(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load head weights given unsharded (``heads.layers.{i}.weight``, ``heads.root_layers.{i}.weight``,
-        [h, h] each; missing root layers are zero); no-op off the last stage."""
+        ``heads.path_layers.{i}.{j}.weight``, [h, h] each; missing root and path layers are zero: heads
+        saved before them); no-op off the last stage."""
         if self.heads is None:
             return
         own = {k: v for k, v in self.heads.state_dict().items() if not k.endswith("_extra_state")}
         expected = {f"heads.{k}" for k in own}
-        optional = {f"heads.{k}" for k in own if k.startswith("root_layers.")}  # heads saved before U
+        optional = {f"heads.{k}" for k in own if k.startswith(("root_layers.", "path_layers."))}
         if not (expected - optional) <= set(full) <= expected:
             raise ValueError(f"head weights {sorted(full)} do not match this policy's heads {sorted(expected)}")
         with torch.no_grad():
@@ -222,18 +223,23 @@ class PolicyModel(torch.nn.Module):
 
     @torch.no_grad()
     def root_features(self, ids: torch.Tensor) -> torch.Tensor:
-        """e(x) for the heads: the rows of the vocab projection for token ids [...] -> [..., h]
-        (each TP rank reads the rows it owns; one all-reduce; the matrix is never gathered)."""
+        """e(x) for the heads (the root and the drafted path tokens): the rows of the vocab projection
+        for token ids [...] -> [..., h] (each TP rank reads the rows it owns; one all-reduce; the
+        matrix is never gathered)."""
         rows = vocab_rows(self.output_weight(), ids, self.vocab_start)
         return self.ctx.all_reduce_tp(rows.contiguous(), "sum") if self.ctx.tp_size > 1 else rows
 
-    def head_logits(self, hidden: torch.Tensor, root_ids: torch.Tensor,
-                    delta: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Vocab-parallel logits of every head: hidden [n, h] and the roots sampled from it [n] ->
-        [H, n, V/tp], through the policy's own output layer in one call (its weight is read once
+    def head_logits(self, hidden: torch.Tensor, root_ids: torch.Tensor, delta: Optional[torch.Tensor] = None,
+                    path_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Vocab-parallel logits of every head: hidden [n, h], the roots sampled from it [n] and the
+        path tokens [n, >= H-1] (head i reads the first i: in training, the realised continuation)
+        -> [H, n, V/tp], through the policy's own output layer in one call (its weight is read once
         for all heads)."""
         assert self.heads is not None, "this policy was built without heads (num_heads=0) or is not the last stage"
-        z = self.heads(hidden, delta, self.root_features(root_ids).to(hidden.dtype))
+        path = None
+        if path_ids is not None and path_ids.shape[-1] > 0:
+            path = self.root_features(path_ids).to(hidden.dtype)
+        z = self.heads(hidden, delta, self.root_features(root_ids).to(hidden.dtype), path)
         return self.vocab_projection(z)  # [H, n, h] -> [H, n, V/tp]
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:

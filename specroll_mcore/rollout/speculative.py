@@ -1,9 +1,12 @@
 """The SpecRoll speculative engine: a drop-in for :class:`VanillaEngine` that emits the same tokens.
 
 One round, for all unfinished responses at once:
-  1. propose   heads read each response's last hidden state and root token and draft H tokens
-               (top-k each, ranked with the noise the sampler will use there: SpecConfig.coupled);
-  2. build     a sparse tree per response under the node budget N_t = clip(C_hw / B_t, N_min, N_max);
+  1. propose   heads read each response's last hidden state and root token and draft level by
+               level: head 1 k candidates under the root, head d+1 k candidates under each of a
+               few depth-d nodes, conditioned on that node's drafted path (ranked with the noise
+               the sampler will use there: SpecConfig.coupled);
+  2. build     a sparse tree per response from those candidates under the node budget
+               N_t = clip(C_hw / B_t, N_min, N_max);
   3. verify    ONE policy forward over every tree (tree attention on top of the KV cache);
   4. accept    walk each tree with the policy's own counter-based samples (verify.py);
   5. commit    keep the accepted path's keys/values, compacted; drop the rest;
@@ -32,21 +35,21 @@ from specroll_mcore.heads import (coupled_scores, support_logits, vocab_parallel
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          validate_prompts)
-from specroll_mcore.sampling import SampleKeys, sample
+from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample
 from specroll_mcore.slow_path import SlowPath
-from specroll_mcore.tree import TreeBatch, build_trees, node_budget, row_chunks, tree_ancestor_mask
+from specroll_mcore.tree import (ROOT, DraftLevel, TreeBatch, expansion, node_budget, row_chunks, select_tree,
+                                 tree_ancestor_mask)
 from specroll_mcore.tree.budget import DEFAULT_C_HW
 from specroll_mcore.verify import accept
 
 
 @dataclass
 class Proposal:
-    """What the heads drafted from each row's hidden state (last stage)."""
+    """What the heads drafted from each row's hidden state (last stage): level d = head d + 1."""
 
-    candidates: torch.Tensor  # [b, H, k] token ids, best first
-    logq: torch.Tensor  # [b, H, k] their log-probs: draft (temperature applied) or, coupled, of being sampled
-    q_top: torch.Tensor  # [b, H, k'] the draft's top-k' ids (k' = max(k, Reflex support_topk))
-    z: torch.Tensor  # [H, b, h] the heads' outputs (Reflex correction included)
+    levels: list[DraftLevel]  # candidates [b, P, k] under P expanded nodes, cumulative log-probs
+    q_top: list[torch.Tensor]  # per level [b, P, k'] the draft's own top ids (k' = max(k, Reflex support_topk))
+    z: list[torch.Tensor]  # per level [b, P, h] the head's output for each expanded node (Reflex correction included)
 
 
 class SpeculativeEngine:
@@ -78,43 +81,98 @@ class SpeculativeEngine:
                           if spec.slow_path.enabled and model.heads is not None else None)
 
     # -- 1. propose ---------------------------------------------------------------------------------
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, sampling: SamplingConfig,
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, sampling: SamplingConfig, budget: int,
                 keys: Optional[SampleKeys] = None, delta: Optional[torch.Tensor] = None) -> Proposal:
         """hidden [b, h], the roots sampled from it [b] (+ Reflex correction delta [H, b, h]) -> the
-        heads' drafts (last stage only).
+        heads' drafts for trees of ``budget`` nodes (last stage only).
 
-        ``keys`` [H * b], head-major: the sampling keys of the positions the heads draft; with
-        ``SpecConfig.coupled`` (and T > 0) each head ranks ids by its filtered logits / T plus that
-        position's Gumbel noise, and ``logq`` is the log-probability of each candidate being the
-        argmax of those scores (the draft's belief that it is the token the policy will sample)."""
-        model, k, temperature = self.model, self.spec.topk, sampling.temperature
+        Head 1 drafts under the root over the whole vocabulary. Every head is also evaluated
+        without a path in the same vocabulary projection; for head d+1 (d >= 1) that gives the
+        ``SpecConfig.shortlist`` ids it may draft, and its logits conditioned on each expanded
+        depth-d node's path are taken on them. The expanded nodes are the trunk and the best
+        cumulative scores, as many as trees of ``budget`` nodes can extend.
+
+        ``keys`` [D * b], head-major (D = min(H, budget - 1)): the sampling keys of the positions
+        the heads draft; with ``SpecConfig.coupled`` (and T > 0) each head ranks ids by its filtered
+        logits / T plus that position's Gumbel noise (the same for every path), and the candidates'
+        log-probs are those of being the argmax of those scores (the draft's belief that it is the
+        token the policy will sample)."""
+        model, spec, T = self.model, self.spec, sampling.temperature
+        k, S, ctx = spec.topk, spec.shortlist, model.ctx
         kq = max(k, self.reflex_cfg.support_topk) if self.reflex_cfg else k
         start, vocab = model.vocab_start, model.config.vocab_size
-        z = model.heads(hidden, delta, model.root_features(roots).to(hidden.dtype))  # [H, b, h]
-        logits = model.vocab_projection(z)  # [H, b, V/tp]
-        if temperature > 0:
-            logits = logits / temperature
-        H, b = logits.shape[:2]
-        flat = logits.reshape(H * b, -1)
-        if self.spec.coupled and temperature > 0 and keys is not None:
-            ranked = coupled_scores(flat, keys, sampling.top_p, sampling.top_k, start, vocab, model.ctx)
-            values, cand = vocab_parallel_topk(ranked, k, start, vocab, model.ctx)
-            # the draft's own top ids: Reflex's support (unused without Reflex)
-            q_top = vocab_parallel_topk(flat, kq, start, vocab, model.ctx)[1] if self.reflex_cfg else cand
+        b, h = hidden.shape
+        D = min(spec.num_heads, budget - 1)
+        coupled = spec.coupled and T > 0 and keys is not None
+        root_f = model.root_features(roots).to(hidden.dtype)
+        z = torch.stack([model.heads.forward_one(i, hidden, None if delta is None else delta[i], root_f)
+                         for i in range(D)])  # [D, b, h]: every head without its path
+        logits = model.vocab_projection(z)  # [D, b, V/tp]
+        if T > 0:
+            logits = logits / T
+        flat = logits.reshape(D * b, -1)
+        ranked = (coupled_scores(flat, keys, sampling.top_p, sampling.top_k, start, vocab, ctx)
+                  if coupled else flat)
+        # head 1, exactly
+        if coupled:
+            values, cand = vocab_parallel_topk(ranked[:b], k, start, vocab, ctx)
+            q_top = vocab_parallel_topk(flat[:b], kq, start, vocab, ctx)[1] if self.reflex_cfg else cand
         else:
-            ranked = flat
-            values, q_top = vocab_parallel_topk(flat, kq, start, vocab, model.ctx)
+            values, q_top = vocab_parallel_topk(flat[:b], kq, start, vocab, ctx)
             values, cand = values[:, :k], q_top[:, :k]
-        logq = values.float() - vocab_parallel_logsumexp(ranked, start, vocab, model.ctx)[:, None]
-        return Proposal(cand.reshape(H, b, k).transpose(0, 1), logq.reshape(H, b, k).transpose(0, 1),
-                        q_top.reshape(H, b, kq).transpose(0, 1), z)
+        logq = values.float() - vocab_parallel_logsumexp(ranked[:b], start, vocab, ctx)[:, None]
+        # Ids past the vocabulary (TP padding) come out of a top-k only tied at -inf: a dead
+        # candidate the tree leaves out; it is renamed to id 0 so that nothing indexes past the vocabulary.
+        cand, q_top = cand.masked_fill(cand >= vocab, 0), q_top.masked_fill(q_top >= vocab, 0)
+        levels = [DraftLevel(torch.full((b, 1), ROOT, dtype=torch.long, device=hidden.device), cand[:, None],
+                             logq[:, None])]
+        q_tops, zs = [q_top[:, None]], [z[0][:, None]]
+        if D == 1:
+            return Proposal(levels, q_tops, zs)
+        # heads 2..D on their shortlists, under the expanded nodes of the level above
+        shortlist = vocab_parallel_topk(ranked[b:], S, start, vocab, ctx)[1].reshape(D - 1, b, S)
+        padding = shortlist >= vocab  # (as above)
+        shortlist = shortlist.masked_fill(padding, 0)
+        path = hidden.new_zeros(b, 1, 0, h)  # features of the expanded nodes' paths [b, P, d, h]
+        offset = 0  # pool index of the level above's first candidate
+        for d in range(1, D):
+            above = levels[-1]
+            # P depth-d nodes with a child each need d + 2P nodes in the tree: expand no more
+            sel = expansion(above, min(k, above.width, (budget - d) // 2))  # [b, P]
+            P = sel.shape[1]
+            token = above.tokens.reshape(b, -1).gather(1, sel)
+            path = torch.cat([path.gather(1, (sel // k)[..., None, None].expand(b, P, *path.shape[2:])),
+                              model.root_features(token).to(hidden.dtype)[:, :, None]], 2)  # [b, P, d, h]
+            zd = model.heads.forward_one(
+                d, hidden[:, None].expand(b, P, h).reshape(b * P, h),
+                None if delta is None else delta[d][:, None].expand(b, P, h).reshape(b * P, h),
+                root_f[:, None].expand(b, P, h).reshape(b * P, h), path.reshape(b * P, d, h)).reshape(b, P, h)
+            w = vocab_rows(model.output_weight(), shortlist[d - 1], start)  # [b, S, h]: this rank's rows
+            lg = ctx.all_reduce_tp(torch.einsum("bsh,bph->bps", w.to(zd.dtype), zd).contiguous(), "sum")
+            lg = lg.float().masked_fill(padding[d - 1][:, None], float("-inf"))
+            ids = shortlist[d - 1][:, None].expand(b, P, S)
+            if coupled:
+                rk = filter_logits(lg.reshape(b * P, S), T, sampling.top_p, sampling.top_k).reshape(b, P, S)
+                rk = rk + gumbel_noise_at(keys.rows(d * b, (d + 1) * b), shortlist[d - 1])[:, None]
+            else:
+                rk = lg / T if T > 0 else lg
+            values, j = rk.topk(k, dim=-1)
+            local = values - torch.logsumexp(rk, -1, keepdim=True)
+            levels.append(DraftLevel(offset + sel, ids.gather(2, j),
+                                     above.score.reshape(b, -1).gather(1, sel)[..., None] + local))
+            offset += above.width
+            q = ids.gather(2, lg.topk(min(kq, S), dim=-1).indices) if self.reflex_cfg else ids.gather(2, j)
+            q_tops.append(torch.cat([q, q[..., :1].expand(b, P, kq - q.shape[-1])], -1))
+            zs.append(zd)
+        return Proposal(levels, q_tops, zs)
 
     # -- 6. feedback ----------------------------------------------------------------------------------
     def feedback(self, active: torch.Tensor, slots: list[int], counts: list[int], acc: Any, logits: torch.Tensor,
-                 hidden_all: torch.Tensor, proposal: Optional[Proposal], temperature: float,
-                 rstate: Optional[reflex.ReflexState]) -> None:
+                 hidden_all: torch.Tensor, proposal: Optional[Proposal], pool_index: Optional[torch.Tensor],
+                 temperature: float, rstate: Optional[reflex.ReflexState]) -> None:
         """The verifier's verdict at every position the accepted path reached -> Reflex memory and
-        slow-path records (last stage). ``slots``, ``counts``: ``active`` and ``acc.counts`` as lists."""
+        slow-path records (last stage). ``slots``, ``counts``: ``active`` and ``acc.counts`` as lists;
+        ``pool_index`` [b, n]: each tree node's index among the proposal's candidates."""
         if proposal is None:
             # Plain decoding (a full batch): nothing was drafted, so nothing to monitor or correct, and
             # recording every row's top-K would cost more than the records are worth; the slow
@@ -137,16 +195,27 @@ class SpeculativeEngine:
         if rstate is None:
             return
         cfg, model = self.reflex_cfg, self.model
-        sel = depth < H  # head i drafted the token sampled at path node i
-        rows, depth = rows[sel], depth[sel]
+        # head i drafted (under path node i, if that node was expanded) the token sampled at path node i
+        m = depth.numel()
+        sel = torch.zeros(m, dtype=torch.bool, device=depth.device)
+        cand = depth.new_zeros(m, k)
+        q_top = depth.new_zeros(m, proposal.q_top[0].shape[-1])
+        z = proposal.z[0].new_zeros(m, proposal.z[0].shape[-1])
+        node = pool_index[rows, node]
+        for i, level in enumerate(proposal.levels):
+            at = (depth == i).nonzero().flatten()
+            r = rows[at]
+            match = level.parent[r] == node[at][:, None]  # [m_i, P]: the expanded node on the path
+            slot = match.int().argmax(-1)
+            sel[at] = match.any(-1)
+            cand[at], q_top[at], z[at] = level.tokens[r, slot], proposal.q_top[i][r, slot], proposal.z[i][r, slot]
+        rows, depth, cand, q_top, z = rows[sel], depth[sel], cand[sel], q_top[sel], z[sel]
         t = temperature if temperature > 0 else 1.0
         pl = p_logits[sel] / t
         p_top = pl.topk(max(k, cfg.support_topk), dim=-1).indices
-        cand = proposal.candidates[rows, depth]
-        ids, valid = reflex.support(cand, proposal.q_top[rows, depth, :cfg.support_topk],
-                                    p_top[:, :cfg.support_topk], tokens[sel])
+        ids, valid = reflex.support(cand, q_top[:, :cfg.support_topk], p_top[:, :cfg.support_topk], tokens[sel])
         w_s = vocab_rows(model.output_weight(), ids, model.vocab_start)  # [m, s, h], read once for both products
-        q_l = support_logits(w_s, proposal.z[depth, rows], model.ctx).float() / t
+        q_l = support_logits(w_s, z, model.ctx).float() / t
         coef = reflex.feedback_coefficients(pl.gather(1, ids), q_l, ids, valid, cand, p_top[:, :k],
                                             cfg.coverage_weight)
         e = reflex.feedback_vectors(w_s, coef, model.ctx)
@@ -232,7 +301,7 @@ class SpeculativeEngine:
             n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
             t0 = clock()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
-            proposal = None
+            proposal = pool_index = None
             if n == 1:  # a full batch: plain decoding, no proposal
                 t1 = clock()
                 tree = TreeBatch(roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
@@ -249,11 +318,12 @@ class SpeculativeEngine:
                         self.slow_path.proposal_delta(active_l, delta)
                 keys = None
                 if spec.coupled and sampling.temperature > 0:  # the noise of the positions the heads draft
-                    drafted = position[None] + torch.arange(H, device=device)[:, None]  # [H, b] head-major
-                    keys = state.keys(active.repeat(H), drafted.flatten())
-                proposal = self.propose(hidden, roots, sampling, keys, delta)
+                    D = min(H, n - 1)
+                    drafted = position[None] + torch.arange(D, device=device)[:, None]  # [D, b] head-major
+                    keys = state.keys(active.repeat(D), drafted.flatten())
+                proposal = self.propose(hidden, roots, sampling, n, keys, delta)
                 t1 = clock()
-                tree = build_trees(roots, proposal.candidates, proposal.logq, n)
+                tree, pool_index = select_tree(roots, proposal.levels, n)
             else:
                 t1, tree = clock(), None
             tree = self._share_tree(tree, b, n)
@@ -289,8 +359,8 @@ class SpeculativeEngine:
             t5 = clock()
             # 6. feedback (last stage): Reflex memory, slow-path records; finished rows are released.
             if logits is not None and (rstate is not None or self.slow_path is not None):
-                self.feedback(active, active_l, counts_l, acc, logits, hidden_all, proposal, sampling.temperature,
-                              rstate)
+                self.feedback(active, active_l, counts_l, acc, logits, hidden_all, proposal, pool_index,
+                              sampling.temperature, rstate)
                 if rstate is not None:
                     rstate.release(active[~keep_t])
                 if self.slow_path is not None:

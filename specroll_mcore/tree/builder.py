@@ -1,21 +1,29 @@
 """Sparse, prefix-closed draft trees under a per-row node budget (pure, no torch.distributed).
 
 Row r's tree hangs from its root: the token the policy itself sampled last (certain, depth 0).
-A node at depth d >= 1 carries one of head d's candidates. Growth order:
-  1. the trunk: head 1's top-1 under the root, head 2's top-1 under that, ... (the single most
-     likely continuation, depth H);
-  2. then, greedily, the free slot (a node u at depth d < H, head d+1's next-ranked candidate under
-     u) with the highest cumulative draft log-probability  sum of log q along the path,
-until the row's budget of nodes (root included) is spent. All rows are built at once with tensor
-operations (no per-row loop: on a GPU the step's host work is what speculation must beat). Every
-node's parent is in the tree (prefix-closed) and siblings carry distinct tokens (distinct candidates of one head), so at most
-one child can match the policy's sample.
+Heads draft level by level (rollout/speculative.py): head 1 drafts k candidates under the root;
+head d+1 drafts k candidates under each of a few depth-d nodes (the *expanded* ones), conditioned on
+the tokens of that node's path. Every candidate carries its cumulative draft log-probability
+(the sum of log q along its path). This module picks
+
+  * which nodes of a level to expand (:func:`expansion`): the trunk (the top-1 under the trunk
+    node above) first, then the best cumulative scores, and
+  * the tree (:func:`select_tree`): the trunk (each head's top-1 under the previous trunk node: the
+    single most likely continuation), then the other candidates by cumulative score, until the
+    row's budget of nodes (root included) is spent. Candidates scored -inf (removed by the
+    sampler's top-k / top-p: the policy cannot sample them) are left out; a row then holds fewer
+    nodes, padded.
+
+All rows are handled at once with tensor operations (no per-row loop: on a GPU the step's host
+work is what speculation must beat). A child never scores above its parent (log q <= 0) and ties
+go to the shallower node, so every chosen node's parent is chosen first (prefix-closed); siblings
+are distinct candidates of one distribution, so at most one child can match the policy's sample.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -36,62 +44,64 @@ class TreeBatch:
         return tuple(self.tokens.shape)  # type: ignore[return-value]
 
 
-@functools.lru_cache(maxsize=64)
-def _rank_tuples(H: int, k: int, budget: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Every node a tree of ``budget`` nodes can hold, as rank tuples (r_1 .. r_d): node (.., r) is
-    added only after (.., r - 1) and its parent, so its tree holds >= sum(r) + d + 1 nodes. Returns
-    (ranks [T, H] padded with 0, depth [T], parent [T] (T = the root), trunk [T] bool), parents
-    before children."""
-    tuples, index = [], {(): None}
-    frontier = [()]
-    for d in range(1, H + 1):
-        nxt = []
-        for t in frontier:
-            for r in range(k):
-                u = t + (r,)
-                if sum(u) + d + 1 > budget:
-                    break
-                index[u] = len(tuples)
-                tuples.append(u)
-                nxt.append(u)
-        frontier = nxt
-    T = len(tuples)
-    ranks = torch.tensor([list(u) + [0] * (H - len(u)) for u in tuples], dtype=torch.long).reshape(T, H)
-    depth = torch.tensor([len(u) for u in tuples], dtype=torch.long)
-    parent = torch.tensor([T if len(u) == 1 else index[u[:-1]] for u in tuples], dtype=torch.long)
-    trunk = torch.tensor([not any(u) for u in tuples], dtype=torch.bool)
-    return tuple(t.to(device) for t in (ranks, depth, parent, trunk))
+@dataclass
+class DraftLevel:
+    """What one head drafted: k candidates under each of P expanded nodes of the level above."""
+
+    parent: torch.Tensor  # [b, P] pool index of each expanded node (ROOT for the root)
+    tokens: torch.Tensor  # [b, P, k] candidates, best first
+    score: torch.Tensor  # [b, P, k] cumulative draft log-prob of the path ending in each candidate
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1] * self.tokens.shape[2]
 
 
-def build_trees(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_logq: torch.Tensor,
-                budget: int) -> TreeBatch:
-    """root_tokens [b]; cand_tokens, cand_logq [b, H, k] (each head's top-k, best first);
-    budget: nodes per row, root included (>= 1); fewer only if the candidates run out.
+def expansion(level: DraftLevel, count: int) -> torch.Tensor:
+    """[b, count] indices (into the level's flattened P * k candidates) of the nodes the next head
+    extends: the trunk (expanded node 0's top-1) first, then by cumulative score (ties to the
+    lower index)."""
+    b = level.tokens.shape[0]
+    key = -level.score.reshape(b, -1).float()
+    key[:, 0] = float("-inf")
+    return key.argsort(dim=1, stable=True)[:, :count]
 
-    Batched: the greedy growth from the trunk picks free slots in non-increasing cumulative log q
-    (a child never scores above its parent, nor a candidate above a better-ranked sibling), so a
-    row's tree is its trunk plus its best-scoring other nodes, in that order; ties go to the
-    shallower node, then to the better ranks."""
-    b, H, k = cand_tokens.shape
-    dev = cand_tokens.device
-    ranks, depth, parent, trunk = _rank_tuples(H, k, budget, dev)
-    T = depth.shape[0]
-    m = min(budget - 1, T)
-    level = torch.arange(H, device=dev)
-    on_path = level[None, :] < depth[:, None]  # [T, H]
-    lq = cand_logq.float()[:, level[None, :], ranks]  # [b, T, H]: log q of each level's candidate
-    score = torch.where(on_path, lq, torch.zeros((), device=dev)).sum(-1)
-    key = torch.where(trunk, torch.full_like(score, float("-inf")), -score)  # trunk first
-    order = depth.argsort(stable=True).expand(b, T)  # shallower first among equal keys
+
+def select_tree(root_tokens: torch.Tensor, levels: Sequence[DraftLevel],
+                budget: int) -> tuple[TreeBatch, torch.Tensor]:
+    """The tree of each row: root_tokens [b] and the drafted levels (level d holds depth d + 1;
+    pool indices number the levels' flattened candidates one after another) -> the trees and, per
+    tree node, its pool index [b, n] (ROOT for the root). ``budget``: nodes per row, root included
+    (>= 1); fewer only if the live candidates run out (padding nodes: PAD parent, depth 0, the
+    root's token, pool index ROOT)."""
+    b = root_tokens.shape[0]
+    dev = root_tokens.device
+    if not levels or budget <= 1:
+        return (TreeBatch(root_tokens[:, None], torch.full((b, 1), ROOT, dtype=torch.long, device=dev),
+                          torch.zeros(b, 1, dtype=torch.long, device=dev), torch.ones(b, dtype=torch.long, device=dev)),
+                torch.full((b, 1), ROOT, dtype=torch.long, device=dev))
+    tokens = torch.cat([lv.tokens.reshape(b, -1) for lv in levels], 1)  # [b, M]
+    score = torch.cat([lv.score.reshape(b, -1).float() for lv in levels], 1)
+    parent = torch.cat([lv.parent[:, :, None].expand(lv.tokens.shape).reshape(b, -1) for lv in levels], 1)
+    depth = torch.cat([torch.full((lv.width,), d + 1, dtype=torch.long, device=dev) for d, lv in enumerate(levels)])
+    offsets = torch.tensor([0] + [lv.width for lv in levels], device=dev).cumsum(0)[:-1]
+    M = tokens.shape[1]
+    m = min(budget - 1, M)
+    trunk = torch.zeros(M, dtype=torch.bool, device=dev)
+    trunk[offsets] = True  # each level's first candidate under its first expanded node
+    key = torch.where(trunk[None], torch.full_like(score, float("-inf")), -score)
+    order = depth.argsort(stable=True).expand(b, M)  # shallower first among equal keys
     order = order.gather(1, key.gather(1, order).argsort(dim=1, stable=True))[:, :m]  # [b, m]
-    # tree positions: root 0, the chosen nodes 1..m in order
-    pos = torch.zeros(b, T + 1, dtype=torch.long, device=dev)
+    # tree positions: root 0, the chosen nodes 1..m in order; pool index M stands for the root
+    pos = torch.zeros(b, M + 1, dtype=torch.long, device=dev)
     pos.scatter_(1, order, torch.arange(1, m + 1, device=dev).expand(b, m))
-    node_depth = depth[order]
-    last_rank = ranks.gather(1, (depth - 1).clamp(min=0)[:, None])[:, 0][order]  # [b, m]
-    tokens = cand_tokens[torch.arange(b, device=dev)[:, None], (node_depth - 1).clamp(min=0), last_rank]
-    root = root_tokens.to(dev)[:, None]
-    return TreeBatch(torch.cat([root, tokens], 1),
-                     torch.cat([torch.full((b, 1), ROOT, dtype=torch.long, device=dev), pos.gather(1, parent[order])], 1),
-                     torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), node_depth], 1),
-                     torch.full((b,), m + 1, dtype=torch.long, device=dev))
+    par = parent.gather(1, order)
+    par_pos = pos.gather(1, torch.where(par == ROOT, torch.full_like(par, M), par))
+    live = score.gather(1, order) > float("-inf")  # a dead node's children are dead too: they sort after it
+    root_tok = root_tokens.to(dev)[:, None]
+    root = torch.full((b, 1), ROOT, dtype=torch.long, device=dev)
+    tree = TreeBatch(torch.cat([root_tok, torch.where(live, tokens.gather(1, order), root_tok)], 1),
+                     torch.cat([root, torch.where(live, par_pos, PAD)], 1),
+                     torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), torch.where(live, depth[order], 0)], 1),
+                     1 + live.sum(1))
+    return tree, torch.cat([root, torch.where(live, order, ROOT)], 1)

@@ -11,10 +11,10 @@ sampled token (one teacher-forced forward over finished responses), this module
     prefix-closed), which maximises the drafts accepted summed over every root position, and
   * replays responses step by step with a tree, as the engine would, giving tokens per step (tau).
 
-A drafter whose candidates at every depth were the policy's own top tokens under the true prefix
-is exactly this oracle; horizon heads see only h_t and must guess the intermediate tokens, so the
-oracle's tau at N nodes bounds what trees of N nodes reach on these responses (up to the choice of
-one fixed shape). Pure Python on lists of ints; no torch.
+A drafter whose candidates at every depth were the policy's own top tokens under the true prefix,
+ranked by probability, is exactly this oracle; it bounds drafts ranked by probability (up to the
+choice of one fixed shape). Coupled drafts (SpecConfig.coupled) rank by the sampler's own noise
+instead and can exceed it. Pure Python on lists of ints; no torch.
 """
 
 from __future__ import annotations

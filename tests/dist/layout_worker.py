@@ -35,8 +35,9 @@ def run(arch: str, dtype: str, ctx) -> dict:
     model.load_full_state_dict(random_full_state_dict(cfg, seed=7, std=0.08))
     g = torch.Generator().manual_seed(11)
     h = cfg.hidden_size
-    model.load_full_heads({f"heads.{kind}.{i}.weight": (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype)
-                           for kind in ("layers", "root_layers") for i in range(3)})
+    names = [f"heads.{kind}.{i}.weight" for kind in ("layers", "root_layers") for i in range(3)]
+    names += [f"heads.path_layers.{i}.{j}.weight" for i in range(3) for j in range(i)]
+    model.load_full_heads({name: (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype) for name in names})
     out = {}
     with torch.no_grad():
         ids = torch.tensor([p + [1] * (7 - len(p)) for p in PROMPTS])
@@ -51,7 +52,8 @@ def run(arch: str, dtype: str, ctx) -> dict:
         out["tree"] = model.full_logits(logits) if logits is not None else None
         if ctx.is_last_stage:  # vocab-parallel top-k / log-sum-exp of the head logits, never gathered
             head_logits = model.head_logits(torch.randn(5, cfg.hidden_size, generator=g).to(cfg.torch_dtype),
-                                            torch.tensor([3, 150, 151, 299, 0]))  # roots on both vocab shards
+                                            torch.tensor([3, 150, 151, 299, 0]),  # roots on both vocab shards
+                                            path_ids=torch.tensor([[7, 160], [299, 2], [151, 150], [0, 0], [3, 298]]))
             flat = head_logits.reshape(15, -1)
             values, ids = vocab_parallel_topk(flat, 6, model.vocab_start, cfg.vocab_size, ctx)
             out["heads_topk"] = (values, ids)

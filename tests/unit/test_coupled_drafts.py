@@ -48,6 +48,13 @@ def test_a_draft_equal_to_the_policy_is_its_sample(ctx, temperature, top_p, top_
     assert not torch.equal(coupled_scores(logits / temperature, other, top_p, top_k, 0, 300, ctx).argmax(-1), tokens)
 
 
+def test_drafts_under_several_paths_share_their_positions_noise(ctx):
+    logits = torch.randn(12, 300, generator=torch.Generator().manual_seed(4))
+    k = keys(4)  # 3 drafts (paths) per key
+    repeated = SampleKeys(k.seed, k.step, *(t.repeat_interleave(3) for t in (k.prompt, k.sample, k.position)))
+    assert torch.equal(coupled_scores(logits, k, 0.9, 0, 0, 300, ctx), coupled_scores(logits, repeated, 0.9, 0, 0, 300, ctx))
+
+
 def constant_policy(ctx):
     """Every token has the same embedding, so the policy's next-token distribution is the same at
     every position, and zero-initialised heads (z = h) draft exactly that distribution."""

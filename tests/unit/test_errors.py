@@ -113,3 +113,12 @@ def test_generate_config_errors(tmp_path):
     bad.write_text("sampling:\n  top_p: 2.0\n")
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2.0"):
         load_generate_config(str(bad))
+
+
+def test_spec_config_errors():
+    from specroll_mcore.config import SpecConfig
+
+    with pytest.raises(ValueError, match=r"SpecConfig.shortlist \(2\) must be >= SpecConfig.topk \(4\)"):
+        SpecConfig(shortlist=2)
+    with pytest.raises(ValueError, match=r"need 1 <= SpecConfig.n_min \(4\) <= SpecConfig.n_max \(2\)"):
+        SpecConfig(n_min=4, n_max=2)

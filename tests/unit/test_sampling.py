@@ -3,7 +3,7 @@
 import torch
 from scipy import stats
 
-from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise, sample, uniform_noise
+from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise, gumbel_noise_at, sample, uniform_noise
 
 
 def keys_for(n, seed=0, step=0, prompt=0, sample_idx=0):
@@ -70,3 +70,9 @@ def test_noise_is_a_pure_function_of_the_key():
 def test_noise_of_a_vocabulary_slice_is_that_slice_of_the_noise():
     keys = keys_for(4, seed=8, step=1)
     assert torch.equal(gumbel_noise(keys, 70, start=30), gumbel_noise(keys, 100)[:, 30:])
+
+
+def test_noise_at_some_ids_is_those_entries_of_the_noise():
+    keys = keys_for(4, seed=8, step=1)
+    ids = torch.tensor([[0, 99, 5], [7, 7, 1], [50, 2, 3], [98, 97, 96]])
+    assert torch.equal(gumbel_noise_at(keys, ids), gumbel_noise(keys, 100, torch.float32).gather(1, ids))

@@ -20,7 +20,7 @@ def policy_with_heads(cfg, ctx, head_std=0.05, seed=0):
     model.load_full_state_dict(random_full_state_dict(cfg, seed, std=0.08))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for layer in [*model.heads.layers, *model.heads.root_layers]:
+        for layer in [*model.heads.layers, *model.heads.root_layers, *(v for vs in model.heads.path_layers for v in vs)]:
             layer.weight.copy_(head_std * torch.randn(layer.weight.shape, generator=g))
     return model
 

@@ -118,6 +118,8 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     assert meta["steps"] == 3 and meta["fitted_on"] == read_checkpoint_config(ckpt)["policy_fingerprint"]
     assert {f"heads.root_layers.{i}.weight" for i in range(3)} <= set(heads)
     assert any(v.abs().sum() > 0 for k, v in heads.items() if "root_layers" in k)  # U trained too
+    assert {"heads.path_layers.1.0.weight", "heads.path_layers.2.1.weight"} <= set(heads)
+    assert all(v.abs().sum() > 0 for k, v in heads.items() if "path_layers" in k)  # and every V
     run_tool("train_heads.py", *args)  # the same records, read back from the cache
     assert json.loads(out.read_text())["train_positions"] == summary["train_positions"]
     cache.write_bytes(b"not records")

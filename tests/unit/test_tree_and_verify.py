@@ -1,91 +1,125 @@
 """Tree builder, node budget and the acceptance walk, as pure functions."""
 
+import math
 import random
 
 import torch
 
-from specroll_mcore.tree import PAD, ROOT, build_trees, capacity_from_latency, node_budget, row_chunks
-from specroll_mcore.tree.builder import TreeBatch
+from specroll_mcore.tree import (PAD, ROOT, DraftLevel, TreeBatch, capacity_from_latency, expansion, node_budget,
+                                 row_chunks, select_tree)
 from specroll_mcore.verify import accept
 
 
-def random_candidates(rng, b, H, k, vocab=50):
-    toks = torch.stack([torch.stack([torch.tensor(rng.sample(range(vocab), k)) for _ in range(H)]) for _ in range(b)])
-    logq = torch.log_softmax(torch.randn(b, H, k, generator=torch.Generator().manual_seed(rng.randrange(999))), -1)
-    logq, order = logq.sort(-1, descending=True)
-    return toks, logq
+def drafter(root, path, k, vocab=50):
+    """A deterministic conditional draft: k distinct tokens under (root, path), log-probs sorted."""
+    rng = random.Random(hash((root,) + tuple(path)))
+    logq = sorted((rng.gauss(0, 1) for _ in range(k)), reverse=True)
+    z = math.log(sum(math.exp(x) for x in logq) + rng.random())
+    return rng.sample(range(vocab), k), [x - z for x in logq]
 
 
-def test_trees_are_prefix_closed_within_budget_with_distinct_siblings():
-    rng = random.Random(0)
-    for budget in (1, 2, 3, 5, 8, 13, 40):
-        toks, logq = random_candidates(rng, 6, 3, 4)
-        tree = build_trees(torch.arange(6), toks, logq, budget)
-        assert tree.shape[1] == min(budget, 1 + 4 + 16 + 64)
-        for r in range(6):
-            n = int(tree.num_nodes[r])
-            parents = tree.parents[r, :n].tolist()
-            assert parents[0] == ROOT and all(0 <= p < i for i, p in enumerate(parents) if i > 0)
-            for i in range(1, n):
-                d = int(tree.depth[r, i])
-                assert d == int(tree.depth[r, parents[i]]) + 1 and 1 <= d <= 3
-                assert int(tree.tokens[r, i]) in toks[r, d - 1].tolist()  # a head-d candidate
-            sibling_tokens = {}
-            for i in range(1, n):
-                key = parents[i]
-                assert int(tree.tokens[r, i]) not in sibling_tokens.setdefault(key, set())
-                sibling_tokens[key].add(int(tree.tokens[r, i]))
+def draft(roots, H, k, budget):
+    """Levels drafted as the engine does: head d+1 under the nodes :func:`expansion` picks, each
+    conditioned on its own path. Returns the levels and every candidate's path, per row."""
+    b, D = len(roots), min(H, budget - 1)
+    levels, cand_paths, offset = [], [[()] for _ in roots], 0
+    for d in range(D):
+        if d == 0:
+            parent = torch.full((b, 1), ROOT)
+            expanded, base = [[()] for _ in roots], torch.zeros(b, 1)
+        else:
+            above = levels[-1]
+            sel = expansion(above, min(k, above.width, (budget - d) // 2))
+            parent = offset + sel
+            offset += above.width
+            expanded = [[cand_paths[r][j] for j in sel[r].tolist()] for r in range(b)]
+            base = above.score.reshape(b, -1).gather(1, sel)
+        drafts = [[drafter(roots[r], p, k) for p in expanded[r]] for r in range(b)]
+        tokens = torch.tensor([[t for t, _ in row] for row in drafts])
+        score = base[..., None] + torch.tensor([[q for _, q in row] for row in drafts])
+        levels.append(DraftLevel(parent, tokens, score))
+        cand_paths = [[p + (t,) for p, (toks, _) in zip(expanded[r], drafts[r]) for t in toks] for r in range(b)]
+    return levels
 
 
-def test_trunk_first_then_greedy_by_cumulative_probability():
-    toks = torch.tensor([[[10, 11, 12], [20, 21, 22], [30, 31, 32]]])
-    logq = torch.log(torch.tensor([[[0.6, 0.3, 0.1], [0.5, 0.4, 0.1], [0.9, 0.05, 0.05]]]))
-    tree = build_trees(torch.tensor([5]), toks, logq, 8)
-    assert tree.tokens[0].tolist() == [5, 10, 20, 30, 11, 21, 30, 20]
-    assert tree.parents[0].tolist() == [ROOT, 0, 1, 2, 0, 1, 5, 4]
+def node_path(tree, r, i):
+    path = []
+    while i > 0:
+        path.append(int(tree.tokens[r, i]))
+        i = int(tree.parents[r, i])
+    return tuple(reversed(path))
 
 
-def greedy_reference(root, toks, logq, budget):
-    """One row grown node by node from the definition: the trunk of top-1s, then repeatedly the free
-    slot (the next unused candidate under a node above depth H) with the best cumulative log q."""
-    H, k = len(toks), len(toks[0])
-    tokens, parents, depths, cum, used = [root], [ROOT], [0], [0.0], [0]
-
-    def add(u, rank):
-        d = depths[u]
-        tokens.append(toks[d][rank])
-        parents.append(u)
-        depths.append(d + 1)
-        cum.append(cum[u] + logq[d][rank])
-        used[u] += 1
-        used.append(0)
-        return len(tokens) - 1
-
-    u = 0
-    while len(tokens) < budget and depths[u] < H:
-        u = add(u, 0)
-    while len(tokens) < budget:
-        slots = [(cum[u] + logq[depths[u]][used[u]], u) for u in range(len(tokens)) if depths[u] < H and used[u] < k]
-        if not slots:
-            break
-        _, u = max(slots)
-        add(u, used[u])
-    return tokens, parents, depths
-
-
-def test_batched_trees_equal_node_by_node_greedy_growth():
-    rng = random.Random(1)
-    for b, H, k in ((5, 3, 4), (3, 2, 6), (4, 4, 3), (2, 1, 5)):
-        for budget in (1, 2, 4, 7, 16, 33):
-            toks, logq = random_candidates(rng, b, H, k, vocab=99)
-            tree = build_trees(torch.arange(b), toks, logq, budget)
+def test_trees_are_prefix_closed_within_budget_and_drafted_under_their_own_path():
+    for b, H, k in ((6, 3, 4), (3, 2, 6), (4, 4, 3), (2, 1, 5)):
+        for budget in (1, 2, 3, 5, 8, 13, 40):
+            roots = list(range(100, 100 + b))
+            levels = draft(roots, H, k, budget)
+            tree, pool = select_tree(torch.tensor(roots), levels, budget)
+            assert tree.shape[1] == min(budget, 1 + sum(lv.width for lv in levels))
+            assert pool[:, 0].eq(ROOT).all()
             for r in range(b):
-                want = greedy_reference(r, toks[r].tolist(), logq[r].tolist(), budget)
                 n = int(tree.num_nodes[r])
-                assert n == len(want[0])
-                assert tree.tokens[r, :n].tolist() == want[0]
-                assert tree.parents[r, :n].tolist() == want[1]
-                assert tree.depth[r, :n].tolist() == want[2]
+                parents = tree.parents[r, :n].tolist()
+                assert parents[0] == ROOT and all(0 <= p < i for i, p in enumerate(parents) if i > 0)
+                children = {}
+                for i in range(1, n):
+                    d = int(tree.depth[r, i])
+                    assert d == int(tree.depth[r, parents[i]]) + 1 and 1 <= d <= H
+                    above = node_path(tree, r, parents[i])
+                    assert int(tree.tokens[r, i]) in drafter(roots[r], above, k)[0]  # drafted under its own path
+                    children.setdefault(parents[i], []).append(int(tree.tokens[r, i]))
+                assert all(len(set(c)) == len(c) for c in children.values())  # distinct siblings
+                trunk = []
+                for _ in range(min(H, budget - 1)):
+                    trunk.append(drafter(roots[r], tuple(trunk), k)[0][0])
+                assert tree.tokens[r, 1:1 + len(trunk)].tolist() == trunk  # the trunk first
+
+
+def test_selection_is_trunk_then_best_cumulative_scores():
+    rng = random.Random(1)
+    for _ in range(20):
+        b, H, k, budget = 3, rng.choice((2, 3, 4)), rng.choice((2, 3, 4)), rng.choice((3, 5, 8, 16))
+        roots = [rng.randrange(1000) for _ in range(b)]
+        levels = draft(roots, H, k, budget)
+        tree, pool = select_tree(torch.tensor(roots), levels, budget)
+        score = torch.cat([lv.score.reshape(b, -1) for lv in levels], 1)
+        for r in range(b):
+            n = int(tree.num_nodes[r])
+            chosen = pool[r, 1:n].tolist()
+            depth = len(levels)
+            rest = chosen[depth:]
+            assert all(score[r, u] >= score[r, v] for u, v in zip(rest, rest[1:]))  # best first
+            others = set(range(score.shape[1])) - set(chosen)
+            if rest and others:
+                assert score[r, rest[-1]] >= max(score[r, v] for v in others)  # no better node left out
+
+
+def test_trunk_first_then_by_cumulative_probability():
+    level1 = DraftLevel(torch.tensor([[ROOT]]), torch.tensor([[[10, 11, 12]]]),
+                        torch.log(torch.tensor([[[0.6, 0.3, 0.1]]])))
+    # head 2 under nodes 10 and 11 (pool indices 0 and 1): different candidates under each
+    level2 = DraftLevel(torch.tensor([[0, 1]]), torch.tensor([[[20, 21], [22, 23]]]),
+                        torch.log(torch.tensor([[[0.6 * 0.5, 0.6 * 0.4], [0.3 * 0.9, 0.3 * 0.1]]])))
+    tree, pool = select_tree(torch.tensor([5]), [level1, level2], 6)
+    assert tree.tokens[0].tolist() == [5, 10, 20, 11, 22, 21]
+    assert tree.parents[0].tolist() == [ROOT, 0, 1, 0, 3, 1]
+    assert tree.depth[0].tolist() == [0, 1, 2, 1, 2, 2]
+    assert pool[0].tolist() == [ROOT, 0, 3, 1, 5, 4]
+
+
+def test_candidates_the_sampler_removed_are_left_out():
+    inf = float("inf")
+    level1 = DraftLevel(torch.tensor([[ROOT], [ROOT]]), torch.tensor([[[10, 11, 12]], [[13, 14, 15]]]),
+                        torch.tensor([[[-0.1, -inf, -inf]], [[-0.1, -1.0, -2.0]]]))
+    level2 = DraftLevel(torch.tensor([[0], [0]]), torch.tensor([[[20, 21, 22]], [[23, 24, 25]]]),
+                        torch.tensor([[[-0.5, -inf, -inf]], [[-0.5, -0.6, -inf]]]))
+    tree, pool = select_tree(torch.tensor([5, 6]), [level1, level2], 6)
+    assert tree.num_nodes.tolist() == [3, 6]
+    assert tree.tokens.tolist() == [[5, 10, 20, 5, 5, 5], [6, 13, 23, 24, 14, 15]]
+    assert tree.parents.tolist() == [[ROOT, 0, 1, PAD, PAD, PAD], [ROOT, 0, 1, 1, 0, 0]]
+    assert tree.depth.tolist() == [[0, 1, 2, 0, 0, 0], [0, 1, 2, 2, 1, 1]]
+    assert pool.tolist() == [[ROOT, 0, 3, ROOT, ROOT, ROOT], [ROOT, 0, 3, 4, 1, 2]]
 
 
 def test_budget_and_chunks():
