@@ -120,7 +120,7 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_si
     never the vocabulary) and reduced to the global top-k. Ties resolve to the lower id, as
     ``torch.topk`` on the gathered logits would."""
     logits = _mask_padding(logits, vocab_start, vocab_size)
-    values, idx = torch.topk(logits, k, dim=-1)
+    values, idx = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)  # a shard may hold fewer than k
     idx = idx + vocab_start
     if ctx.tp_size == 1:
         return values, idx

@@ -98,9 +98,9 @@ class SpeculativeEngine:
         log-probs are those of being the argmax of those scores (the draft's belief that it is the
         token the policy will sample)."""
         model, spec, T = self.model, self.spec, sampling.temperature
-        k, S, ctx = spec.topk, spec.shortlist, model.ctx
+        start, vocab, ctx = model.vocab_start, model.config.vocab_size, model.ctx
+        k, S = spec.topk, min(spec.shortlist, vocab)
         kq = max(k, self.reflex_cfg.support_topk) if self.reflex_cfg else k
-        start, vocab = model.vocab_start, model.config.vocab_size
         b, h = hidden.shape
         D = min(spec.num_heads, budget - 1)
         coupled = spec.coupled and T > 0 and keys is not None

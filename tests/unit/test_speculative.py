@@ -75,6 +75,15 @@ def test_random_heads_same_tokens_only_slower(ctx):
     assert out.stats["tau"] >= 1.0  # every step still emits the policy's own token
 
 
+@pytest.mark.parametrize("shortlist", [4, 10_000])  # as narrow as top-k; wider than the vocabulary
+def test_any_shortlist_gives_the_same_tokens(ctx, shortlist):
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, seed=3)
+    for sp in SAMPLINGS.values():
+        ref = VanillaEngine(model).generate(PROMPTS, sp)
+        out = SpeculativeEngine(model, SpecConfig(c_hw=64, shortlist=shortlist)).generate(PROMPTS, sp)
+        assert out.tokens == ref.tokens
+
+
 def test_tree_forwards_never_exceed_c_hw(ctx, monkeypatch):
     """A forward holding trees (more than one node per row) holds at most C_hw tokens; when more
     responses are unfinished than C_hw, each gets one node and the step is one plain decode forward."""
