@@ -9,9 +9,9 @@ policy's distribution for token t+h+1, i.e. p_{t+h}, and the token actually real
 (the soft cross-entropy on the policy's top-K equals the KL to it up to a constant). Head h reads
 the realised tokens between the root and its target as its draft path (teacher forcing: at
 inference it reads the drafted tokens of the node it extends, which match these whenever that node
-can be accepted). Only the head
-weights receive gradients; the backbone and the shared vocab projection are frozen. Records are
-plain tensors, so the slow path can reuse this loss on verification by-products.
+can be accepted). Only the head weights receive gradients; the backbone and the shared vocab
+projection are frozen. Records are plain tensors, so the slow path can reuse this loss on
+verification by-products.
 """
 
 from __future__ import annotations

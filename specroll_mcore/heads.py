@@ -81,7 +81,7 @@ class HorizonHeads(MegatronModule):
         return x + gather_from_tensor_model_parallel_region(F.silu(y))
 
     def head_parameters(self, index: int) -> list[torch.nn.Parameter]:
-        """Head ``index``'s own parameters (W_i, U_i, V_i,.)."""
+        """Head ``index``'s own parameters (W_i, U_i and its V_{i,j})."""
         return [*self.layers[index].parameters(), *self.root_layers[index].parameters(),
                 *self.path_layers[index].parameters()]
 
