@@ -58,32 +58,40 @@ class SampleKeys:
         return h  # [n]
 
 
-def _token_hash(keys: SampleKeys, vocab: int, start: int = 0) -> torch.Tensor:
-    """[n, vocab] uint32 values (in int64) for token ids start .. start + vocab - 1: one avalanche
-    round of (row hash, token id)."""
-    v = torch.arange(start, start + vocab, dtype=torch.long, device=keys.prompt.device)
-    return _fmix32(keys.row_hash()[:, None] ^ ((v * 0x9E3779B1) & _M32)[None, :])
+def _token_hash(keys: SampleKeys, ids: torch.Tensor) -> torch.Tensor:
+    """uint32 values (in int64) for token ``ids`` ([1, s] for every key, or [n, s] per key) -> [n, s]:
+    one avalanche round of (row hash, token id)."""
+    return _fmix32(keys.row_hash()[:, None] ^ ((ids * 0x9E3779B1) & _M32))
 
 
-def gumbel_noise_at(keys: SampleKeys, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The entries of :func:`gumbel_noise` for some token ids only: ids [n, s] -> [n, s]."""
-    u = (_fmix32(keys.row_hash()[:, None] ^ ((ids * 0x9E3779B1) & _M32)).to(torch.float64) + 0.5) * (1.0 / 2**32)
+def _vocab_ids(keys: SampleKeys, vocab: int, start: int) -> torch.Tensor:
+    return torch.arange(start, start + vocab, dtype=torch.long, device=keys.prompt.device)[None]
+
+
+def _uniform(hashes: torch.Tensor) -> torch.Tensor:
+    return (hashes.to(torch.float64) + 0.5) * (1.0 / 2**32)
+
+
+def _gumbel(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """g = -log(E) with E = -log(u) ~ Exp(1). E is computed in float64 (u close to 1 needs it: those
+    are the largest g); its logarithm in float32 is exact to float32 precision."""
     return (-torch.log((-torch.log(u)).to(torch.float32))).to(dtype)
 
 
 def uniform_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64, start: int = 0) -> torch.Tensor:
     """[n, vocab] uniforms in (0, 1), one per (key, token id) for ids start .. start + vocab - 1."""
-    return ((_token_hash(keys, vocab, start).to(torch.float64) + 0.5) * (1.0 / 2**32)).to(dtype)
+    return _uniform(_token_hash(keys, _vocab_ids(keys, vocab, start))).to(dtype)
 
 
 def gumbel_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64, start: int = 0) -> torch.Tensor:
     """[n, vocab] standard Gumbel noise, a pure function of (seed, step, prompt, sample, position, v),
-    for token ids v = start .. start + vocab - 1 (a vocabulary shard reads its own slice).
+    for token ids v = start .. start + vocab - 1 (a vocabulary shard reads its own slice)."""
+    return _gumbel(_uniform(_token_hash(keys, _vocab_ids(keys, vocab, start))), dtype)
 
-    g = -log(E) with E = -log(u) ~ Exp(1). E is computed in float64 (u close to 1 needs it: those
-    are the largest g); its logarithm in float32 is exact to float32 precision."""
-    exp1 = -torch.log(uniform_noise(keys, vocab, torch.float64, start))
-    return (-torch.log(exp1.to(torch.float32))).to(dtype)
+
+def gumbel_noise_at(keys: SampleKeys, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The entries of :func:`gumbel_noise` for some token ids only: ids [n, s] -> [n, s]."""
+    return _gumbel(_uniform(_token_hash(keys, ids)), dtype)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 from specroll_mcore.config import SlowPathConfig
+from specroll_mcore.distill import draft_path
 from specroll_mcore.heads import vocab_parallel_topk, vocab_rows
 
 
@@ -405,9 +406,10 @@ class SlowPath:
             for p in params:
                 p.requires_grad_(True)
             opt = torch.optim.Adam(params, lr=cfg.lr)
+            inputs = self._inputs(train, head)  # frozen features: gathered once, not per step
             for _ in range(cfg.steps):
                 opt.zero_grad(set_to_none=True)
-                loss, parts = self.loss(train, head, prev, support)
+                loss, parts = self.loss(train, head, prev, support, inputs)
                 loss.backward()
                 if dp > 1:  # the same update on every data-parallel replica
                     for p in params:
@@ -441,11 +443,11 @@ class SlowPath:
             return reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(z) @ rows.t())
         return z @ rows.t()
 
-    def loss(self, rec: Records, head: int, prev: list[torch.Tensor],
-             support: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, rec: Records, head: int, prev: list[torch.Tensor], support: torch.Tensor,
+             inputs: tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]) -> tuple[torch.Tensor, dict[str, float]]:
         """The consolidation objective for ``head`` on a shared, sorted support ``support`` [u] that
         holds every record's target top-K and realised token and the head's own candidates (the
-        target mass of an id outside a record's top-K is zero)."""
+        target mass of an id outside a record's top-K is zero); ``inputs``: :meth:`_inputs` of ``rec``."""
         cfg, heads, dtype = self.cfg, self.policy.heads, self.policy.dtype
         N, u = len(rec), support.numel()
         p = torch.zeros(N, u, device=support.device)
@@ -456,7 +458,7 @@ class SlowPath:
         def kl(logits: torch.Tensor) -> torch.Tensor:
             return (p_s * (logp - torch.log_softmax(logits.float(), -1))).sum(-1).mean()
 
-        hidden, root, path = self._inputs(rec, head)
+        hidden, root, path = inputs
         l_raw = self._logits_on(heads.forward_one(head, hidden, None, root, path), support)
         loss_raw = kl(l_raw)
         loss_cor = torch.zeros((), device=hidden.device)
@@ -479,7 +481,7 @@ class SlowPath:
         """The head's inputs for records: hidden [N, h], root features [N, h] and its draft path's
         features [N, head, h] (the realised tokens between the root and its target; None for head 0)."""
         policy, dtype = self.policy, self.policy.dtype
-        path = policy.root_features(rec.realised[:, :head]).to(dtype) if head > 0 else None
+        path = policy.root_features(draft_path(rec)[:, :head]).to(dtype) if head > 0 else None
         return rec.hidden.to(dtype), policy.root_features(rec.root).to(dtype), path
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import load_policy, save_heads  # noqa: E402
+from specroll_mcore.checkpoint.megatron import load_policy, save_atomic, save_heads  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig  # noqa: E402
 from specroll_mcore.distill import (DistillRecords, freeze_all_but_heads, full_head_state, head_accuracy,  # noqa: E402
                                     records_from_sequence, train_heads_step)
@@ -37,8 +37,8 @@ from specroll_mcore.rollout import VanillaEngine  # noqa: E402
 
 
 def save_records(path: Path, train: DistillRecords, heldout: DistillRecords) -> None:
-    torch.save({"fields": [f.name for f in dataclasses.fields(DistillRecords)],
-                "train": dataclasses.asdict(train), "heldout": dataclasses.asdict(heldout)}, path)
+    save_atomic({"fields": [f.name for f in dataclasses.fields(DistillRecords)],
+                 "train": dataclasses.asdict(train), "heldout": dataclasses.asdict(heldout)}, path)
 
 
 def load_records(path: Path) -> tuple[DistillRecords, DistillRecords]:

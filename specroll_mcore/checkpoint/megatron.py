@@ -124,11 +124,19 @@ def save_heads(ckpt_dir: Path, heads: Mapping[str, torch.Tensor], meta: dict[str
     ckpt_dir = Path(ckpt_dir)
     fitted_on = read_checkpoint_config(ckpt_dir).get("policy_fingerprint")
     path = ckpt_dir / HEADS_FILE
-    fd, tmp = tempfile.mkstemp(prefix=".heads.", dir=ckpt_dir)
+    save_atomic({"heads": {k: v.detach().cpu() for k, v in heads.items()}, "meta": {**meta, "fitted_on": fitted_on}},
+                path)
+    return path
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, rename: a crash or kill leaves the
+    old file or the new one, never a torn one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"heads": {k: v.detach().cpu() for k, v in heads.items()},
-                        "meta": {**meta, "fitted_on": fitted_on}}, f)
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -136,7 +144,6 @@ def save_heads(ckpt_dir: Path, heads: Mapping[str, torch.Tensor], meta: dict[str
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return path
 
 
 def load_heads(ckpt_dir: Path, allow_stale: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -92,8 +92,8 @@ class SpeculativeEngine:
         depth-d node's path are taken on them. The expanded nodes are the trunk and the best
         cumulative scores, as many as trees of ``budget`` nodes can extend.
 
-        ``keys`` [D * b], head-major (D = min(H, budget - 1)): the sampling keys of the positions
-        the heads draft; with ``SpecConfig.coupled`` (and T > 0) each head ranks ids by its filtered
+        ``keys`` [H * b], head-major: the sampling keys of the positions the heads draft (those of
+        the heads a tree of ``budget`` nodes reaches are used); with ``SpecConfig.coupled`` (and T > 0) each head ranks ids by its filtered
         logits / T plus that position's Gumbel noise (the same for every path), and the candidates'
         log-probs are those of being the argmax of those scores (the draft's belief that it is the
         token the policy will sample)."""
@@ -111,7 +111,7 @@ class SpeculativeEngine:
         if T > 0:
             logits = logits / T
         flat = logits.reshape(D * b, -1)
-        ranked = (coupled_scores(flat, keys, sampling.top_p, sampling.top_k, start, vocab, ctx)
+        ranked = (coupled_scores(flat, keys.rows(0, D * b), sampling.top_p, sampling.top_k, start, vocab, ctx)
                   if coupled else flat)
         # head 1, exactly
         if coupled:
@@ -143,10 +143,12 @@ class SpeculativeEngine:
             token = above.tokens.reshape(b, -1).gather(1, sel)
             path = torch.cat([path.gather(1, (sel // k)[..., None, None].expand(b, P, *path.shape[2:])),
                               model.root_features(token).to(hidden.dtype)[:, :, None]], 2)  # [b, P, d, h]
-            zd = model.heads.forward_one(
-                d, hidden[:, None].expand(b, P, h).reshape(b * P, h),
-                None if delta is None else delta[d][:, None].expand(b, P, h).reshape(b * P, h),
-                root_f[:, None].expand(b, P, h).reshape(b * P, h), path.reshape(b * P, d, h)).reshape(b, P, h)
+
+            def per_node(x: torch.Tensor) -> torch.Tensor:  # a row's input, for each of its P nodes
+                return x[:, None].expand(b, P, *x.shape[1:]).reshape(b * P, *x.shape[1:])
+
+            zd = model.heads.forward_one(d, per_node(hidden), None if delta is None else per_node(delta[d]),
+                                         per_node(root_f), path.reshape(b * P, d, h)).reshape(b, P, h)
             w = vocab_rows(model.output_weight(), shortlist[d - 1], start)  # [b, S, h]: this rank's rows
             lg = ctx.all_reduce_tp(torch.einsum("bsh,bph->bps", w.to(zd.dtype), zd).contiguous(), "sum")
             lg = lg.float().masked_fill(padding[d - 1][:, None], float("-inf"))
@@ -318,9 +320,8 @@ class SpeculativeEngine:
                         self.slow_path.proposal_delta(active_l, delta)
                 keys = None
                 if spec.coupled and sampling.temperature > 0:  # the noise of the positions the heads draft
-                    D = min(H, n - 1)
-                    drafted = position[None] + torch.arange(D, device=device)[:, None]  # [D, b] head-major
-                    keys = state.keys(active.repeat(D), drafted.flatten())
+                    drafted = position[None] + torch.arange(H, device=device)[:, None]  # [H, b] head-major
+                    keys = state.keys(active.repeat(H), drafted.flatten())
                 proposal = self.propose(hidden, roots, sampling, n, keys, delta)
                 t1 = clock()
                 tree, pool_index = select_tree(roots, proposal.levels, n)
