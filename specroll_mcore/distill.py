@@ -1,7 +1,8 @@
 """Head warm-start by self-distillation on the policy's own continuations (backbone frozen).
 
-For a sequence x (prompt + a response the policy sampled), the policy's hidden state h_t and its
-next-token distributions p_t are computed once. Head h (1..H) at position t is trained towards the
+For a response x the policy sampled, its hidden state h_t and its next-token distributions p_t
+are the ones sampling computed (:class:`TokenFeatures`, returned by the vanilla engine with
+``features_topk``: no second forward). Head h (1..H) at position t is trained towards the
 policy's distribution for token t+h+1, i.e. p_{t+h}, and the token actually realised there:
 
     loss_h(t) = CE(p_{t+h}^topK, q_h(. | h_t, x_{t+1} .. x_{t+h})) + NLL(x_{t+h+1} | q_h(. | h_t, x_{t+1} .. x_{t+h}))
@@ -21,7 +22,19 @@ from typing import Sequence
 
 import torch
 
-from specroll_mcore.model import PolicyModel, causal_mask
+from specroll_mcore.model import PolicyModel
+
+
+@dataclass
+class TokenFeatures:
+    """For each token of one response, the policy's state at the position it was sampled from:
+    the final hidden state and the top-K of the policy's own next-token distribution (temperature 1,
+    no top-k / top-p filter). Row i belongs to response token i. Head distillation
+    (:func:`records_from_features`) needs nothing else."""
+
+    hidden: torch.Tensor  # [len, h]
+    top_ids: torch.Tensor  # [len, K]
+    top_probs: torch.Tensor  # [len, K]
 
 
 @dataclass
@@ -46,22 +59,21 @@ class DistillRecords:
         return DistillRecords(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(DistillRecords)))
 
 
-@torch.no_grad()
-def records_from_sequence(policy: PolicyModel, tokens: Sequence[int], start: int, num_heads: int,
-                          topk: int = 32) -> DistillRecords:
-    """Distillation records for positions start-1 .. len-2 of one sequence (TP=1, one stage)."""
-    ids = torch.tensor([list(tokens)], device=policy.ctx.device)
-    L = ids.shape[1]
-    meta = policy.metadata(torch.arange(L, device=ids.device)[None], causal_mask(1, L, ids.device))
-    logits, hidden = policy(ids, meta, return_hidden=True)
-    probs = torch.softmax(policy.full_logits(logits[0]).float(), -1)  # [L, V]
-    top_p, top_i = probs.topk(topk, dim=-1)
-    pos = torch.arange(max(start - 1, 0), L - 1, device=ids.device)  # t
-    H = num_heads
-    tgt = (pos[:, None] + torch.arange(1, H + 1, device=ids.device)[None]).clamp(max=L - 1)  # t+h
-    valid = (pos[:, None] + torch.arange(1, H + 1, device=ids.device)[None] + 1) < L  # x_{t+h+1} exists
-    realised = ids[0, (tgt + 1).clamp(max=L - 1)]
-    return DistillRecords(hidden[pos, 0].float(), ids[0, pos + 1], top_i[tgt], top_p[tgt], realised, valid)
+def records_from_features(features: TokenFeatures, tokens: Sequence[int], num_heads: int) -> DistillRecords:
+    """Records for every token of one response from what the policy computed while sampling it.
+
+    Row i of ``features`` is the position t that sampled response token i (x_{t+1}); head h's target
+    there is row i+h's distribution (p_{t+h}) and its realised token is response token i+h."""
+    n = len(tokens)
+    if features.hidden.shape[0] != n:
+        raise ValueError(f"{features.hidden.shape[0]} feature rows for a response of {n} tokens: "
+                         "pass the features that came with these tokens")
+    device = features.hidden.device
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=device)
+    ahead = torch.arange(n, device=device)[:, None] + torch.arange(1, num_heads + 1, device=device)[None]  # i+h
+    at = ahead.clamp(max=n - 1)
+    return DistillRecords(features.hidden.float(), ids, features.top_ids[at], features.top_probs[at].float(),
+                          ids[at], ahead < n)
 
 
 def draft_path(rec: "DistillRecords") -> torch.Tensor:

@@ -129,3 +129,10 @@ def sample(logits: torch.Tensor, keys: SampleKeys, temperature: float, top_p: fl
     tokens = (x + gumbel_noise(keys, x.shape[-1], x.dtype)).argmax(dim=-1)
     logp = torch.log_softmax(x.float() if x.dtype != torch.float64 else x, dim=-1)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def top_distribution(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full logits [n, V] -> the ids and probabilities of the k most likely tokens [n, k] (float32)."""
+    logits = logits.float()
+    values, ids = logits.topk(k, dim=-1)
+    return ids, torch.exp(values - torch.logsumexp(logits, -1, keepdim=True))

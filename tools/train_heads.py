@@ -4,7 +4,7 @@
     python tools/train_heads.py --checkpoint smollm2 --prompts 160 --steps 800
 
 1. samples continuations of GSM8K-style prompts with the policy itself (vanilla engine, T=1);
-2. runs the policy once over each sequence for its hidden states and next-token distributions;
+2. keeps, for every sampled token, the hidden state and top-K distribution it was sampled from;
 3. trains the H heads (AdamW) on KL-to-policy + NLL of realised tokens, batches of positions;
 4. reports per-head top-1 / top-5 accuracy on held-out continuations (before and after);
 5. saves the heads beside the checkpoint (heads.pt, atomic), recording the policy fingerprint.
@@ -30,7 +30,7 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import load_policy, save_atomic, save_heads  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig  # noqa: E402
 from specroll_mcore.distill import (DistillRecords, freeze_all_but_heads, full_head_state, head_accuracy,  # noqa: E402
-                                    records_from_sequence, train_heads_step)
+                                    records_from_features, train_heads_step)
 from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=2, help="continuations per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--target-topk", type=int, default=32, help="the policy's top-K kept as each head's target")
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=256, help="positions per step")
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -74,6 +75,8 @@ def main() -> int:
     ap.add_argument("--init-from-saved", action="store_true",
                     help="continue from the heads saved beside the checkpoint instead of zero-initialised ones")
     args = ap.parse_args()
+    if args.target_topk < 1:
+        ap.error(f"--target-topk must be >= 1, got {args.target_topk}")
 
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
@@ -89,30 +92,25 @@ def main() -> int:
     prompts = [chat_prompt_ids(tok, p.question) for p in probs]
 
     cache = Path(args.records_cache) if args.records_cache else None
-    t_sample = t_records = 0.0
+    t_sample = 0.0
     if cache is not None and cache.is_file():
         train, heldout = load_records(cache)
         print(f"loaded distillation records from {cache}")
     else:
-        # 1. The policy's own continuations.
+        # 1-2. The policy's own continuations, with the hidden states and top-K distributions sampling
+        # computed for each token: the distillation records.
         engine = VanillaEngine(policy, eos_token_ids=[tok.eos_token_id])
         sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
                             seed=args.seed)
-        seqs = []
+        train_parts, held_parts = [], []
         for s in tqdm(range(0, len(prompts), 32), desc="sampling continuations"):
             chunk = prompts[s:s + 32]
-            out = engine.generate(chunk, sp, prompt_ids=list(range(s, s + len(chunk))))
-            for pi, toks in zip(out.prompt_index, out.tokens):
-                seqs.append((pi, prompts[pi] + toks, len(prompts[pi])))
+            out = engine.generate(chunk, sp, prompt_ids=list(range(s, s + len(chunk))), features_topk=args.target_topk)
+            for pi, toks, feat in zip(out.prompt_index, out.tokens, out.features):
+                rec = records_from_features(feat, toks, args.num_heads)
+                (held_parts if pi >= args.prompts else train_parts).append(rec)
         t_sample = time.perf_counter() - t0
-
-        # 2. Distillation records (hidden states, the policy's top-K targets, realised tokens).
-        train_parts, held_parts = [], []
-        for pi, seq, start in tqdm(seqs, desc="policy forward"):
-            rec = records_from_sequence(policy, seq, start, args.num_heads)
-            (held_parts if pi >= args.prompts else train_parts).append(rec)
         train, heldout = DistillRecords.cat(train_parts), DistillRecords.cat(held_parts)
-        t_records = time.perf_counter() - t0 - t_sample
         if cache is not None:
             save_records(cache, train, heldout)
     before = head_accuracy(policy, heldout)
@@ -136,7 +134,7 @@ def main() -> int:
     after = head_accuracy(policy, heldout)
     summary = {"checkpoint": str(ckpt), "train_positions": len(train), "heldout_positions": len(heldout),
                "heldout_before": before, "heldout_after": after, "final_loss": history[-1],
-               "seconds": {"sampling": t_sample, "records": t_records, "total": time.perf_counter() - t0}}
+               "seconds": {"sampling": t_sample, "total": time.perf_counter() - t0}}
     save_heads(ckpt, full_head_state(policy), {"num_heads": args.num_heads, "steps": args.steps,
                                                 "heldout_accuracy": after})
     print(json.dumps(summary, indent=2))

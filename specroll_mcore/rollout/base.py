@@ -10,6 +10,7 @@ import torch
 from specroll_mcore.config import SamplingConfig
 from specroll_mcore.model import PolicyModel, causal_mask
 from specroll_mcore.model.kv_cache import KVCache
+from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.sampling import SampleKeys, sample
 
 FINISH_EOS, FINISH_STOP, FINISH_LENGTH = "eos", "stop", "length"
@@ -26,6 +27,9 @@ class RolloutOutput:
     """Per-token log-probs of the sampling distribution (float32 [len])."""
     finish_reason: list[str]
     stats: dict[str, Any] = field(default_factory=dict)
+    features: Optional[list["TokenFeatures"]] = None
+    """Per response, what the policy computed where each token was sampled (engines that collect
+    them, on the last stage; see :class:`TokenFeatures`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -174,15 +178,16 @@ class RolloutState:
         self.finish: list[Optional[str]] = [None] * self.num
 
     def start(self, prompts: Sequence[Sequence[int]], max_prefill_tokens: int):
-        """Prefill and sample every response's first token. Returns (tokens [n], hidden [n, h] on the
-        last stage or None)."""
+        """Prefill and sample every response's first token. Returns tokens [n], their log-probs [n],
+        and on the last stage (None elsewhere) the hidden states [n, h] and full logits [n, V] they
+        were sampled from."""
         last_logits, last_hidden = prefill(self.model, self.cache, prompts, max_prefill_tokens, return_hidden=True)
         self.cache.copy_slots(self.prompt_of.flip(0), self.slots.flip(0))  # high slots first: sources intact
         logits = last_logits[self.prompt_of] if last_logits is not None else None
         tokens, logp = sample_rows(self.model, logits, self.keys(self.slots, torch.zeros_like(self.slots)),
                                    self.sampling)
         hidden = last_hidden[self.prompt_of] if last_hidden is not None else None
-        return tokens, logp, hidden
+        return tokens, logp, hidden, logits
 
     def keys(self, slots: torch.Tensor, positions: torch.Tensor) -> SampleKeys:
         return SampleKeys(self.sampling.seed, self.step, self.key_prompt[slots], self.key_sample[slots], positions)
@@ -197,7 +202,7 @@ class RolloutState:
                 return False
         return True
 
-    def output(self, stats: dict[str, Any]) -> RolloutOutput:
+    def output(self, stats: dict[str, Any], features: Optional[list[TokenFeatures]] = None) -> RolloutOutput:
         return RolloutOutput(
             prompt_index=[self.prompt_ids[int(p)] for p in self.prompt_of],
             sample_index=self.key_sample.tolist(),
@@ -205,4 +210,5 @@ class RolloutState:
             logprobs=[torch.stack(lp) if lp else torch.zeros(0) for lp in self.logprobs],
             finish_reason=[str(f) for f in self.finish],
             stats=stats,
+            features=features,
         )

@@ -35,7 +35,7 @@ from specroll_mcore.heads import (coupled_scores, support_logits, vocab_parallel
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          validate_prompts)
-from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample
+from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DraftLevel, TreeBatch, expansion, node_budget, row_chunks, select_tree,
                                  tree_ancestor_mask)
@@ -189,9 +189,7 @@ class SpeculativeEngine:
         p_logits = logits[rows, node].float()  # [m, V]: the distribution each emitted token came from
         tokens = acc.tokens[rows, depth]
         if self.slow_path is not None:
-            K = self.spec.slow_path.target_topk
-            top_logits, top_ids = p_logits.topk(K, dim=-1)
-            top_probs = torch.exp(top_logits - torch.logsumexp(p_logits, -1, keepdim=True))
+            top_ids, top_probs = top_distribution(p_logits, self.spec.slow_path.target_topk)
             self.slow_path.observe(slots, counts, hidden_all[node, rows], top_ids,
                                    top_probs, tokens, acc.tried.tolist(), acc.accepted.tolist())
         if rstate is None:
@@ -276,7 +274,7 @@ class SpeculativeEngine:
         t_start = clock()
 
         state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=spec.n_max)
-        roots, logp, hidden = state.start(prompts, self.max_prefill_tokens)
+        roots, logp, hidden, _ = state.start(prompts, self.max_prefill_tokens)
         keep = [state.append(s, [roots[s]], [logp[s]]) for s in range(state.num)]
         keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
         active, roots = state.slots[keep_t], roots[keep_t]

@@ -14,8 +14,10 @@ import torch
 
 from specroll_mcore.config import SamplingConfig
 from specroll_mcore.model import PolicyModel
+from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          sample_rows, validate_prompts)
+from specroll_mcore.sampling import top_distribution
 
 
 class VanillaEngine:
@@ -32,13 +34,19 @@ class VanillaEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int = 0,
-                 prompt_ids: Optional[Sequence[int]] = None) -> RolloutOutput:
+                 prompt_ids: Optional[Sequence[int]] = None, features_topk: int = 0) -> RolloutOutput:
         """Sample ``sampling.num_samples`` responses for each tokenized prompt.
 
         ``step`` (the rollout / RL step) and ``prompt_ids`` (stable ids, e.g. dataset indices) key
         the sampling noise together with the seed, the sample index and the position, so a response
         does not depend on which other prompts share the batch or in which order.
+        ``features_topk`` > 0 also returns, on the last stage, each token's :class:`TokenFeatures`
+        with the policy's top-``features_topk`` distribution (the hidden states and logits are
+        computed anyway; keeping them spares head distillation a second forward).
         """
+        if features_topk < 0 or features_topk > self.model.config.vocab_size:
+            raise ValueError(f"features_topk must be in [0, vocab size {self.model.config.vocab_size}], "
+                             f"got {features_topk}")
         model, cfg = self.model, self.model.config
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
@@ -47,12 +55,19 @@ class VanillaEngine:
 
         # 1. Prefill each prompt once, share its cache with its G samples, sample the first tokens.
         state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=0)
-        tokens, logp, _ = state.start(prompts, self.max_prefill_tokens)
+        tokens, logp, hidden, logits = state.start(prompts, self.max_prefill_tokens)
         t_prefill = time.perf_counter() - t0
         active = state.slots
+        collect = features_topk > 0 and logits is not None
+        features: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(state.num)]
         forwards, per_step, t_step = 1, [], time.perf_counter()
         while True:
             # 2. Record the new tokens; finished responses leave the batch.
+            if collect:  # what each new token was sampled from
+                top_ids, top_probs = top_distribution(logits, features_topk)
+                hid = hidden.float()
+                for r, slot in enumerate(active.tolist()):
+                    features[slot].append((hid[r], top_ids[r], top_probs[r]))
             keep = [state.append(slot, [tokens[r]], [logp[r]]) for r, slot in enumerate(active.tolist())]
             if forwards > 1:
                 per_step.append({"active": active.numel(), "tokens": active.numel(),
@@ -66,15 +81,19 @@ class VanillaEngine:
             b = active.numel()
             meta = model.metadata(state.cache.lengths[active][:, None],
                                   torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, active)
-            out = model(tokens[:, None], meta)
+            out = model(tokens[:, None], meta, return_hidden=collect)
             state.cache.commit(active, torch.ones(b, dtype=torch.long, device=device))
             forwards += 1
+            if collect:
+                out, hidden = out[0], out[1][0]
             logits = model.full_logits(out[:, 0]) if out is not None else None
             positions = torch.tensor([len(state.responses[s]) for s in active.tolist()], device=device)
             tokens, logp = sample_rows(model, logits, state.keys(active, positions), sampling)
 
         elapsed = time.perf_counter() - t0
         num_tokens = sum(len(r) for r in state.responses)
+        # a finishing token's successors were never recorded, so each response has a row per token
+        feats = [TokenFeatures(*(torch.stack(x) for x in zip(*f))) for f in features] if collect else None
         return state.output({"engine": "vanilla", "forwards": forwards, "tokens": num_tokens,
                              "prefill_s": t_prefill, "total_s": elapsed,
-                             "tokens_per_s": num_tokens / max(elapsed, 1e-9), "per_step": per_step})
+                             "tokens_per_s": num_tokens / max(elapsed, 1e-9), "per_step": per_step}, feats)

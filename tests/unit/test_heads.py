@@ -53,3 +53,43 @@ def test_heads_saved_without_root_layers_load_with_u_zero(ctx):
         model.load_full_heads({"heads.root_layers.0.weight": torch.zeros(64, 64)})  # W missing
     with pytest.raises(ValueError, match="do not match this policy's heads"):
         model.load_full_heads({**w, "heads.layers.2.weight": torch.zeros(64, 64)})  # a third head
+
+
+def test_records_from_sampling_equal_records_from_a_full_forward(ctx):
+    """What the vanilla engine computed while sampling (KV cache, one token per forward) gives the
+    same distillation records as a full forward over prompt + response, early EOS included."""
+    from conftest import make_policy
+    from specroll_mcore.config import SamplingConfig, tiny_qwen2
+    from specroll_mcore.distill import TokenFeatures, records_from_features
+    from specroll_mcore.model import causal_mask
+    from specroll_mcore.sampling import top_distribution
+    from specroll_mcore.rollout import VanillaEngine
+
+    model = make_policy(tiny_qwen2(params_dtype="float64"), ctx, seed=6)
+    model.eval()
+    prompts = [[11, 12, 13, 14], [21], [31, 32, 33]]
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=12, num_samples=2, seed=3)
+    eos = VanillaEngine(model).generate(prompts, sp).tokens[0][4]  # a token some response samples early
+    out = VanillaEngine(model, eos_token_ids=[eos]).generate(prompts, sp, features_topk=8)
+    assert "eos" in out.finish_reason and "length" in out.finish_reason  # ragged responses
+    for p, toks, feat in zip(out.prompt_index, out.tokens, out.features):
+        got = records_from_features(feat, toks, num_heads=3)
+        seq, start = prompts[p] + toks, len(prompts[p])
+        with torch.no_grad():  # the positions that sampled the response, in one forward
+            logits, hidden = model(torch.tensor([seq]), model.metadata(torch.arange(len(seq))[None],
+                                                                       causal_mask(1, len(seq), "cpu")),
+                                   return_hidden=True)
+        top_ids, top_probs = top_distribution(model.full_logits(logits[0, start - 1:-1]), 8)
+        ref = records_from_features(TokenFeatures(hidden[start - 1:-1, 0], top_ids, top_probs), toks, num_heads=3)
+        assert len(got) == len(toks) == len(ref)
+        assert torch.allclose(got.hidden, ref.hidden, atol=1e-9)
+        assert torch.allclose(got.target_probs, ref.target_probs, atol=1e-9)
+        for name in ("root", "target_ids", "realised", "valid"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
+        assert got.valid[-1].sum() == 0 and got.valid[0].all() == (len(toks) > 3)
+    with pytest.raises(ValueError, match="feature rows for a response of"):
+        records_from_features(out.features[0], out.tokens[0] + [1], num_heads=3)
+    plain = VanillaEngine(model).generate(prompts, SamplingConfig(max_new_tokens=4))
+    assert plain.features is None
+    with pytest.raises(ValueError, match="features_topk must be in"):
+        VanillaEngine(model).generate(prompts, SamplingConfig(max_new_tokens=4), features_topk=-1)

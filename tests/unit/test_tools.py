@@ -129,6 +129,9 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--checkpoint", tmp_path / "nope"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "is not a specroll Megatron checkpoint" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--target-topk", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--target-topk must be >= 1" in proc.stderr
 
 
 def test_bench_convert_smoke(tmp_path):
