@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Warm-start the horizon heads of a policy checkpoint by self-distillation (backbone frozen).
 
-    python tools/train_heads.py --checkpoint smollm2 --prompts 160 --steps 800
+    python tools/train_heads.py --checkpoint smollm2 --prompts 320 --steps 800
 
 1. samples continuations of GSM8K-style prompts with the policy itself (vanilla engine, T=1);
 2. keeps, for every sampled token, the hidden state and top-K distribution it was sampled from;
@@ -59,7 +59,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="smollm2", help="Megatron checkpoint dir, or smollm2 (the default model)")
     ap.add_argument("--num-heads", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=160, help="training prompts (10%% more are held out)")
+    ap.add_argument("--prompts", type=int, default=320,
+                    help="training prompts (10%% more are held out); more data is what improves the heads")
     ap.add_argument("--samples", type=int, default=2, help="continuations per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -71,7 +72,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON summary")
     ap.add_argument("--records-cache", help="save the distillation records here, or load them if the file exists "
-                                            "(skips sampling and the policy forwards on a rerun)")
+                                            "(skips sampling on a rerun)")
     ap.add_argument("--init-from-saved", action="store_true",
                     help="continue from the heads saved beside the checkpoint instead of zero-initialised ones")
     args = ap.parse_args()

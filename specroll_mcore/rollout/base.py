@@ -8,9 +8,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from specroll_mcore.config import SamplingConfig
+from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel, causal_mask
 from specroll_mcore.model.kv_cache import KVCache
-from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.sampling import SampleKeys, sample
 
 FINISH_EOS, FINISH_STOP, FINISH_LENGTH = "eos", "stop", "length"
@@ -27,7 +27,7 @@ class RolloutOutput:
     """Per-token log-probs of the sampling distribution (float32 [len])."""
     finish_reason: list[str]
     stats: dict[str, Any] = field(default_factory=dict)
-    features: Optional[list["TokenFeatures"]] = None
+    features: Optional[list[TokenFeatures]] = None
     """Per response, what the policy computed where each token was sampled (engines that collect
     them, on the last stage; see :class:`TokenFeatures`)."""
 

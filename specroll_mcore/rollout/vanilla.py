@@ -13,8 +13,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from specroll_mcore.config import SamplingConfig
-from specroll_mcore.model import PolicyModel
 from specroll_mcore.distill import TokenFeatures
+from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          sample_rows, validate_prompts)
 from specroll_mcore.sampling import top_distribution
