@@ -69,8 +69,8 @@ def run(arch: str, dtype: str, ctx) -> dict:
     engine = VanillaEngine(model, eos_token_ids=[3])
     for name, sp in {"t1": SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=16, num_samples=2, seed=5),
                      "greedy": SamplingConfig(temperature=0.0, max_new_tokens=16)}.items():
-        r = engine.generate(PROMPTS, sp, step=1)
-        out[name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        r = engine.generate(PROMPTS, sp, step=1, features_topk=4)
+        out[name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason, "features": r.features}
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3]).generate(PROMPTS, sp, step=1)
         out["spec-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     out["adapt"] = adapt(model, ctx)

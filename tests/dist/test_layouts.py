@@ -67,6 +67,10 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp):
                 assert got[name][key]["finish"] == ref[key]["finish"]
                 for a, b in zip(got[name][key]["logprobs"], ref[key]["logprobs"]):
                     assert torch.allclose(a, b, atol=1e-5)
+            if not key.startswith("spec-") and name.endswith("float64"):  # distillation features
+                for a, b in zip(got[name][key]["features"], ref[key]["features"]):
+                    assert torch.equal(a.top_ids, b.top_ids), (name, key)
+                    assert torch.allclose(a.hidden, b.hidden, atol=1e-9) and torch.allclose(a.top_probs, b.top_probs)
         # Reflex (gate forced open) and a slow-path consolidation of one TP-sharded head
         adapt, adapt_ref = got[name]["adapt"], ref["adapt"]
         assert adapt_ref["gate"] > 0 and adapt_ref["event"]["steps"] == 3
