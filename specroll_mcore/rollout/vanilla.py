@@ -59,15 +59,12 @@ class VanillaEngine:
         t_prefill = time.perf_counter() - t0
         active = state.slots
         collect = features_topk > 0 and logits is not None
-        features: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(state.num)]
+        steps: list[tuple[torch.Tensor, ...]] = []  # per step: (slots, hidden, top ids, top probs) of its tokens
         forwards, per_step, t_step = 1, [], time.perf_counter()
         while True:
             # 2. Record the new tokens; finished responses leave the batch.
             if collect:  # what each new token was sampled from
-                top_ids, top_probs = top_distribution(logits, features_topk)
-                hid = hidden.float()
-                for r, slot in enumerate(active.tolist()):
-                    features[slot].append((hid[r], top_ids[r], top_probs[r]))
+                steps.append((active, hidden.float(), *top_distribution(logits, features_topk)))
             keep = [state.append(slot, [tokens[r]], [logp[r]]) for r, slot in enumerate(active.tolist())]
             if forwards > 1:
                 per_step.append({"active": active.numel(), "tokens": active.numel(),
@@ -92,8 +89,16 @@ class VanillaEngine:
 
         elapsed = time.perf_counter() - t0
         num_tokens = sum(len(r) for r in state.responses)
-        # a finishing token's successors were never recorded, so each response has a row per token
-        feats = [TokenFeatures(*(torch.stack(x) for x in zip(*f))) for f in features] if collect else None
+        feats = self._features(steps, state.num) if collect else None
         return state.output({"engine": "vanilla", "forwards": forwards, "tokens": num_tokens,
                              "prefill_s": t_prefill, "total_s": elapsed,
                              "tokens_per_s": num_tokens / max(elapsed, 1e-9), "per_step": per_step}, feats)
+
+    @staticmethod
+    def _features(steps: list[tuple[torch.Tensor, ...]], num: int) -> list[TokenFeatures]:
+        """Per-step features -> per response, in token order (a response takes one token per step it
+        is active in, so its rows in step order are its tokens' rows)."""
+        slots, *cols = (torch.cat(c) for c in zip(*steps))
+        order = torch.argsort(slots, stable=True)
+        rows = torch.bincount(slots, minlength=num).tolist()
+        return [TokenFeatures(*parts) for parts in zip(*(c[order].split(rows) for c in cols))]
