@@ -22,7 +22,9 @@ from typing import Sequence
 
 import torch
 
+from specroll_mcore.heads import vocab_parallel_log_probs, vocab_parallel_topk
 from specroll_mcore.model import PolicyModel
+from specroll_mcore.sampling import upcast
 
 
 @dataclass
@@ -72,7 +74,7 @@ def records_from_features(features: TokenFeatures, tokens: Sequence[int], num_he
     ids = torch.as_tensor(list(tokens), dtype=torch.long, device=device)
     ahead = torch.arange(n, device=device)[:, None] + torch.arange(1, num_heads + 1, device=device)[None]  # i+h
     at = ahead.clamp(max=n - 1)
-    return DistillRecords(features.hidden.float(), ids, features.top_ids[at], features.top_probs[at].float(),
+    return DistillRecords(upcast(features.hidden), ids, features.top_ids[at], upcast(features.top_probs[at]),
                           ids[at], ahead < n)
 
 
@@ -83,46 +85,68 @@ def draft_path(rec: "DistillRecords") -> torch.Tensor:
 
 
 def head_loss(policy: PolicyModel, rec: DistillRecords) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean over valid (position, head) pairs of soft CE to the policy's top-K plus NLL of the realised token."""
-    logits = policy.full_logits(policy.head_logits(rec.hidden.to(policy.dtype), rec.root, path_ids=draft_path(rec)))
-    logq = torch.log_softmax(logits.float(), -1)
-    logq = logq.transpose(0, 1)  # [N, H, V]
-    soft = -(rec.target_probs * logq.gather(-1, rec.target_ids)).sum(-1)  # [N, H]
-    nll = -logq.gather(-1, rec.realised[..., None])[..., 0]
+    """Mean over valid (position, head) pairs of soft CE to the policy's top-K plus NLL of the realised
+    token. Vocab-parallel under TP (the log-softmax never gathers the vocabulary); every rank of a
+    TP group returns the same loss and backpropagates into its own shard of the heads."""
+    logits = policy.head_logits(rec.hidden.to(policy.dtype), rec.root, path_ids=draft_path(rec)).transpose(0, 1)
+    ids = torch.cat([rec.target_ids, rec.realised[..., None]], -1)  # [N, H, K + 1]
+    logq = vocab_parallel_log_probs(logits, ids, policy.vocab_start, policy.config.vocab_size, policy.ctx)
+    soft = -(rec.target_probs * logq[..., :-1]).sum(-1)  # [N, H]
+    nll = -logq[..., -1]
     w = rec.valid.float()
     loss = ((soft + nll) * w).sum() / w.sum().clamp(min=1)
-    return loss, {"soft_ce": float((soft * w).sum() / w.sum()), "nll": float((nll * w).sum() / w.sum())}
+    with torch.no_grad():
+        parts = {"soft_ce": float((soft * w).sum() / w.sum()), "nll": float((nll * w).sum() / w.sum())}
+    return loss, parts
 
 
 @torch.no_grad()
 def head_accuracy(policy: PolicyModel, rec: DistillRecords, k: int = 5, batch: int = 256) -> dict[str, list[float]]:
     """Per head: top-1 and top-k accuracy against the realised token, and top-1 agreement with the
-    policy's own most likely token."""
+    policy's own most likely token. Vocab-parallel top-k under TP; counts are summed over the
+    data-parallel replicas (each holds its own records), so every replica reports the same figures."""
     H = rec.valid.shape[1]
-    hit1, hitk, agree, count = torch.zeros(H), torch.zeros(H), torch.zeros(H), torch.zeros(H)
+    counts = torch.zeros(4, H, dtype=torch.float64)  # top-1 hits, top-k hits, agreement, positions
     for s in range(0, len(rec), batch):
         r = rec.subset(torch.arange(s, min(len(rec), s + batch)))
-        logits = policy.full_logits(policy.head_logits(r.hidden.to(policy.dtype), r.root, path_ids=draft_path(r)))
-        top = logits.topk(k, -1).indices.transpose(0, 1)
-        w = r.valid.float()
-        hit1 += ((top[..., 0] == r.realised).float() * w).sum(0)
-        hitk += ((top == r.realised[..., None]).any(-1).float() * w).sum(0)
-        agree += ((top[..., 0] == r.target_ids[..., 0]).float() * w).sum(0)
-        count += w.sum(0)
-    c = count.clamp(min=1)
+        logits = policy.head_logits(r.hidden.to(policy.dtype), r.root, path_ids=draft_path(r))  # [H, n, V/tp]
+        top = vocab_parallel_topk(logits.flatten(0, 1), k, policy.vocab_start, policy.config.vocab_size,
+                                  policy.ctx)[1].view(H, -1, k).transpose(0, 1).to(r.realised.device)  # [n, H, k]
+        w = r.valid.double()
+        counts[0] += ((top[..., 0] == r.realised).double() * w).sum(0).cpu()
+        counts[1] += ((top == r.realised[..., None]).any(-1).double() * w).sum(0).cpu()
+        counts[2] += ((top[..., 0] == r.target_ids[..., 0]).double() * w).sum(0).cpu()
+        counts[3] += w.sum(0).cpu()
+    counts = policy.ctx.all_reduce_dp(counts)
+    hit1, hitk, agree, c = counts[0], counts[1], counts[2], counts[3].clamp(min=1)
     return {"top1": (hit1 / c).tolist(), f"top{k}": (hitk / c).tolist(), "agree_policy_top1": (agree / c).tolist()}
 
 
 def train_heads_step(policy: PolicyModel, optimizer: torch.optim.Optimizer, rec: DistillRecords,
                      grad_clip: float = 1.0) -> dict[str, float]:
+    """One optimizer step of the heads on ``rec`` (this replica's share of the batch). Gradients are
+    averaged over the data-parallel replicas and clipped by their global norm over the TP shards,
+    so every layout takes the step a single process would take on the whole batch."""
+    ctx = policy.ctx
     policy.heads.train()
     optimizer.zero_grad(set_to_none=True)
     loss, parts = head_loss(policy, rec)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(policy.heads.parameters(), grad_clip)
+    params = [p for p in policy.heads.parameters() if p.grad is not None]
+    if ctx.dp_size > 1:
+        for p in params:
+            ctx.all_reduce_dp(p.grad).div_(ctx.dp_size)
+    # every head weight is column-parallel (distinct rows per TP rank): the squared norms add up over TP
+    sq = torch.stack([upcast(p.grad).pow(2).sum() for p in params]).sum().reshape(1)
+    norm = ctx.all_reduce_tp(sq).sqrt()
+    scale = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(scale.to(p.grad.dtype))
     optimizer.step()
     policy.heads.eval()
-    return {"loss": float(loss), **parts}
+    stats = ctx.all_reduce_dp(torch.tensor([float(loss), parts["soft_ce"], parts["nll"]], dtype=torch.float64))
+    stats /= ctx.dp_size
+    return {"loss": float(stats[0]), "soft_ce": float(stats[1]), "nll": float(stats[2]), "grad_norm": float(norm)}
 
 
 def freeze_all_but_heads(policy: PolicyModel) -> list[torch.nn.Parameter]:

@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from specroll_mcore.sampling import SampleKeys, gumbel_noise
+from specroll_mcore.sampling import SampleKeys, gumbel_noise, upcast
 
 
 @dataclass
@@ -110,6 +110,31 @@ def vocab_parallel_logsumexp(logits: torch.Tensor, vocab_start: int, vocab_size:
     m = ctx.all_reduce_tp(m.clone(), "max")
     s = ctx.all_reduce_tp(torch.exp(logits - m[..., None]).sum(-1), "sum")
     return m + torch.log(s)
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, ids: torch.Tensor, vocab_start: int, vocab_size: int,
+                             ctx: Any) -> torch.Tensor:
+    """Log-softmax over the full vocabulary of vocab-parallel logits [..., V/tp], read at global
+    ``ids`` [..., k] -> [..., k], with gradients (training the heads under TP).
+
+    Each rank sums the exponentials of its shard and picks the ids it owns (zero elsewhere); both
+    are summed over TP by megatron's reduce-from-TP region, whose backward passes the gradient to
+    every rank's shard. The max is a constant (detached, all-reduced). The vocabulary is never
+    gathered. Computed in float32 at least (bf16 / fp16 logits are upcast)."""
+    logits = _mask_padding(upcast(logits), vocab_start, vocab_size)
+    m = logits.detach().max(dim=-1, keepdim=True).values
+    if ctx.tp_size > 1:
+        m = ctx.all_reduce_tp(m, "max")
+    local = ids - vocab_start
+    own = (local >= 0) & (local < logits.shape[-1])
+    picked = torch.where(own, logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)), 0.0)
+    parts = torch.cat([torch.exp(logits - m).sum(-1, keepdim=True), picked], -1)
+    if ctx.tp_size > 1:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        parts = reduce_from_tensor_model_parallel_region(parts)
+    sum_exp, picked = parts.split([1, ids.shape[-1]], -1)
+    return picked - m - torch.log(sum_exp)
 
 
 def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_size: int,

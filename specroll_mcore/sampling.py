@@ -94,6 +94,11 @@ def gumbel_noise_at(keys: SampleKeys, ids: torch.Tensor, dtype: torch.dtype = to
     return _gumbel(_uniform(_token_hash(keys, ids)), dtype)
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """float32 for half-precision and float32 tensors; float64 stays float64 (the exact reference mode)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     """Temperature, then top-k, then top-p; removed tokens get -inf. logits [n, V] -> [n, V].
 
@@ -123,16 +128,17 @@ def sample(logits: torch.Tensor, keys: SampleKeys, temperature: float, top_p: fl
     """
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
-        logp = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+        logp = torch.log_softmax(upcast(logits), dim=-1)
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     x = filter_logits(logits, temperature, top_p, top_k)
     tokens = (x + gumbel_noise(keys, x.shape[-1], x.dtype)).argmax(dim=-1)
-    logp = torch.log_softmax(x.float() if x.dtype != torch.float64 else x, dim=-1)
+    logp = torch.log_softmax(upcast(x), dim=-1)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
 def top_distribution(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full logits [n, V] -> the ids and probabilities of the k most likely tokens [n, k] (float32)."""
-    logits = logits.float()
+    """Full logits [n, V] -> the ids and probabilities of the k most likely tokens [n, k] (float32, or
+    float64 for float64 logits)."""
+    logits = upcast(logits)
     values, ids = logits.topk(k, dim=-1)
     return ids, torch.exp(values - torch.logsumexp(logits, -1, keepdim=True))

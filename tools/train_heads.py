@@ -2,6 +2,7 @@
 """Warm-start the horizon heads of a policy checkpoint by self-distillation (backbone frozen).
 
     python tools/train_heads.py --checkpoint smollm2 --prompts 320 --steps 800
+    torchrun --nproc_per_node 8 tools/train_heads.py --checkpoint CKPT --tp 4 --pp 1   # 2 replicas x TP 4
 
 1. samples continuations of GSM8K-style prompts with the policy itself (vanilla engine, T=1);
 2. keeps, for every sampled token, the hidden state and top-K distribution it was sampled from;
@@ -9,6 +10,12 @@
 4. reports per-head top-1 / top-5 accuracy on held-out continuations (before and after);
 5. saves the heads beside the checkpoint (heads.pt, atomic), recording the policy fingerprint.
 Progress bar; a checkpoint of the heads every --save-every steps. JSON summary with --out.
+
+Under torchrun with --tp / --pp the policy runs in that layout and the remaining factor of the world
+size is data parallel: the replicas sample disjoint chunks of prompts (each response's tokens are the
+same as in one process: the sampling noise is keyed by prompt id), the heads train on the last
+stage with vocab-parallel losses, gradients averaged over the replicas (each takes --batch / DP
+positions per step), and the first rank of the last stage writes heads.pt and the summary.
 """
 
 from __future__ import annotations
@@ -36,6 +43,11 @@ from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
 
 
+def replica_path(path: Path, ctx: parallel.ParallelContext) -> Path:
+    """The records file of this data-parallel replica (each replica keeps the records it sampled)."""
+    return path if ctx.dp_size == 1 else path.with_name(f"{path.stem}.dp{ctx.dp_rank}of{ctx.dp_size}{path.suffix}")
+
+
 def save_records(path: Path, train: DistillRecords, heldout: DistillRecords) -> None:
     save_atomic({"fields": [f.name for f in dataclasses.fields(DistillRecords)],
                  "train": dataclasses.asdict(train), "heldout": dataclasses.asdict(heldout)}, path)
@@ -58,6 +70,10 @@ def load_records(path: Path) -> tuple[DistillRecords, DistillRecords]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="smollm2", help="Megatron checkpoint dir, or smollm2 (the default model)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (the heads train on the last)")
+    ap.add_argument("--dtype", choices=["float32", "float64", "bfloat16"],
+                    help="parameter dtype of the policy and heads (default: the checkpoint's)")
     ap.add_argument("--num-heads", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=320,
                     help="training prompts (10%% more are held out); more data is what improves the heads")
@@ -66,13 +82,13 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--target-topk", type=int, default=32, help="the policy's top-K kept as each head's target")
     ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--batch", type=int, default=256, help="positions per step")
+    ap.add_argument("--batch", type=int, default=256, help="positions per step (over all data-parallel replicas)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON summary")
     ap.add_argument("--records-cache", help="save the distillation records here, or load them if the file exists "
-                                            "(skips sampling on a rerun)")
+                                            "(skips sampling on a rerun; one file per data-parallel replica)")
     ap.add_argument("--init-from-saved", action="store_true",
                     help="continue from the heads saved beside the checkpoint instead of zero-initialised ones")
     args = ap.parse_args()
@@ -82,8 +98,14 @@ def main() -> int:
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
     ckpt = resolve_checkpoint(args.checkpoint)
-    ctx = parallel.initialize(ParallelConfig())
-    policy = load_policy(ckpt, ctx, num_heads=args.num_heads, with_heads=args.init_from_saved)
+    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    if args.batch % ctx.dp_size:
+        raise SystemExit(f"--batch {args.batch} is not divisible by the {ctx.dp_size} data-parallel replicas "
+                         f"(world size / (tp x pp)); pass a multiple of {ctx.dp_size}")
+    policy = load_policy(ckpt, ctx, params_dtype=args.dtype, num_heads=args.num_heads,
+                         with_heads=args.init_from_saved)
+    last = ctx.is_last_stage
+    report = last and ctx.tp_rank == 0 and ctx.dp_rank == 0  # prints, writes heads.pt and the summary
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
@@ -92,55 +114,77 @@ def main() -> int:
     probs = problems(args.prompts + held, seed=10_000 + args.seed)
     prompts = [chat_prompt_ids(tok, p.question) for p in probs]
 
-    cache = Path(args.records_cache) if args.records_cache else None
+    cache = replica_path(Path(args.records_cache), ctx) if args.records_cache else None
+    # every rank takes the same branch: sampling is collective over TP and PP
+    cached = cache is not None and not int(ctx.all_reduce_max(torch.tensor([0 if cache.is_file() else 1])))
     t_sample = 0.0
-    if cache is not None and cache.is_file():
-        train, heldout = load_records(cache)
-        print(f"loaded distillation records from {cache}")
+    train = heldout = None
+    if cached:
+        if last:
+            train, heldout = load_records(cache)
+            if report:
+                print(f"loaded distillation records from {cache}")
     else:
         # 1-2. The policy's own continuations, with the hidden states and top-K distributions sampling
-        # computed for each token: the distillation records.
+        # computed for each token: the distillation records (on the last stage). Prompts go round-robin
+        # to the data-parallel replicas (training and held-out alike), in chunks of 32 per replica.
         engine = VanillaEngine(policy, eos_token_ids=[tok.eos_token_id])
         sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
                             seed=args.seed)
         train_parts, held_parts = [], []
-        for s in tqdm(range(0, len(prompts), 32), desc="sampling continuations"):
-            chunk = prompts[s:s + 32]
-            out = engine.generate(chunk, sp, prompt_ids=list(range(s, s + len(chunk))), features_topk=args.target_topk)
-            for pi, toks, feat in zip(out.prompt_index, out.tokens, out.features):
+        mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
+        for s in tqdm(range(0, len(mine), 32), desc="sampling continuations", disable=not report):
+            ids = mine[s:s + 32]
+            out = engine.generate([prompts[i] for i in ids], sp, prompt_ids=ids, features_topk=args.target_topk)
+            for pi, toks, feat in zip(out.prompt_index, out.tokens, out.features or []):
                 rec = records_from_features(feat, toks, args.num_heads)
                 (held_parts if pi >= args.prompts else train_parts).append(rec)
         t_sample = time.perf_counter() - t0
-        train, heldout = DistillRecords.cat(train_parts), DistillRecords.cat(held_parts)
-        if cache is not None:
-            save_records(cache, train, heldout)
-    before = head_accuracy(policy, heldout)
-    print(f"{len(train)} training / {len(heldout)} held-out positions; held-out before: {json.dumps(before)}")
+        if last:
+            if not train_parts or not held_parts:
+                raise SystemExit(f"data-parallel replica {ctx.dp_rank} of {ctx.dp_size} got no "
+                                 f"{'training' if not train_parts else 'held-out'} responses: pass more --prompts")
+            train, heldout = DistillRecords.cat(train_parts), DistillRecords.cat(held_parts)
+            if cache is not None and ctx.tp_rank == 0:
+                save_records(cache, train, heldout)
+    if not last:  # the heads live on the last stage; the other stages are done
+        parallel.destroy()
+        return 0
 
-    # 3. Train the heads only.
+    before = head_accuracy(policy, heldout)
+    if report:
+        print(f"{len(train)} training / {len(heldout)} held-out positions on replica 0 of {ctx.dp_size}; "
+              f"held-out before: {json.dumps(before)}")
+
+    # 3. Train the heads only (each replica on its own records; gradients averaged over replicas).
     params = freeze_all_but_heads(policy)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
-    g = torch.Generator().manual_seed(args.seed)
-    bar = tqdm(range(args.steps), desc="training heads")
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + ctx.dp_rank)
+    bar = tqdm(range(args.steps), desc="training heads", disable=not report)
     history = []
     for step in bar:
-        idx = torch.randint(0, len(train), (args.batch,), generator=g)
+        idx = torch.randint(0, len(train), (args.batch // ctx.dp_size,), generator=g)
         m = train_heads_step(policy, opt, train.subset(idx))
         sched.step()
         history.append(m)
         bar.set_postfix(loss=f"{m['loss']:.3f}")
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            save_heads(ckpt, full_head_state(policy), {"num_heads": args.num_heads, "steps": step + 1})
+            state = full_head_state(policy)  # a TP collective
+            if report:
+                save_heads(ckpt, state, {"num_heads": args.num_heads, "steps": step + 1})
     after = head_accuracy(policy, heldout)
-    summary = {"checkpoint": str(ckpt), "train_positions": len(train), "heldout_positions": len(heldout),
-               "heldout_before": before, "heldout_after": after, "final_loss": history[-1],
-               "seconds": {"sampling": t_sample, "total": time.perf_counter() - t0}}
-    save_heads(ckpt, full_head_state(policy), {"num_heads": args.num_heads, "steps": args.steps,
-                                                "heldout_accuracy": after})
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2))
+    state = full_head_state(policy)
+    positions = ctx.all_reduce_dp(torch.tensor([len(train), len(heldout)]))
+    if report:
+        summary = {"checkpoint": str(ckpt), "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size},
+                   "train_positions": int(positions[0]), "heldout_positions": int(positions[1]),
+                   "heldout_before": before, "heldout_after": after, "final_loss": history[-1],
+                   "seconds": {"sampling": t_sample, "total": time.perf_counter() - t0}}
+        save_heads(ckpt, state, {"num_heads": args.num_heads, "steps": args.steps, "heldout_accuracy": after})
+        print(json.dumps(summary, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(summary, indent=2))
     parallel.destroy()
     return 0
 

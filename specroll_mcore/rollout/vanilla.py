@@ -17,7 +17,7 @@ from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          sample_rows, validate_prompts)
-from specroll_mcore.sampling import top_distribution
+from specroll_mcore.sampling import top_distribution, upcast
 
 
 class VanillaEngine:
@@ -64,7 +64,7 @@ class VanillaEngine:
         while True:
             # 2. Record the new tokens; finished responses leave the batch.
             if collect:  # what each new token was sampled from
-                steps.append((active, hidden.float(), *top_distribution(logits, features_topk)))
+                steps.append((active, upcast(hidden), *top_distribution(logits, features_topk)))
             keep = [state.append(slot, [tokens[r]], [logp[r]]) for r, slot in enumerate(active.tolist())]
             if forwards > 1:
                 per_step.append({"active": active.numel(), "tokens": active.numel(),
