@@ -88,9 +88,10 @@ def head_loss(policy: PolicyModel, rec: DistillRecords) -> tuple[torch.Tensor, d
     """Mean over valid (position, head) pairs of soft CE to the policy's top-K plus NLL of the realised
     token. Vocab-parallel under TP (the log-softmax never gathers the vocabulary); every rank of a
     TP group returns the same loss and backpropagates into its own shard of the heads."""
-    logits = policy.head_logits(rec.hidden.to(policy.dtype), rec.root, path_ids=draft_path(rec)).transpose(0, 1)
-    ids = torch.cat([rec.target_ids, rec.realised[..., None]], -1)  # [N, H, K + 1]
+    logits = policy.head_logits(rec.hidden.to(policy.dtype), rec.root, path_ids=draft_path(rec))  # [H, N, V/tp]
+    ids = torch.cat([rec.target_ids, rec.realised[..., None]], -1).transpose(0, 1)  # [H, N, K + 1]
     logq = vocab_parallel_log_probs(logits, ids, policy.vocab_start, policy.config.vocab_size, policy.ctx)
+    logq = logq.transpose(0, 1)  # [N, H, K + 1]
     soft = -(rec.target_probs * logq[..., :-1]).sum(-1)  # [N, H]
     nll = -logq[..., -1]
     w = rec.valid.float()
@@ -144,7 +145,7 @@ def train_heads_step(policy: PolicyModel, optimizer: torch.optim.Optimizer, rec:
         p.grad.mul_(scale.to(p.grad.dtype))
     optimizer.step()
     policy.heads.eval()
-    stats = ctx.all_reduce_dp(torch.tensor([float(loss), parts["soft_ce"], parts["nll"]], dtype=torch.float64))
+    stats = ctx.all_reduce_dp(torch.tensor([float(loss.detach()), parts["soft_ce"], parts["nll"]], dtype=torch.float64))
     stats /= ctx.dp_size
     return {"loss": float(stats[0]), "soft_ce": float(stats[1]), "nll": float(stats[2]), "grad_norm": float(norm)}
 

@@ -117,22 +117,21 @@ def vocab_parallel_log_probs(logits: torch.Tensor, ids: torch.Tensor, vocab_star
     """Log-softmax over the full vocabulary of vocab-parallel logits [..., V/tp], read at global
     ``ids`` [..., k] -> [..., k], with gradients (training the heads under TP).
 
-    Each rank sums the exponentials of its shard and picks the ids it owns (zero elsewhere); both
-    are summed over TP by megatron's reduce-from-TP region, whose backward passes the gradient to
-    every rank's shard. The max is a constant (detached, all-reduced). The vocabulary is never
-    gathered. Computed in float32 at least (bf16 / fp16 logits are upcast)."""
+    Each rank takes its shard's log-sum-exp and picks the ids it owns (zero elsewhere); the shards'
+    exp(lse - max) and picks are summed over TP by megatron's reduce-from-TP region, whose backward
+    passes the gradient to every rank's shard (the max is a detached constant). The vocabulary is
+    never gathered. Computed in float32 at least (bf16 / fp16 logits are upcast)."""
     logits = _mask_padding(upcast(logits), vocab_start, vocab_size)
-    m = logits.detach().max(dim=-1, keepdim=True).values
-    if ctx.tp_size > 1:
-        m = ctx.all_reduce_tp(m, "max")
+    if ctx.tp_size == 1:  # one shard: the fused log-softmax (its backward is ~40% cheaper on CPU)
+        return torch.log_softmax(logits, -1).gather(-1, ids)
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
     local = ids - vocab_start
     own = (local >= 0) & (local < logits.shape[-1])
     picked = torch.where(own, logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)), 0.0)
-    parts = torch.cat([torch.exp(logits - m).sum(-1, keepdim=True), picked], -1)
-    if ctx.tp_size > 1:
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        parts = reduce_from_tensor_model_parallel_region(parts)
+    lse = torch.logsumexp(logits, -1, keepdim=True)  # this shard's
+    m = ctx.all_reduce_tp(lse.detach().clone(), "max")
+    parts = reduce_from_tensor_model_parallel_region(torch.cat([torch.exp(lse - m), picked], -1))
     sum_exp, picked = parts.split([1, ids.shape[-1]], -1)
     return picked - m - torch.log(sum_exp)
 

@@ -131,6 +131,6 @@ def test_head_loss_equals_full_vocabulary_reference_and_trains_every_head_weight
     before = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=1e-2)
     m = train_heads_step(model, opt, rec)
-    assert m["loss"] == pytest.approx(float(loss), rel=1e-5) and m["grad_norm"] > 0
+    assert m["loss"] == pytest.approx(float(loss.detach()), rel=1e-5) and m["grad_norm"] > 0
     assert all(not torch.equal(p, b) for p, b in zip(params, before))
     assert all(not p.requires_grad for p in model.gpt.parameters())
