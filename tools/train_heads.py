@@ -113,6 +113,10 @@ def main() -> int:
     held = max(4, args.prompts // 10)
     probs = problems(args.prompts + held, seed=10_000 + args.seed)
     prompts = [chat_prompt_ids(tok, p.question) for p in probs]
+    if min(args.prompts, held) < ctx.dp_size:  # every replica needs training and held-out prompts
+        need = ctx.dp_size if ctx.dp_size <= 4 else 10 * ctx.dp_size  # held out: max(4, prompts // 10)
+        raise SystemExit(f"--prompts {args.prompts} ({held} more held out) cannot give each of the {ctx.dp_size} "
+                         f"data-parallel replicas a training and a held-out prompt: pass --prompts >= {need}")
 
     cache = replica_path(Path(args.records_cache), ctx) if args.records_cache else None
     # every rank takes the same branch: sampling is collective over TP and PP
@@ -141,9 +145,6 @@ def main() -> int:
                 (held_parts if pi >= args.prompts else train_parts).append(rec)
         t_sample = time.perf_counter() - t0
         if last:
-            if not train_parts or not held_parts:
-                raise SystemExit(f"data-parallel replica {ctx.dp_rank} of {ctx.dp_size} got no "
-                                 f"{'training' if not train_parts else 'held-out'} responses: pass more --prompts")
             train, heldout = DistillRecords.cat(train_parts), DistillRecords.cat(held_parts)
             if cache is not None and ctx.tp_rank == 0:
                 save_records(cache, train, heldout)

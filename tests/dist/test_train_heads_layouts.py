@@ -60,12 +60,16 @@ def test_train_heads_in_every_layout_matches_one_process(tmp_path):
     assert all(v.abs().max() > 0 for v in heads.values())
 
 
-def test_train_heads_rejects_a_batch_the_replicas_cannot_split(tmp_path):
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "7"], "--batch 7 is not divisible by the 2 data-parallel replicas"),
+    (["--prompts", "1"], "cannot give each of the 2 data-parallel replicas a training and a held-out prompt"),
+])
+def test_train_heads_checks_the_data_parallel_split(tmp_path, args, message):
     src = tiny_policy_checkpoint(tmp_path / "fresh", with_heads=False)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(src, ckpt)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tools" / "train_heads.py"), "--checkpoint", str(ckpt), "--batch", "7"]
+           str(ROOT / "tools" / "train_heads.py"), "--checkpoint", str(ckpt), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0 and "--batch 7 is not divisible by the 2 data-parallel replicas" in proc.stderr + proc.stdout
+    assert proc.returncode != 0 and message in proc.stderr + proc.stdout
