@@ -24,6 +24,7 @@ import torch
 
 from specroll_mcore.heads import vocab_parallel_log_probs, vocab_parallel_topk
 from specroll_mcore.model import PolicyModel
+from specroll_mcore.parallel import grad_sq_norm
 from specroll_mcore.sampling import upcast
 
 
@@ -137,17 +138,15 @@ def train_heads_step(policy: PolicyModel, optimizer: torch.optim.Optimizer, rec:
     if ctx.dp_size > 1:
         for p in params:
             ctx.all_reduce_dp(p.grad).div_(ctx.dp_size)
-    # every head weight is column-parallel (distinct rows per TP rank): the squared norms add up over TP
-    sq = torch.stack([upcast(p.grad).pow(2).sum() for p in params]).sum().reshape(1)
-    norm = ctx.all_reduce_tp(sq).sqrt()
-    scale = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.mul_(scale.to(p.grad.dtype))
+    norm = float(grad_sq_norm(params, ctx).sqrt())
+    if norm > grad_clip:
+        for p in params:
+            p.grad.mul_(grad_clip / (norm + 1e-6))
     optimizer.step()
     policy.heads.eval()
     stats = ctx.all_reduce_dp(torch.tensor([float(loss.detach()), parts["soft_ce"], parts["nll"]], dtype=torch.float64))
     stats /= ctx.dp_size
-    return {"loss": float(stats[0]), "soft_ce": float(stats[1]), "nll": float(stats[2]), "grad_norm": float(norm)}
+    return {"loss": float(stats[0]), "soft_ce": float(stats[1]), "nll": float(stats[2]), "grad_norm": norm}
 
 
 def freeze_all_but_heads(policy: PolicyModel) -> list[torch.nn.Parameter]:

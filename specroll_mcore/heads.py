@@ -103,37 +103,41 @@ def _mask_padding(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> to
     return logits.masked_fill(~valid, float("-inf"))
 
 
+def _reduce_tp(x: torch.Tensor) -> torch.Tensor:
+    """Sum over TP with gradients (megatron's reduce-from-TP region: backward passes the gradient
+    through). The region all-reduces its input in place, and only when it is contiguous: it gets a
+    fresh contiguous copy, so no tensor that autograd saved (exp saves its output) is overwritten."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x.clone(memory_format=torch.contiguous_format))
+
+
 def vocab_parallel_logsumexp(logits: torch.Tensor, vocab_start: int, vocab_size: int, ctx: Any) -> torch.Tensor:
-    """log-sum-exp over the full vocabulary of vocab-parallel logits [..., V/tp] -> [...]."""
-    logits = _mask_padding(logits.float(), vocab_start, vocab_size)
-    m = logits.max(dim=-1).values
-    m = ctx.all_reduce_tp(m.clone(), "max")
-    s = ctx.all_reduce_tp(torch.exp(logits - m[..., None]).sum(-1), "sum")
-    return m + torch.log(s)
+    """log-sum-exp over the full vocabulary of vocab-parallel logits [..., V/tp] -> [...] (float32, or
+    float64 for float64 logits), with gradients: each rank's shard log-sum-exp, combined over TP by
+    megatron's reduce-from-TP region (its backward passes the gradient to every shard; the max is a
+    detached constant). The vocabulary is never gathered."""
+    lse = torch.logsumexp(_mask_padding(upcast(logits), vocab_start, vocab_size), dim=-1)
+    if ctx.tp_size == 1:
+        return lse
+    m = ctx.all_reduce_tp(lse.detach().clone(), "max")
+    return m + torch.log(_reduce_tp(torch.exp(lse - m)))
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, ids: torch.Tensor, vocab_start: int, vocab_size: int,
                              ctx: Any) -> torch.Tensor:
     """Log-softmax over the full vocabulary of vocab-parallel logits [..., V/tp], read at global
-    ``ids`` [..., k] -> [..., k], with gradients (training the heads under TP).
-
-    Each rank takes its shard's log-sum-exp and picks the ids it owns (zero elsewhere); the shards'
-    exp(lse - max) and picks are summed over TP by megatron's reduce-from-TP region, whose backward
-    passes the gradient to every rank's shard (the max is a detached constant). The vocabulary is
-    never gathered. Computed in float32 at least (bf16 / fp16 logits are upcast)."""
-    logits = _mask_padding(upcast(logits), vocab_start, vocab_size)
-    if ctx.tp_size == 1:  # one shard: the fused log-softmax (its backward is ~40% cheaper on CPU)
-        return torch.log_softmax(logits, -1).gather(-1, ids)
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
+    ``ids`` [..., k] -> [..., k], with gradients (training the heads under TP): each rank picks the
+    ids it owns (zero elsewhere), the picks are summed over TP by the reduce-from-TP region, minus
+    :func:`vocab_parallel_logsumexp`. One shard takes the fused log-softmax (its backward is ~40%
+    cheaper on CPU)."""
+    if ctx.tp_size == 1:
+        return torch.log_softmax(_mask_padding(upcast(logits), vocab_start, vocab_size), -1).gather(-1, ids)
     local = ids - vocab_start
     own = (local >= 0) & (local < logits.shape[-1])
-    picked = torch.where(own, logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)), 0.0)
-    lse = torch.logsumexp(logits, -1, keepdim=True)  # this shard's
-    m = ctx.all_reduce_tp(lse.detach().clone(), "max")
-    parts = reduce_from_tensor_model_parallel_region(torch.cat([torch.exp(lse - m), picked], -1))
-    sum_exp, picked = parts.split([1, ids.shape[-1]], -1)
-    return picked - m - torch.log(sum_exp)
+    picked = torch.where(own, upcast(logits).gather(-1, local.clamp(0, logits.shape[-1] - 1)), 0.0)
+    picked = _reduce_tp(picked)
+    return picked - vocab_parallel_logsumexp(logits, vocab_start, vocab_size, ctx)[..., None]
 
 
 def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_size: int,

@@ -302,6 +302,22 @@ def pipeline_layer_offset(model: ModelConfig, ctx: ParallelContext) -> int:
     return ctx.pp_rank * (model.num_layers // ctx.pp_size)
 
 
+def grad_sq_norm(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
+    """Squared L2 norm of ``params``' gradients over the TP group (float64): megatron's TP-sharded
+    parameters (``tensor_model_parallel``) add up over the ranks, replicated ones count once."""
+    sharded = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    replicated = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = p.grad.double().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    return ctx.all_reduce_tp(sharded) + replicated
+
+
 def destroy() -> None:
     """Tear down megatron's parallel state and the default process group."""
     from megatron.core import parallel_state as ps

@@ -17,6 +17,7 @@ import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from specroll_mcore.model import PolicyModel, causal_mask
+from specroll_mcore.parallel import grad_sq_norm
 
 
 @dataclass
@@ -121,20 +122,10 @@ def global_grad_norm(policy: PolicyModel) -> torch.Tensor:
     """L2 norm of the whole model's gradient across TP and PP: TP-sharded parameters add up over the
     TP group, replicated ones count once; each stage adds its layers; the tied embedding counts once."""
     ctx = policy.ctx
-    sharded = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    replicated = torch.zeros((), dtype=torch.float64, device=ctx.device)
     skip = None
     if ctx.pp_size > 1 and policy.config.tie_word_embeddings and ctx.is_last_stage and not ctx.is_first_stage:
         skip = policy.gpt.shared_embedding_or_output_weight()
-    for p in policy.gpt.parameters():
-        if p.grad is None or p is skip:
-            continue
-        sq = p.grad.double().pow(2).sum()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded += sq
-        else:
-            replicated += sq
-    total = ctx.all_reduce_tp(sharded) + replicated
+    total = grad_sq_norm([p for p in policy.gpt.parameters() if p is not skip], ctx)
     return ctx.all_reduce_pp(total).sqrt()
 
 

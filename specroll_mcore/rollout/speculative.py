@@ -94,9 +94,9 @@ class SpeculativeEngine:
 
         ``keys`` [H * b], head-major: the sampling keys of the positions the heads draft (those of
         the heads a tree of ``budget`` nodes reaches are used); with ``SpecConfig.coupled`` (and
-        T > 0) each head ranks ids by its filtered logits / T plus that position's Gumbel noise (the same for every path), and the candidates'
-        log-probs are those of being the argmax of those scores (the draft's belief that it is the
-        token the policy will sample)."""
+        T > 0) each head ranks ids by its filtered logits / T plus that position's Gumbel noise (the
+        same for every path), and the candidates' log-probs are those of being the argmax of those
+        scores (the draft's belief that it is the token the policy will sample)."""
         model, spec, T = self.model, self.spec, sampling.temperature
         start, vocab, ctx = model.vocab_start, model.config.vocab_size, model.ctx
         k, S = spec.topk, min(spec.shortlist, vocab)
