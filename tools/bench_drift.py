@@ -17,7 +17,10 @@ honoured) by the vanilla engine and by SpecRoll four ways:
     slow     + the slow path (its head weights and monitor persist across checkpoints)
     both     Reflex and the slow path
 
-Each variant keeps its own head weights (only the slow path changes them). Per checkpoint and
+With ``--adapt-every K`` the slow-path variants also roll out one batch of fresh prompts every K
+drift steps between checkpoints (not timed, not reported as a checkpoint): in an RL run the slow
+path sees a rollout at every policy step, not only when someone measures. Each variant keeps its
+own head weights (only the slow path changes them). Per checkpoint and
 variant: tau, acceptance per head depth, generation speedup over vanilla on the same prompts
 (summed times, engines alternating batch by batch) and slow-path events; every rollout is checked
 token for token against vanilla. A drift measure is reported too: the mean KL from the initial
@@ -89,6 +92,10 @@ def main() -> None:
     ap.add_argument("--c-hw", type=int, default=None)
     ap.add_argument("--cooldown-batches", type=int, default=None,
                     help="override the slow path's cooldown (default: the config's)")
+    ap.add_argument("--adapt-every", type=int, default=0,
+                    help="between checkpoints, roll out one batch of fresh prompts every this many drift "
+                         "steps with the slow-path variants (the rollouts an RL run makes as its policy "
+                         "moves; they feed the slow path and are not timed); 0: checkpoints only")
     ap.add_argument("--out", default="bench_drift.json")
     ap.add_argument("--plot", default="bench_drift.png")
     args = ap.parse_args()
@@ -123,7 +130,7 @@ def main() -> None:
         return sum(float(nll(mb, lp)[0]) for mb, lp in zip(held, lps)) / len(held)
 
     report = {"checkpoint": str(ckpt), "c_hw": c_hw, "args": vars(args), "reflex": ReflexConfig().__dict__,
-              "slow_path": slow_cfg.__dict__, "checkpoints": []}
+              "slow_path": slow_cfg.__dict__, "checkpoints": [], "adaptation": []}
     print(f"c_hw={c_hw} variants={list(VARIANTS)}", flush=True)
     step = 0
     while True:
@@ -143,6 +150,8 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
+            if args.adapt_every and step % args.adapt_every == 0 and step % args.measure_every:
+                report["adaptation"].append(adapt(args, step, tok, policy, engines, heads))
     report = summarise(report)
     write_json_atomic(args.out, report)
     plot(report, args.plot)
@@ -192,6 +201,29 @@ def measure(args, step, tok, policy, vanilla, engines, heads) -> dict:
             "speedup": t_vanilla / a["time"], "seconds": a["time"], "reflex_gate_open": sum(a["gate"]) / len(a["gate"]),
             "slow_events": len(a["events"]), "events": a["events"]}
     return res
+
+
+def adapt(args, step, tok, policy, engines, heads) -> dict:
+    """One rollout batch of fresh prompts per slow-path variant at this drift step (not timed).
+
+    Static and Reflex-only variants are skipped: nothing they hold outlives a response."""
+    qs = problems(args.prompts_per_batch, seed=20_000 + step)
+    prompts = [chat_prompt_ids(tok, q.question) for q in qs]
+    sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=step + 1)
+    row = {"drift_step": step, "events": {}}
+    for v, (_, slow) in VARIANTS.items():
+        if not slow:
+            continue
+        policy.heads.load_state_dict(heads[v])
+        out = engines[v].generate(prompts, sp, step=step, prompt_ids=list(range(len(prompts))))
+        heads[v] = copy.deepcopy(policy.heads.state_dict())
+        slow_stats = out.stats.get("slow_path") or {}
+        ev = slow_stats.get("event")
+        row["events"][v] = [ev] if ev else []
+        row.setdefault("skipped_so_far", {})[v] = slow_stats.get("skipped", {})  # why no event: records, cooldown, time cap
+        if ev:
+            print(f"  drift step {step}: {v} consolidated head {ev.get('head')}", flush=True)
+    return row
 
 
 def summarise(report: dict) -> dict:
