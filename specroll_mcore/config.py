@@ -348,11 +348,23 @@ class SpecConfig:
     matrix). Speed only. Measured on SmolLM2 (held-out, teacher-forced): the path-conditioned
     coupled top-1 of head 3 lies in the path-free top-64 81% of the time, top-256 94%, top-1024 99%."""
 
+    draft_vocab: int = 8192
+    """Ids the heads draft from: the ``draft_vocab`` most frequent tokens of the responses the heads
+    were fitted on (their ``token_counts``, written by tools/train_heads.py and grown by the slow
+    path); 0, or heads without counts: the whole vocabulary. The drafting projection then reads that
+    many rows of the output matrix instead of all of them; a token outside the subset can still be
+    sampled, never drafted. Speed only. SmolLM2 (49152 ids) at batch 1 on 2 CPU cores: drafting
+    12.9 -> 7.2 ms per step, tau unchanged (2.04 -> 2.07 at T=1)."""
+
     reflex: ReflexConfig = field(default_factory=ReflexConfig)
     slow_path: SlowPathConfig = field(default_factory=SlowPathConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_heads >= 1, f"SpecConfig.num_heads must be >= 1, got {self.num_heads}")
+        least = max(self.topk, self.reflex.support_topk)
+        _check(self.draft_vocab == 0 or self.draft_vocab >= least,
+               f"SpecConfig.draft_vocab ({self.draft_vocab}) must be 0 (the whole vocabulary) or at least "
+               f"the candidates a head proposes, max(SpecConfig.topk, reflex.support_topk) = {least}")
         _check(self.topk >= 1, f"SpecConfig.topk must be >= 1, got {self.topk}")
         _check(self.shortlist >= self.topk,
                f"SpecConfig.shortlist ({self.shortlist}) must be >= SpecConfig.topk ({self.topk})")

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from specroll_mcore.heads import vocab_parallel_log_probs, vocab_parallel_topk
+from specroll_mcore.heads import TOKEN_COUNTS, vocab_parallel_log_probs, vocab_parallel_topk
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.parallel import grad_sq_norm
 from specroll_mcore.sampling import upcast
@@ -166,7 +166,7 @@ def full_head_state(policy: PolicyModel) -> dict[str, torch.Tensor]:
         if k.endswith("_extra_state") or v is None:
             continue
         v = v.detach()
-        if policy.ctx.tp_size > 1:
+        if policy.ctx.tp_size > 1 and k != TOKEN_COUNTS:  # (the counts are replicated)
             v = policy.ctx.all_gather_tp(v).reshape(-1, *v.shape[1:])
         out[f"heads.{k}"] = v.clone().cpu()
     return out

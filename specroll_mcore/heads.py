@@ -12,7 +12,9 @@ vocab projection (on the last stage for tied and untied models alike). W, U and 
 zero-initialised: a new head starts as the policy itself. Heads saved without U or V load with
 them zero (``z_i = h_t + SiLU(W_i h_t)`` is the first form; U alone the second).
 
-The heads own no vocabulary matrix, no KV cache and no backbone. Under TP, every W, U, V is a
+The heads own no vocabulary matrix, no KV cache and no backbone; they carry ``token_counts`` [V], how
+often each token occurred in the responses they were fitted on (replicated, not a parameter), which
+ranks the ids they draft from (:class:`DraftVocab`). Under TP, every W, U, V is a
 megatron ``ColumnParallelLinear`` (each rank holds h/tp output rows); SiLU is elementwise,
 so each rank activates its slice and the slices are all-gathered before the residual add. The
 logits stay sharded over the vocabulary: :func:`vocab_parallel_topk` and
@@ -32,7 +34,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from specroll_mcore.sampling import SampleKeys, gumbel_noise, upcast
+from specroll_mcore.sampling import SampleKeys, gumbel_noise, gumbel_noise_at, upcast
 
 
 @dataclass
@@ -44,9 +46,10 @@ class HorizonHeads(MegatronModule):
     """H residual heads on the final hidden state; parameters ``layers.{i}.weight`` (W_i),
     ``root_layers.{i}.weight`` (U_i) and ``path_layers.{i}.{j}.weight`` (V_{i,j+1}, j < i), [h/tp, h] each."""
 
-    def __init__(self, config: Any, submodules: HorizonHeadsSubmodules, num_heads: int) -> None:
+    def __init__(self, config: Any, submodules: HorizonHeadsSubmodules, num_heads: int, vocab_size: int = 0) -> None:
         super().__init__(config=config)
         self.num_heads = num_heads
+        self.register_buffer("token_counts", torch.zeros(vocab_size, dtype=torch.long))
 
         def linears(n: int) -> torch.nn.ModuleList:
             return torch.nn.ModuleList(
@@ -86,9 +89,57 @@ class HorizonHeads(MegatronModule):
                 *self.path_layers[index].parameters()]
 
 
-def horizon_heads_spec(num_heads: int) -> ModuleSpec:
+def horizon_heads_spec(num_heads: int, vocab_size: int = 0) -> ModuleSpec:
     """The heads as a ModuleSpec (swap the linear for another TP implementation via submodules)."""
-    return ModuleSpec(module=HorizonHeads, params={"num_heads": num_heads}, submodules=HorizonHeadsSubmodules())
+    return ModuleSpec(module=HorizonHeads, params={"num_heads": num_heads, "vocab_size": vocab_size},
+                      submodules=HorizonHeadsSubmodules())
+
+
+TOKEN_COUNTS = "token_counts"
+"""The heads' replicated buffer (state-dict key): never sharded over TP, never cast to the weights' dtype."""
+
+
+@dataclass
+class DraftVocab:
+    """The ids the heads draft from: the ``size`` most frequent tokens of their ``token_counts``
+    (as in frequency-ranked drafting, FR-Spec), laid out like vocab-parallel logits. Index v of the
+    subset is global id ``ids[v]`` (sorted), and each TP rank holds the indices of the ids in its own
+    vocabulary shard, ``start .. start + len(local_ids) - 1``, so the vocab-parallel top-k and
+    log-sum-exp work on subset logits unchanged, with ``start`` and ``size`` in place of the
+    vocabulary's. A draft over fewer ids costs a fraction of a projection over the whole
+    vocabulary (the output matrix is read for ``size`` rows) and can only miss tokens outside the
+    subset: speed, never tokens."""
+
+    ids: torch.Tensor  # [size] global ids, sorted
+    local_ids: torch.Tensor  # [size_r] the ids in this rank's shard
+    rows: torch.Tensor  # [size_r, h] their rows of the vocab projection
+    start: int  # subset index of local_ids[0]
+
+    @property
+    def size(self) -> int:
+        return self.ids.numel()
+
+    @classmethod
+    def build(cls, counts: torch.Tensor, size: int, weight: torch.Tensor, vocab_start: int) -> "DraftVocab":
+        """The ``size`` ids with the largest ``counts`` [V] (ties: lower id); ``weight`` [V/tp, h]
+        is this rank's vocab projection, its first row global id ``vocab_start``."""
+        ranked = torch.sort(counts, descending=True, stable=True).indices
+        ids = torch.sort(ranked[:size]).values
+        ids = ids.to(weight.device)
+        own = (ids >= vocab_start) & (ids < vocab_start + weight.shape[0])
+        local_ids = ids[own]
+        return cls(ids, local_ids, weight[local_ids - vocab_start], int((ids < vocab_start).sum()))
+
+    def project(self, z: torch.Tensor) -> torch.Tensor:
+        """Subset logits of this rank's ids: [..., h] -> [..., size_r] (``rows @ z^T`` on CPU, where
+        BLAS is slow for a few rows times a tall matrix, as in the policy's vocab projection)."""
+        flat = z.reshape(-1, z.shape[-1]).to(self.rows.dtype)
+        out = torch.mm(self.rows, flat.t()).t() if z.device.type == "cpu" else flat @ self.rows.t()
+        return out.reshape(*z.shape[:-1], self.rows.shape[0])
+
+    def global_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Subset indices (as vocab-parallel top-k returns them) -> global token ids."""
+        return self.ids[index.clamp(0, self.size - 1)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,6 +203,10 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_si
     idx = idx + vocab_start
     if ctx.tp_size == 1:
         return values, idx
+    if values.shape[-1] < k:  # every rank sends k: the missing ones are -inf at an id past the vocabulary
+        pad = k - values.shape[-1]
+        values = torch.cat([values, values.new_full((values.shape[0], pad), float("-inf"))], -1)
+        idx = torch.cat([idx, idx.new_full((idx.shape[0], pad), vocab_size)], -1)
     all_values = ctx.all_gather_tp(values)  # [tp, n, k], rank order = vocabulary order
     all_idx = ctx.all_gather_tp(idx)
     values = all_values.permute(1, 0, 2).reshape(values.shape[0], -1)
@@ -184,18 +239,20 @@ def vocab_parallel_filter(logits: torch.Tensor, top_p: float, top_k: int, vocab_
 
 
 def coupled_scores(logits: torch.Tensor, keys: SampleKeys, top_p: float, top_k: int, vocab_start: int,
-                   vocab_size: int, ctx: Any) -> torch.Tensor:
+                   vocab_size: int, ctx: Any, column_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Vocab-parallel logits [n, V/tp] (temperature applied) -> the sampler's own scores for them:
     filtered logits plus this shard's slice of the Gumbel noise of ``keys`` [n / P]: key r scores
     rows r*P .. r*P + P - 1 (P drafts of the same position, under different draft paths: the
     sampler's noise depends on the position, not on the path). Their argmax over the vocabulary is
     the token :func:`specroll_mcore.sampling.sample` would draw from these logits (up to the top-p
     approximation of :func:`vocab_parallel_filter`), so a draft ranked by them is the policy's sample
-    wherever draft and policy agree."""
+    wherever draft and policy agree. ``column_ids`` [V/tp]: the global token id of each column when
+    the logits cover a :class:`DraftVocab` (default: ids ``vocab_start ..``)."""
     x = vocab_parallel_filter(logits, top_p, top_k, vocab_start, vocab_size, ctx)
     n, v = x.shape
-    noise = gumbel_noise(keys, v, x.dtype, vocab_start)  # [n / P, V/tp]
-    return (x.view(noise.shape[0], -1, v) + noise[:, None]).view(n, v)
+    noise = (gumbel_noise(keys, v, x.dtype, vocab_start) if column_ids is None else
+             gumbel_noise_at(keys, column_ids[None], x.dtype))  # [n / P, V/tp]
+    return (x.view(noise.shape[0], n // noise.shape[0], v) + noise[:, None]).view(n, v)
 
 
 def vocab_rows(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ log-prob gaps (capped at ``rank_margin``). The backbone and the vocab projection
 are taken on S only (each TP rank multiplies its own vocabulary rows, partial sums are all-reduced).
 As in distillation, head i reads the record's realised tokens j+1 .. j+i as its draft path.
 The update is rolled back if the held-out expected acceptance (the policy's probability mass on the
-head's top-k candidates) gets worse. It runs on the last pipeline stage only, between rollout
+head's top-k candidates) gets worse. The event's tokens are added to the heads' ``token_counts``,
+so tokens the drifted policy samples enter the draft vocabulary (``SpecConfig.draft_vocab``). It runs on the last pipeline stage only, between rollout
 batches; other stages are not involved.
 """
 
@@ -426,6 +427,9 @@ class SlowPath:
             with torch.no_grad():
                 for p, old in zip(params, prev):
                     p.copy_(old)
+        # the tokens the policy samples now join the ranking of the draft vocabulary (every replica's)
+        counts = torch.bincount(rec.root, minlength=policy.heads.token_counts.numel())
+        policy.heads.token_counts.add_(policy.ctx.all_reduce_dp(counts))
         return {"head": head, "records": len(rec), "steps": steps, "kept": kept, "heldout_before": before,
                 "heldout_after": after, "loss_first": losses[0]["loss"] if losses else None,
                 "loss_last": losses[-1]["loss"] if losses else None}

@@ -184,6 +184,8 @@ def main() -> int:
     ap.add_argument("--n-max", type=int, default=16)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--draft-vocab", type=int, default=SpecConfig.draft_vocab,
+                    help="ids the heads draft from (SpecConfig.draft_vocab; 0: the whole vocabulary)")
     ap.add_argument("--coupled", action=argparse.BooleanOptionalAction, default=True,
                     help="draft with the sampler's noise (SpecConfig.coupled)")
     ap.add_argument("--skip-hf", action="store_true")
@@ -195,7 +197,7 @@ def main() -> int:
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk,
-                          coupled=args.coupled)
+                          coupled=args.coupled, draft_vocab=args.draft_vocab)
     eos = [tok.eos_token_id]
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
     spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos)

@@ -8,7 +8,9 @@
 2. keeps, for every sampled token, the hidden state and top-K distribution it was sampled from;
 3. trains the H heads (AdamW) on KL-to-policy + NLL of realised tokens, batches of positions;
 4. reports per-head top-1 / top-5 accuracy on held-out continuations (before and after);
-5. saves the heads beside the checkpoint (heads.pt, atomic), recording the policy fingerprint.
+5. saves the heads beside the checkpoint (heads.pt, atomic), recording the policy fingerprint, with
+   how often each token occurs in the training responses (``heads.token_counts``: the ranking of
+   the ids the engine drafts from, SpecConfig.draft_vocab).
 Progress bar; a checkpoint of the heads every --save-every steps. JSON summary with --out.
 
 Under torchrun with --tp / --pp the policy runs in that layout and the remaining factor of the world
@@ -157,7 +159,10 @@ def main() -> int:
         print(f"{len(train)} training / {len(heldout)} held-out positions on replica 0 of {ctx.dp_size}; "
               f"held-out before: {json.dumps(before)}")
 
-    # 3. Train the heads only (each replica on its own records; gradients averaged over replicas).
+    # 3. Train the heads only (each replica on its own records; gradients averaged over replicas),
+    # and count the tokens of the responses, which rank the ids they draft from (SpecConfig.draft_vocab).
+    counts = torch.bincount(train.root.cpu(), minlength=policy.config.vocab_size)
+    policy.heads.token_counts.copy_(ctx.all_reduce_dp(counts.to(ctx.device)))
     params = freeze_all_but_heads(policy)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)

@@ -242,7 +242,7 @@ def load_policy(ckpt_dir: Path, ctx: Any, params_dtype: Optional[str] = None, nu
         num_heads = int(meta["num_heads"])
     policy = PolicyModel(model, ctx, num_heads=num_heads).eval()
     if heads is not None:
-        policy.load_full_heads({k: v.to(model.torch_dtype) for k, v in heads.items()})
+        policy.load_full_heads(heads)
     local = load_local_state_dict(ckpt_dir, model, ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank)
     if local is None:
         policy.load_full_state_dict({k: v.to(model.torch_dtype) for k, v in load_full_state_dict(ckpt_dir).items()})

@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict, shard_tensor
 from specroll_mcore.config import ModelConfig
-from specroll_mcore.heads import HorizonHeads, horizon_heads_spec, vocab_rows
+from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
 from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
 from specroll_mcore.model.kv_cache import KVCache
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
@@ -100,7 +100,7 @@ class PolicyModel(torch.nn.Module):
         self.heads: Optional[HorizonHeads] = None
         if num_heads > 0 and ctx.is_last_stage:
             with cpu_model_construction():
-                self.heads = build_module(horizon_heads_spec(num_heads), config=self.gpt.config)
+                self.heads = build_module(horizon_heads_spec(num_heads, config.vocab_size), config=self.gpt.config)
             self.heads.to(device=ctx.device, dtype=config.torch_dtype)
         self.num_heads = num_heads
 
@@ -200,21 +200,28 @@ class PolicyModel(torch.nn.Module):
 
     def load_full_heads(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load head weights given unsharded (``heads.layers.{i}.weight``, ``heads.root_layers.{i}.weight``,
-        ``heads.path_layers.{i}.{j}.weight``, [h, h] each; missing root and path layers are zero: heads
-        saved before them); no-op off the last stage."""
+        ``heads.path_layers.{i}.{j}.weight``, [h, h] each, cast to the heads' dtype; missing root and
+        path layers are zero: heads saved before them) and ``heads.token_counts`` [V] (replicated;
+        missing: zero, no draft vocabulary); no-op off the last stage."""
         if self.heads is None:
             return
         own = {k: v for k, v in self.heads.state_dict().items() if not k.endswith("_extra_state")}
         expected = {f"heads.{k}" for k in own}
-        optional = {f"heads.{k}" for k in own if k.startswith(("root_layers.", "path_layers."))}
+        optional = {f"heads.{k}" for k in own if k.startswith(("root_layers.", "path_layers.", TOKEN_COUNTS))}
         if not (expected - optional) <= set(full) <= expected:
             raise ValueError(f"head weights {sorted(full)} do not match this policy's heads {sorted(expected)}")
         with torch.no_grad():
             for name in optional - set(full):
                 own[name[len("heads."):]].zero_()
             for name, tensor in full.items():
-                own[name[len("heads."):]].copy_(shard_tensor(name, tensor, self.config, self.ctx.tp_size,
-                                                             self.ctx.tp_rank))
+                key = name[len("heads."):]
+                if key == TOKEN_COUNTS:
+                    if tensor.shape != own[key].shape:
+                        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, this policy's vocabulary needs "
+                                         f"{tuple(own[key].shape)}")
+                    own[key].copy_(tensor)
+                else:
+                    own[key].copy_(shard_tensor(name, tensor, self.config, self.ctx.tp_size, self.ctx.tp_rank))
 
     @property
     def vocab_start(self) -> int:

@@ -125,7 +125,7 @@ class GRPOTrainer:
         state, heads, meta, slow = load_training_checkpoint(latest, self.policy, self.optimizer)
         self.state = state
         if heads is not None and self.policy.heads is not None:
-            self.policy.load_full_heads({k: v.to(self.policy.dtype) for k, v in heads.items()})
+            self.policy.load_full_heads(heads)
             self.heads_meta = meta
         if slow is not None and getattr(self.engine, "slow_path", None) is not None:
             self.engine.slow_path.load_state_dict(slow)

@@ -30,8 +30,8 @@ import torch
 
 from specroll_mcore.config import SamplingConfig, SpecConfig
 from specroll_mcore import reflex
-from specroll_mcore.heads import (coupled_scores, support_logits, vocab_parallel_logsumexp, vocab_parallel_topk,
-                                  vocab_rows)
+from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vocab_parallel_logsumexp,
+                                  vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          validate_prompts)
@@ -79,6 +79,15 @@ class SpeculativeEngine:
         self.reflex_cfg = spec.reflex if spec.reflex.enabled else None
         self.slow_path = (SlowPath(model, spec.slow_path, spec.topk, seed)
                           if spec.slow_path.enabled and model.heads is not None else None)
+        self._draft_vocab: Optional[DraftVocab] = None
+
+    def draft_vocab(self) -> Optional[DraftVocab]:
+        """The ids the heads draft from (``SpecConfig.draft_vocab``), from their token counts and the
+        current output layer; None: the whole vocabulary (also for heads without counts)."""
+        heads, n = self.model.heads, self.spec.draft_vocab
+        if heads is None or n == 0 or n >= self.model.config.vocab_size or not bool(heads.token_counts.any()):
+            return None
+        return DraftVocab.build(heads.token_counts, n, self.model.output_weight(), self.model.vocab_start)
 
     # -- 1. propose ---------------------------------------------------------------------------------
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, sampling: SamplingConfig, budget: int,
@@ -86,10 +95,10 @@ class SpeculativeEngine:
         """hidden [b, h], the roots sampled from it [b] (+ Reflex correction delta [H, b, h]) -> the
         heads' drafts for trees of ``budget`` nodes (last stage only).
 
-        Head 1 drafts under the root over the whole vocabulary. Every head is also evaluated
-        without a path in the same vocabulary projection; for head d+1 (d >= 1) that gives the
-        ``SpecConfig.shortlist`` ids it may draft, and its logits conditioned on each expanded
-        depth-d node's path are taken on them. The expanded nodes are the trunk and the best
+        Head 1 drafts under the root over the whole vocabulary (or the draft vocabulary,
+        ``SpecConfig.draft_vocab``). Every head is also evaluated without a path in the same
+        vocabulary projection; for head d+1 (d >= 1) that gives the ``SpecConfig.shortlist`` ids it
+        may draft, and its logits conditioned on each expanded depth-d node's path are taken on them. The expanded nodes are the trunk and the best
         cumulative scores, as many as trees of ``budget`` nodes can extend.
 
         ``keys`` [H * b], head-major: the sampling keys of the positions the heads draft (those of
@@ -107,12 +116,17 @@ class SpeculativeEngine:
         root_f = model.root_features(roots).to(hidden.dtype)
         z = torch.stack([model.heads.forward_one(i, hidden, None if delta is None else delta[i], root_f)
                          for i in range(D)])  # [D, b, h]: every head without its path
-        logits = model.vocab_projection(z)  # [D, b, V/tp]
+        dv = self._draft_vocab
+        if dv is None:  # the whole vocabulary
+            logits, columns, ids_of = model.vocab_projection(z), None, None  # [D, b, V/tp]
+        else:  # its most frequent ids: columns index the subset, mapped back to ids below
+            logits, columns, ids_of = dv.project(z), dv.local_ids, dv.global_ids
+            start, vocab, S = dv.start, dv.size, min(S, dv.size)
         if T > 0:
             logits = logits / T
         flat = logits.reshape(D * b, -1)
-        ranked = (coupled_scores(flat, keys.rows(0, D * b), sampling.top_p, sampling.top_k, start, vocab, ctx)
-                  if coupled else flat)
+        ranked = (coupled_scores(flat, keys.rows(0, D * b), sampling.top_p, sampling.top_k, start, vocab, ctx,
+                                 columns) if coupled else flat)
         # head 1, exactly
         if coupled:
             values, cand = vocab_parallel_topk(ranked[:b], k, start, vocab, ctx)
@@ -124,6 +138,8 @@ class SpeculativeEngine:
         # Ids past the vocabulary (TP padding) come out of a top-k only tied at -inf: a dead
         # candidate the tree leaves out; it is renamed to id 0 so that nothing indexes past the vocabulary.
         cand, q_top = cand.masked_fill(cand >= vocab, 0), q_top.masked_fill(q_top >= vocab, 0)
+        if ids_of is not None:
+            cand, q_top = ids_of(cand), ids_of(q_top)
         levels = [DraftLevel(torch.full((b, 1), ROOT, dtype=torch.long, device=hidden.device), cand[:, None],
                              logq[:, None])]
         q_tops, zs = [q_top[:, None]], [z[0][:, None]]
@@ -133,6 +149,8 @@ class SpeculativeEngine:
         shortlist = vocab_parallel_topk(ranked[b:], S, start, vocab, ctx)[1].reshape(D - 1, b, S)
         padding = shortlist >= vocab  # (as above)
         shortlist = shortlist.masked_fill(padding, 0)
+        if ids_of is not None:
+            shortlist = ids_of(shortlist)
         path = hidden.new_zeros(b, 1, 0, h)  # features of the expanded nodes' paths [b, P, d, h]
         offset = 0  # pool index of the level above's first candidate
         for d in range(1, D):
@@ -149,7 +167,7 @@ class SpeculativeEngine:
 
             zd = model.heads.forward_one(d, per_node(hidden), None if delta is None else per_node(delta[d]),
                                          per_node(root_f), path.reshape(b * P, d, h)).reshape(b, P, h)
-            w = vocab_rows(model.output_weight(), shortlist[d - 1], start)  # [b, S, h]: this rank's rows
+            w = vocab_rows(model.output_weight(), shortlist[d - 1], model.vocab_start)  # [b, S, h]: this rank's rows
             lg = ctx.all_reduce_tp(torch.einsum("bsh,bph->bps", w.to(zd.dtype), zd).contiguous(), "sum")
             lg = lg.float().masked_fill(padding[d - 1][:, None], float("-inf"))
             ids = shortlist[d - 1][:, None].expand(b, P, S)
@@ -272,6 +290,7 @@ class SpeculativeEngine:
             return time.perf_counter()
 
         t_start = clock()
+        self._draft_vocab = self.draft_vocab()  # the output layer may have changed since the last rollout
 
         state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=spec.n_max)
         roots, logp, hidden, _ = state.start(prompts, self.max_prefill_tokens)

@@ -74,6 +74,24 @@ def run(arch: str, dtype: str, ctx) -> dict:
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3]).generate(PROMPTS, sp, step=1)
         out["spec-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     out["adapt"] = adapt(model, ctx)
+    out["draft_vocab"] = draft_vocab(model)
+    return out
+
+
+def draft_vocab(model) -> dict:
+    """Drafts from a 40-id draft vocabulary whose ids sit unevenly on the TP shards (ids 0-255 on
+    rank 0 at TP=2): 37 and 3 (fewer than the shortlist of 8), then 40 and none."""
+    out = {}
+    for name, high in {"uneven": [260, 280, 299], "one_shard": [250, 251, 252]}.items():
+        if model.heads is not None:
+            counts = torch.zeros(model.config.vocab_size, dtype=torch.long)
+            counts[torch.arange(37) * 4] = 100 + torch.arange(37)
+            counts[torch.tensor(high)] = 50
+            model.heads.token_counts.copy_(counts)
+        engine = SpeculativeEngine(model, SpecConfig(c_hw=24, shortlist=8, draft_vocab=40), eos_token_ids=[3])
+        r = engine.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=16, num_samples=2, seed=9),
+                            step=3)
+        out[name] = {"tokens": r.tokens, "tau_per_row": r.stats["tau_per_row"]}
     return out
 
 

@@ -76,6 +76,8 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp):
         assert adapt_ref["gate"] > 0 and adapt_ref["event"]["steps"] == 3
         if name.endswith("float64"):
             assert adapt["tokens"] == adapt_ref["tokens"] and adapt["tau_per_row"] == adapt_ref["tau_per_row"]
+        if name.endswith("float64"):  # drafts from a draft vocabulary split unevenly over the shards
+            assert got[name]["draft_vocab"] == ref["draft_vocab"], name
         # Adam divides each gradient entry by its own magnitude, so an entry whose gradient nearly
         # cancels carries the TP reduction-order difference into the update: 1e-6 (float64) against
         # steps of ~1e-3.

@@ -55,6 +55,42 @@ def test_heads_saved_without_root_layers_load_with_u_zero(ctx):
         model.load_full_heads({"heads.root_layers.0.weight": torch.zeros(64, 64)})  # W missing
     with pytest.raises(ValueError, match="do not match this policy's heads"):
         model.load_full_heads({**w, "heads.layers.2.weight": torch.zeros(64, 64)})  # a third head
+    assert model.heads.token_counts.shape == (300,) and not model.heads.token_counts.any()  # no counts saved
+    with pytest.raises(ValueError, match=r"heads.token_counts has shape \(299,\), this policy's vocabulary needs"):
+        model.load_full_heads({**w, "heads.token_counts": torch.ones(299, dtype=torch.long)})
+
+
+def test_token_counts_load_unsharded_and_uncast(ctx):
+    """The counts are replicated (every TP rank holds all V) and stay integers in any weight dtype."""
+    model = PolicyModel(tiny_llama(params_dtype="bfloat16"), ctx, num_heads=2).eval()
+    w = {f"heads.layers.{i}.weight": torch.randn(64, 64) for i in range(2)}
+    counts = torch.arange(300) * 1001  # not representable in bfloat16
+    model.load_full_heads({**w, "heads.token_counts": counts})
+    assert model.heads.token_counts.dtype == torch.long and torch.equal(model.heads.token_counts, counts)
+    assert model.heads.layers[0].weight.dtype == torch.bfloat16
+
+
+def test_draft_vocab_scores_its_ids_as_the_whole_vocabulary_does(ctx):
+    """A draft vocabulary's logits and coupled scores are the whole vocabulary's at its ids, and its
+    indices map back to those ids."""
+    from specroll_mcore.heads import DraftVocab, coupled_scores, vocab_parallel_topk
+    from specroll_mcore.sampling import SampleKeys
+
+    model = PolicyModel(tiny_llama(), ctx, num_heads=2).eval()
+    counts = torch.zeros(300, dtype=torch.long)
+    counts[torch.tensor([299, 5, 77, 140, 6, 200])] = torch.tensor([9, 8, 8, 7, 1, 5])
+    dv = DraftVocab.build(counts, 5, model.output_weight(), model.vocab_start)
+    assert dv.ids.tolist() == [5, 77, 140, 200, 299] and dv.start == 0 and dv.size == 5  # 6 (count 1) left out
+    z = torch.randn(2, 3, 64)
+    full = model.vocab_projection(z)
+    assert torch.allclose(dv.project(z), full[..., dv.ids], atol=1e-6)
+    keys = SampleKeys(1, 2, torch.arange(3), torch.zeros(3, dtype=torch.long), torch.arange(3) + 4)
+    flat, sub = full.reshape(6, -1), dv.project(z).reshape(6, -1)
+    whole = coupled_scores(flat, keys, 1.0, 0, 0, 300, ctx)  # key r scores rows 2r, 2r + 1
+    part = coupled_scores(sub, keys, 1.0, 0, dv.start, dv.size, ctx, dv.local_ids)
+    assert torch.allclose(part, whole[:, dv.ids], atol=1e-6)
+    _, idx = vocab_parallel_topk(part, 2, dv.start, dv.size, ctx)
+    assert torch.equal(dv.global_ids(idx), dv.ids[part.topk(2).indices])
 
 
 def test_records_from_sampling_equal_records_from_a_full_forward(ctx):

@@ -162,10 +162,13 @@ def test_consolidation_changes_one_head_only(ctx):
     gpt, heads = params_of(model.gpt), params_of(model.heads)
     flags = [p.requires_grad for p in model.heads.parameters()]
     sp.expected_acceptance = lambda rec, head: 0.0  # never worse: the update is kept
+    used = sp.buffer.latest(sp.cfg.max_records, 1).root
     ev = sp.consolidate(1)
     assert ev["kept"] and ev["steps"] == 5
     assert all(torch.equal(v, params_of(model.gpt)[k]) for k, v in gpt.items())  # backbone + vocab bit for bit
     after = params_of(model.heads)
+    # the event's tokens join the draft vocabulary's ranking
+    assert torch.equal(after["token_counts"] - heads["token_counts"], torch.bincount(used, minlength=300))
     assert not torch.equal(after["layers.1.weight"], heads["layers.1.weight"])
     assert torch.equal(after["layers.0.weight"], heads["layers.0.weight"])
     assert torch.equal(after["layers.2.weight"], heads["layers.2.weight"])
@@ -181,7 +184,8 @@ def test_consolidation_rolls_back_when_heldout_acceptance_drops(ctx):
     heads = params_of(model.heads)
     ev = sp.consolidate(0)
     assert not ev["kept"] and ev["steps"] == 5
-    assert all(torch.equal(v, params_of(model.heads)[k]) for k, v in heads.items())
+    weights = {k: v for k, v in heads.items() if k != "token_counts"}  # (the counts grow either way)
+    assert all(torch.equal(v, params_of(model.heads)[k]) for k, v in weights.items())
 
 
 def test_consolidation_lowers_its_loss(ctx):

@@ -84,6 +84,37 @@ def test_any_shortlist_gives_the_same_tokens(ctx, shortlist):
         assert out.tokens == ref.tokens
 
 
+def test_draft_vocab_gives_the_same_tokens_and_drafts_only_its_ids(ctx, monkeypatch):
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, seed=3)
+    spec = SpecConfig(c_hw=64, shortlist=100, draft_vocab=60)  # (a shortlist wider than the draft vocabulary)
+    assert SpeculativeEngine(model, spec).draft_vocab() is None  # heads without counts: the whole vocabulary
+    ref = {name: VanillaEngine(model).generate(PROMPTS, sp) for name, sp in SAMPLINGS.items()}
+    counts = torch.zeros(300, dtype=torch.long)
+    for r in ref.values():  # the tokens these responses use, as tools/train_heads.py counts them
+        counts += torch.bincount(torch.tensor([t for toks in r.tokens for t in toks]), minlength=300)
+    model.heads.token_counts.copy_(counts)
+    engine = SpeculativeEngine(model, spec)
+    ids = set(engine.draft_vocab().ids.tolist())
+    drafted = set()
+    propose = engine.propose
+
+    def spy(*args, **kwargs):
+        p = propose(*args, **kwargs)
+        drafted.update(t for level in p.levels for t in level.tokens.flatten().tolist())
+        return p
+
+    monkeypatch.setattr(engine, "propose", spy)
+    for name, sp in SAMPLINGS.items():
+        out = engine.generate(PROMPTS, sp)
+        assert out.tokens == ref[name].tokens, name
+        assert out.stats["tau"] > 1.0
+    assert drafted and drafted <= ids  # only ids of the draft vocabulary are ever drafted
+    with pytest.raises(ValueError, match=r"SpecConfig.draft_vocab \(6\) must be 0 \(the whole vocabulary\) or at "
+                                         r"least the candidates a head proposes, max\(SpecConfig.topk, "
+                                         r"reflex.support_topk\) = 8"):
+        SpecConfig(draft_vocab=6)
+
+
 def test_tree_forwards_never_exceed_c_hw(ctx, monkeypatch):
     """A forward holding trees (more than one node per row) holds at most C_hw tokens; when more
     responses are unfinished than C_hw, each gets one node and the step is one plain decode forward."""

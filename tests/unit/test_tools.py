@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_fixtures import tiny_policy_checkpoint
 
@@ -120,6 +121,8 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     assert any(v.abs().sum() > 0 for k, v in heads.items() if "root_layers" in k)  # U trained too
     assert {"heads.path_layers.1.0.weight", "heads.path_layers.2.1.weight"} <= set(heads)
     assert all(v.abs().sum() > 0 for k, v in heads.items() if "path_layers" in k)  # and every V
+    counts = heads["heads.token_counts"]  # every training position's token, counted
+    assert counts.dtype == torch.long and int(counts.sum()) == summary["train_positions"]
     run_tool("train_heads.py", *args)  # the same records, read back from the cache
     assert json.loads(out.read_text())["train_positions"] == summary["train_positions"]
     cache.write_bytes(b"not records")
