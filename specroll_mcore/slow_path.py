@@ -28,8 +28,8 @@ are taken on S only (each TP rank multiplies its own vocabulary rows, partial su
 As in distillation, head i reads the record's realised tokens j+1 .. j+i as its draft path.
 The update is rolled back if the held-out expected acceptance (the policy's probability mass on the
 head's top-k candidates) gets worse. The event's tokens are added to the heads' ``token_counts``,
-so tokens the drifted policy samples enter the draft vocabulary (``SpecConfig.draft_vocab``). It runs on the last pipeline stage only, between rollout
-batches; other stages are not involved.
+so tokens the drifted policy samples enter the draft vocabulary (``SpecConfig.draft_vocab``). It
+runs on the last pipeline stage only, between rollout batches; other stages are not involved.
 """
 
 from __future__ import annotations
