@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench_drift.json")
     ap.add_argument("--plot", default="bench_drift.png")
     args = ap.parse_args()
+    if args.adapt_every < 0:
+        ap.error(f"--adapt-every must be >= 0 (0: no rollouts between checkpoints), got {args.adapt_every}")
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
     eos = [tok.eos_token_id]
@@ -220,7 +222,7 @@ def adapt(args, step, tok, policy, engines, heads) -> dict:
         slow_stats = out.stats.get("slow_path") or {}
         ev = slow_stats.get("event")
         row["events"][v] = [ev] if ev else []
-        row.setdefault("skipped_so_far", {})[v] = slow_stats.get("skipped", {})  # why no event: records, cooldown, time cap
+        row.setdefault("skipped_so_far", {})[v] = slow_stats.get("skipped", {})  # guards that held events back
         if ev:
             print(f"  drift step {step}: {v} consolidated head {ev.get('head')}", flush=True)
     return row

@@ -37,13 +37,19 @@ def test_bench_specroll_smoke(tiny_ckpt, tmp_path):
 
 def test_bench_drift_smoke(tiny_ckpt, tmp_path):
     out = tmp_path / "d.json"
-    run_tool("bench_drift.py", "--checkpoint", tiny_ckpt, "--drift-steps", 1, "--measure-every", 1, "--batches", 1,
-             "--prompts-per-batch", 1, "--max-new-tokens", 8, "--c-hw", 16, "--sft-batch", 2, "--out", out,
-             "--plot", tmp_path / "d.png")
+    run_tool("bench_drift.py", "--checkpoint", tiny_ckpt, "--drift-steps", 2, "--measure-every", 2, "--batches", 1,
+             "--prompts-per-batch", 1, "--max-new-tokens", 8, "--c-hw", 16, "--sft-batch", 2, "--adapt-every", 1,
+             "--out", out, "--plot", tmp_path / "d.png")
     report = json.loads(out.read_text())
-    assert [c["drift_step"] for c in report["checkpoints"]] == [0, 1]
+    assert [c["drift_step"] for c in report["checkpoints"]] == [0, 2]
     assert set(report["summary"]) == {"static", "reflex", "slow", "both"}
+    # a rollout between the checkpoints, for the variants whose slow path keeps what it sees
+    assert [a["drift_step"] for a in report["adaptation"]] == [1]
+    assert set(report["adaptation"][0]["events"]) == {"slow", "both"}
     assert (tmp_path / "d.png").is_file()
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_drift.py"), "--adapt-every", "-1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--adapt-every must be >= 0" in proc.stderr
 
 
 def test_acceptance_ceiling_smoke(tiny_ckpt, tmp_path):
