@@ -22,7 +22,8 @@ from typing import Sequence
 
 import torch
 
-from specroll_mcore.heads import TOKEN_COUNTS, vocab_parallel_log_probs, vocab_parallel_topk
+from specroll_mcore.checkpoint.shard import unshard_tensor
+from specroll_mcore.heads import vocab_parallel_log_probs, vocab_parallel_topk
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.parallel import grad_sq_norm
 from specroll_mcore.sampling import upcast
@@ -144,7 +145,8 @@ def train_heads_step(policy: PolicyModel, optimizer: torch.optim.Optimizer, rec:
             p.grad.mul_(grad_clip / (norm + 1e-6))
     optimizer.step()
     policy.heads.eval()
-    stats = ctx.all_reduce_dp(torch.tensor([float(loss.detach()), parts["soft_ce"], parts["nll"]], dtype=torch.float64))
+    stats = torch.tensor([float(loss.detach()), parts["soft_ce"], parts["nll"]], dtype=torch.float64)
+    stats = ctx.all_reduce_dp(stats)
     stats /= ctx.dp_size
     return {"loss": float(stats[0]), "soft_ce": float(stats[1]), "nll": float(stats[2]), "grad_norm": norm}
 
@@ -160,13 +162,14 @@ def freeze_all_but_heads(policy: PolicyModel) -> list[torch.nn.Parameter]:
 
 def full_head_state(policy: PolicyModel) -> dict[str, torch.Tensor]:
     """Unsharded head weights (the TP=1 layout), on every TP rank of the last stage (a TP collective:
-    each ``layers.{i}.weight`` is column-parallel, [h/tp, h] per rank, gathered along its rows)."""
+    each ``layers.{i}.weight`` is column-parallel, [h/tp, h] per rank, gathered along its rows; the
+    replicated ``token_counts`` come back as they are; see checkpoint/shard.py)."""
     out = {}
     for k, v in policy.heads.state_dict().items():
         if k.endswith("_extra_state") or v is None:
             continue
         v = v.detach()
-        if policy.ctx.tp_size > 1 and k != TOKEN_COUNTS:  # (the counts are replicated)
-            v = policy.ctx.all_gather_tp(v).reshape(-1, *v.shape[1:])
+        if policy.ctx.tp_size > 1:
+            v = unshard_tensor(f"heads.{k}", list(policy.ctx.all_gather_tp(v)), policy.config)
         out[f"heads.{k}"] = v.clone().cpu()
     return out

@@ -160,6 +160,16 @@ def main() -> None:
     print(report["summary"])
 
 
+def rollout(v, policy, engines, heads, prompts, sp, step, ids):
+    """Variant ``v`` with its own head weights (what its slow path changed is kept): output, seconds."""
+    policy.heads.load_state_dict(heads[v])
+    t0 = time.perf_counter()
+    out = engines[v].generate(prompts, sp, step=step, prompt_ids=ids)
+    seconds = time.perf_counter() - t0
+    heads[v] = copy.deepcopy(policy.heads.state_dict())
+    return out, seconds
+
+
 def measure(args, step, tok, policy, vanilla, engines, heads) -> dict:
     """All variants and vanilla on the same prompts, alternating batch by batch."""
     qs = problems(args.batches * args.prompts_per_batch, seed=10_000 + step)
@@ -177,11 +187,8 @@ def measure(args, step, tok, policy, vanilla, engines, heads) -> dict:
         ref = vanilla.generate(prompts[sl], sp, step=step, prompt_ids=ids)
         t_vanilla += time.perf_counter() - t0
         for v in order:
-            policy.heads.load_state_dict(heads[v])
-            t0 = time.perf_counter()
-            out = engines[v].generate(prompts[sl], sp, step=step, prompt_ids=ids)
-            acc[v]["time"] += time.perf_counter() - t0
-            heads[v] = copy.deepcopy(policy.heads.state_dict())
+            out, seconds = rollout(v, policy, engines, heads, prompts[sl], sp, step, ids)
+            acc[v]["time"] += seconds
             if out.tokens != ref.tokens:
                 raise SystemExit(f"variant {v} emitted different tokens than vanilla at drift step {step}")
             s = out.stats
@@ -216,9 +223,7 @@ def adapt(args, step, tok, policy, engines, heads) -> dict:
     for v, (_, slow) in VARIANTS.items():
         if not slow:
             continue
-        policy.heads.load_state_dict(heads[v])
-        out = engines[v].generate(prompts, sp, step=step, prompt_ids=list(range(len(prompts))))
-        heads[v] = copy.deepcopy(policy.heads.state_dict())
+        out, _ = rollout(v, policy, engines, heads, prompts, sp, step, list(range(len(prompts))))
         slow_stats = out.stats.get("slow_path") or {}
         ev = slow_stats.get("event")
         row["events"][v] = [ev] if ev else []

@@ -9,7 +9,7 @@ How each parameter is split over TP follows megatron-core's layers:
   * ColumnParallelLinear / VocabParallelEmbedding: dim 0 (QKV rows are grouped per KV head, so
     contiguous chunks give each rank whole groups; the SwiGLU fc1 is [gate; up], chunked separately);
   * RowParallelLinear: dim 1;
-  * norms: replicated.
+  * norms and the heads' token counts: replicated.
 Layer numbers are global in the full form and local to the stage in the shard.
 """
 
@@ -26,7 +26,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
-_HEADS = "heads."  # horizon heads: ColumnParallelLinear, rows split over TP
+_HEADS = re.compile(r"^heads\..*\.weight$")  # horizon heads' ColumnParallelLinears, rows split over TP
+# (their token_counts buffer is replicated)
 
 
 def _pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -41,7 +42,7 @@ def shard_tensor(name: str, full: torch.Tensor, model: ModelConfig, tp_size: int
         if full.shape[0] != model.vocab_size:
             raise ValueError(f"{name} has {full.shape[0]} rows, ModelConfig.vocab_size is {model.vocab_size}")
         return _pad_vocab(full, model.padded_vocab_size(tp_size)).chunk(tp_size, 0)[tp_rank]
-    if name.endswith(_COLUMN_PARALLEL) or name.startswith(_HEADS):
+    if name.endswith(_COLUMN_PARALLEL) or _HEADS.match(name):
         return full.chunk(tp_size, 0)[tp_rank]
     if name.endswith("mlp.linear_fc1.weight"):
         gate, up = full.chunk(2, 0)
@@ -55,7 +56,7 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], model: ModelConfig) ->
     """Inverse of :func:`shard_tensor`: the TP shards of one tensor, rank order -> full form."""
     if name in _VOCAB:
         return torch.cat(shards)[: model.vocab_size]
-    if name.endswith(_COLUMN_PARALLEL) or name.startswith(_HEADS):
+    if name.endswith(_COLUMN_PARALLEL) or _HEADS.match(name):
         return torch.cat(shards)
     if name.endswith("mlp.linear_fc1.weight"):
         gates, ups = zip(*(s.chunk(2, 0) for s in shards))

@@ -214,14 +214,12 @@ class PolicyModel(torch.nn.Module):
             for name in optional - set(full):
                 own[name[len("heads."):]].zero_()
             for name, tensor in full.items():
-                key = name[len("heads."):]
-                if key == TOKEN_COUNTS:
-                    if tensor.shape != own[key].shape:
-                        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, this policy's vocabulary needs "
-                                         f"{tuple(own[key].shape)}")
-                    own[key].copy_(tensor)
-                else:
-                    own[key].copy_(shard_tensor(name, tensor, self.config, self.ctx.tp_size, self.ctx.tp_rank))
+                shard = shard_tensor(name, tensor, self.config, self.ctx.tp_size, self.ctx.tp_rank)
+                target = own[name[len("heads."):]]
+                if shard.shape != target.shape:
+                    raise ValueError(f"{name} has shape {tuple(shard.shape)} on this rank, this policy's heads need "
+                                     f"{tuple(target.shape)}")
+                target.copy_(shard)
 
     @property
     def vocab_start(self) -> int:

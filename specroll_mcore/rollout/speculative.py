@@ -119,10 +119,18 @@ class SpeculativeEngine:
                          for i in range(D)])  # [D, b, h]: every head without its path
         dv = self._draft_vocab
         if dv is None:  # the whole vocabulary
-            logits, columns, ids_of = model.vocab_projection(z), None, None  # [D, b, V/tp]
-        else:  # its most frequent ids: columns index the subset, mapped back to ids below
-            logits, columns, ids_of = dv.project(z), dv.local_ids, dv.global_ids
+            logits, columns = model.vocab_projection(z), None  # [D, b, V/tp]
+        else:  # its most frequent ids: logits index the subset (start, vocab: its layout), see to_ids
+            logits, columns = dv.project(z), dv.local_ids
             start, vocab, S = dv.start, dv.size, min(S, dv.size)
+
+        def to_ids(index: torch.Tensor) -> torch.Tensor:
+            """Top-k indices -> token ids. An index past the vocabulary (TP padding) comes out of a
+            top-k only tied at -inf: a dead candidate the tree leaves out; it becomes id 0 so that
+            nothing indexes past the vocabulary."""
+            index = index.masked_fill(index >= vocab, 0)
+            return index if dv is None else dv.global_ids(index)
+
         if T > 0:
             logits = logits / T
         flat = logits.reshape(D * b, -1)
@@ -136,11 +144,7 @@ class SpeculativeEngine:
             values, q_top = vocab_parallel_topk(flat[:b], kq, start, vocab, ctx)
             values, cand = values[:, :k], q_top[:, :k]
         logq = values.float() - vocab_parallel_logsumexp(ranked[:b], start, vocab, ctx)[:, None]
-        # Ids past the vocabulary (TP padding) come out of a top-k only tied at -inf: a dead
-        # candidate the tree leaves out; it is renamed to id 0 so that nothing indexes past the vocabulary.
-        cand, q_top = cand.masked_fill(cand >= vocab, 0), q_top.masked_fill(q_top >= vocab, 0)
-        if ids_of is not None:
-            cand, q_top = ids_of(cand), ids_of(q_top)
+        cand, q_top = to_ids(cand), to_ids(q_top)
         levels = [DraftLevel(torch.full((b, 1), ROOT, dtype=torch.long, device=hidden.device), cand[:, None],
                              logq[:, None])]
         q_tops, zs = [q_top[:, None]], [z[0][:, None]]
@@ -148,10 +152,8 @@ class SpeculativeEngine:
             return Proposal(levels, q_tops, zs)
         # heads 2..D on their shortlists, under the expanded nodes of the level above
         shortlist = vocab_parallel_topk(ranked[b:], S, start, vocab, ctx)[1].reshape(D - 1, b, S)
-        padding = shortlist >= vocab  # (as above)
-        shortlist = shortlist.masked_fill(padding, 0)
-        if ids_of is not None:
-            shortlist = ids_of(shortlist)
+        padding = shortlist >= vocab  # (dead candidates, see to_ids)
+        shortlist = to_ids(shortlist)
         path = hidden.new_zeros(b, 1, 0, h)  # features of the expanded nodes' paths [b, P, d, h]
         offset = 0  # pool index of the level above's first candidate
         for d in range(1, D):
