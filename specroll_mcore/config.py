@@ -259,24 +259,24 @@ class SlowPathConfig:
 
     enabled: bool = True
     window: int = 64
-    """Matured records in one monitor window (each head's rate: its mean expected acceptance on them)."""
+    """Acceptance events per head in one monitor window."""
 
     degraded_windows: int = 3
     """Consecutive degraded windows that trigger a consolidation."""
 
     tolerance: float = 0.2
-    """A window is degraded when its acceptance < (1 - tolerance) x the head's reference acceptance."""
+    """A window is degraded when its acceptance < (1 - tolerance) x the head's reference acceptance
+    (the mean of its first windows, raised whenever acceptance recovers above it)."""
 
     reference_windows: int = 3
-    """A head's first windows, averaged into its reference (the level it was fitted to)."""
+    """Windows averaged into the initial reference."""
 
     min_records: int = 64
     cooldown_batches: int = 10
     """Rollout batches between two consolidations."""
 
     time_cap: float = 0.018
-    """Consolidation time may not exceed this share of generation time (the monitor's scoring of
-    records between batches is reported apart: ``monitor_share`` in the rollout's slow-path stats)."""
+    """Slow-path time may not exceed this share of generation time."""
 
     max_records: int = 256
     """Records one consolidation uses (the most recent; a quarter is held out)."""

@@ -7,19 +7,11 @@ targets tokens j+1 .. j+H (head h: the policy's distribution p_{j+h} and the rea
 record *matures* once all H targets are known (or its response ended); matured records enter a
 ring buffer.
 
-:class:`AcceptanceMonitor` watches each head's acceptance over windows of ``window`` matured
-records. A head's score on a record is its expected acceptance there: the policy's probability mass
-on the head's current top-k candidates, drafted from the record's hidden state and realised path
-(what the rollback test below measures too); a window's rate is the sum of those over the sum of
-what the policy's own top-k would get (the top-k mass of its distribution), so that text with a flat
-distribution does not read as drift. Every head gets a score on every record, whether or not a tree
-reached its depth, so a deep head is judged as often as the first (counting accepted drafts
-instead, depth 3 saw a few tries per rollout batch). Records are scored between rollout batches,
-never inside the decoding loop (``SlowPathStats.monitor_seconds``). Only sustained degradation triggers a
-consolidation: ``degraded_windows`` consecutive windows below ``(1 - tolerance)`` x the head's
-reference, at least ``min_records`` records, ``cooldown_batches`` rollout batches since the last
-event, and slow-path time so far under ``time_cap`` x generation time (an event runs its ``steps``
-whole once admitted, so the share can overshoot by one event).
+:class:`AcceptanceMonitor` watches each head's acceptance over windows of verification events. Only
+sustained degradation triggers a consolidation: ``degraded_windows`` consecutive windows below
+``(1 - tolerance)`` x the head's reference, at least ``min_records`` records, ``cooldown_batches``
+rollout batches since the last event, and slow-path time so far under ``time_cap`` x generation
+time (an event runs its ``steps`` whole once admitted, so the share can overshoot by one event).
 
 A consolidation updates ONE head (the most degraded) on at most ``max_records`` recent records:
 
@@ -50,11 +42,7 @@ import torch
 
 from specroll_mcore.config import SlowPathConfig
 from specroll_mcore.distill import draft_path
-from specroll_mcore.heads import DraftVocab, vocab_parallel_topk, vocab_rows
-
-
-SCORE_CHUNK = 1024
-"""Records the monitor scores at once (rounded to whole windows): bounds the memory of the scoring."""
+from specroll_mcore.heads import vocab_parallel_topk, vocab_rows
 
 
 @dataclass
@@ -253,34 +241,35 @@ class RecordStreams:
 
 
 class AcceptanceMonitor:
-    """Per-head acceptance rates, one per window, against each head's reference: the mean of its
-    first ``reference_windows`` windows, the level the heads were fitted to. It stays put: raised by
-    a run of good windows, it would defend the best of many rolling means, and ordinary windows at a
-    fixed policy would read as degraded; lowered to where a consolidation left a drifted head, it
-    would stop asking for the rest of the way back."""
+    """Per-head acceptance over windows of ``window`` verification events."""
 
     def __init__(self, num_heads: int, cfg: SlowPathConfig) -> None:
         self.cfg = cfg
-        self.rates: list[list[float]] = [[] for _ in range(num_heads)]  # the most recent windows' rates
-        self.closed: list[int] = [0] * num_heads  # windows closed so far
+        self.tried = [0] * num_heads
+        self.accepted = [0] * num_heads
+        self.rates: list[list[float]] = [[] for _ in range(num_heads)]
         self.reference: list[Optional[float]] = [None] * num_heads
         self.consecutive = [0] * num_heads
 
-    def observe(self, rates: list[Optional[float]]) -> None:
-        """One closed window: each head's rate in it (None: the window had nothing for that head)."""
-        for h, rate in enumerate(rates):
-            if rate is not None:
-                self._close(h, rate)
+    def observe(self, tried: list[int], accepted: list[int]) -> None:
+        for h, (t, a) in enumerate(zip(tried, accepted)):
+            self.tried[h] += t
+            self.accepted[h] += a
+            if self.tried[h] >= self.cfg.window:
+                self._close(h, self.accepted[h] / self.tried[h])
+                self.tried[h] = self.accepted[h] = 0
 
     def _close(self, h: int, rate: float) -> None:
         cfg = self.cfg
-        self.rates[h] = (self.rates[h] + [rate])[-max(cfg.reference_windows, cfg.degraded_windows):]
-        self.closed[h] += 1
+        self.rates[h].append(rate)
+        recent = self.rates[h][-cfg.reference_windows:]
         if self.reference[h] is None:
-            if self.closed[h] == cfg.reference_windows:
-                self.reference[h] = sum(self.rates[h][-cfg.reference_windows:]) / cfg.reference_windows
+            if len(self.rates[h]) >= cfg.reference_windows:
+                self.reference[h] = sum(recent) / len(recent)
             return
         self.consecutive[h] = self.consecutive[h] + 1 if rate < (1 - cfg.tolerance) * self.reference[h] else 0
+        if len(recent) == cfg.reference_windows:  # a sustained recovery raises the bar again
+            self.reference[h] = max(self.reference[h], sum(recent) / len(recent))
 
     def degraded(self) -> list[int]:
         return [h for h, c in enumerate(self.consecutive) if c >= self.cfg.degraded_windows]
@@ -297,16 +286,14 @@ class AcceptanceMonitor:
         return max(heads, key=drop)
 
     def consolidated(self, h: int) -> None:
-        """Head ``h`` was refitted: its degraded windows start counting again."""
         self.consecutive[h] = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("rates", "closed", "reference", "consecutive")}
+        return {k: getattr(self, k) for k in ("tried", "accepted", "rates", "reference", "consecutive")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k in ("rates", "reference", "consecutive"):
-            setattr(self, k, state[k])
-        self.closed = state.get("closed", [len(r) for r in self.rates])  # (older states kept every rate)
+        for k, v in state.items():
+            setattr(self, k, v)
 
 
 @dataclass
@@ -316,9 +303,6 @@ class SlowPathStats:
     generation_seconds: float = 0.0
     batches_since_event: int = 10**9
     skipped: dict[str, int] = field(default_factory=dict)
-    unscored: int = 0
-    """Matured records the monitor has not scored yet (the newest in the buffer)."""
-    monitor_seconds: float = 0.0
 
 
 class SlowPath:
@@ -331,14 +315,13 @@ class SlowPath:
         self.buffer = RecordBuffer(cfg.buffer_size)
         self.monitor = AcceptanceMonitor(H, cfg)
         self.stats = SlowPathStats()
-        self.draft_vocab: Optional[DraftVocab] = None
-        """The ids the engine drafts from in its current rollout (None: the whole vocabulary)."""
 
     # -- fed by the speculative engine ----------------------------------------------------------
     def observe(self, slots: list[int], counts: list[int], hidden: torch.Tensor, top_ids: torch.Tensor,
-                top_probs: torch.Tensor, tokens: torch.Tensor) -> None:
+                top_probs: torch.Tensor, tokens: torch.Tensor, tried: list[int], accepted: list[int]) -> None:
         """One verification step: rows' emitted tokens (flattened over rows, ``counts`` each) with
         the hidden state each was sampled from and the top-K of its distribution."""
+        self.monitor.observe(tried, accepted)
         self.streams.add_rows(slots, counts, hidden, top_ids, top_probs, tokens)
         self._collect()
 
@@ -353,32 +336,6 @@ class SlowPath:
         rec = self.streams.take()
         if rec is not None:
             self.buffer.add(rec)
-            self.stats.unscored += len(rec)
-
-    def _score_windows(self) -> None:
-        """Close one monitor window per ``window`` records matured since the last call. A head's
-        rate in it: its expected acceptance summed over the records with a target for it, divided by
-        what the policy's own top-k would get there (the top-k mass of its distribution): how much
-        of the attainable the head gets, so that hard text (a flat distribution) does not read as
-        drift. Records past the buffer's capacity are not scored; fewer than a window wait."""
-        st, window = self.stats, self.cfg.window
-        rec = self.buffer.records
-        available = min(st.unscored, len(self.buffer))
-        n = available // window * window
-        if rec is None or n == 0:
-            return
-        t0 = time.perf_counter()
-        start, chunk = len(rec) - available, window * max(1, SCORE_CHUNK // window)  # whole windows
-        for c in range(start, start + n, chunk):
-            part = rec.select(torch.arange(c, min(c + chunk, start + n), device=rec.hidden.device))
-            valid = part.valid.float()
-            got = torch.stack([self.record_acceptance(part, h) for h in range(valid.shape[1])], 1) * valid
-            attainable = part.target_probs[..., :self.candidates].sum(-1) * valid  # the policy's own top-k mass
-            per_window = (len(part) // window, window, valid.shape[1])
-            for g_row, a_row in zip(got.view(per_window).sum(1).tolist(), attainable.view(per_window).sum(1).tolist()):
-                self.monitor.observe([g / a if a > 0 else None for g, a in zip(g_row, a_row)])
-        st.unscored = available - n
-        st.monitor_seconds += time.perf_counter() - t0
 
     # -- between rollout batches ----------------------------------------------------------------
     def end_batch(self, generation_seconds: float) -> Optional[dict]:
@@ -389,7 +346,6 @@ class SlowPath:
         st, cfg = self.stats, self.cfg
         st.generation_seconds += generation_seconds
         st.batches_since_event += 1
-        self._score_windows()
         head = self.monitor.most_degraded()
         if head is not None:
             budget = cfg.time_cap * st.generation_seconds - st.slow_seconds
@@ -534,29 +490,21 @@ class SlowPath:
 
     @torch.no_grad()
     def head_candidates(self, rec: Records, head: int, k: int) -> torch.Tensor:
-        """The head's current top-k ids [N, k] (vocab-parallel top-k over the draft vocabulary the
-        engine drafts from, or the whole vocabulary)."""
-        policy, dv = self.policy, self.draft_vocab
+        """The head's current top-k ids [N, k] (full vocabulary, vocab-parallel top-k)."""
+        policy = self.policy
         hidden, root, path = self._inputs(rec, head)
         z = policy.heads.forward_one(head, hidden, None, root, path)
-        if dv is None:
-            return vocab_parallel_topk(policy.vocab_projection(z), k, policy.vocab_start, policy.config.vocab_size,
-                                       policy.ctx)[1]
-        return dv.global_ids(vocab_parallel_topk(dv.project(z), k, dv.start, dv.size, policy.ctx)[1])
-
-    @torch.no_grad()
-    def record_acceptance(self, rec: Records, head: int) -> torch.Tensor:
-        """[N]: the policy's probability mass on the head's top-k candidates at each record (the
-        chance that the policy's sample at that depth is one of them), over the target's top-K."""
-        cand = self.head_candidates(rec, head, self.candidates)
-        hit = (rec.target_ids[:, head, :, None] == cand[:, None, :]).any(-1)
-        return (rec.target_probs[:, head] * hit).sum(-1)
+        logits = policy.vocab_projection(z)
+        return vocab_parallel_topk(logits, k, policy.vocab_start, policy.config.vocab_size, policy.ctx)[1]
 
     @torch.no_grad()
     def expected_acceptance(self, rec: Records, head: int) -> float:
-        """Mean of :meth:`record_acceptance` (over the data-parallel replicas' records too)."""
+        """Mean policy probability mass on the head's top-k candidates (the chance that the policy's
+        sample at that depth is one of them), over the target's top-K."""
         policy = self.policy
-        mean = self.record_acceptance(rec, head).mean().double()
+        cand = self.head_candidates(rec, head, self.candidates)
+        hit = (rec.target_ids[:, head, :, None] == cand[:, None, :]).any(-1)
+        mean = (rec.target_probs[:, head] * hit).sum(-1).mean().double()
         ctx = policy.ctx
         return float(ctx.all_reduce_dp(mean.reshape(1)) / ctx.dp_size) if ctx.dp_size > 1 else float(mean)
 

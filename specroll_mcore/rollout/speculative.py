@@ -211,7 +211,8 @@ class SpeculativeEngine:
         tokens = acc.tokens[rows, depth]
         if self.slow_path is not None:
             top_ids, top_probs = top_distribution(p_logits, self.spec.slow_path.target_topk)
-            self.slow_path.observe(slots, counts, hidden_all[node, rows], top_ids, top_probs, tokens)
+            self.slow_path.observe(slots, counts, hidden_all[node, rows], top_ids,
+                                   top_probs, tokens, acc.tried.tolist(), acc.accepted.tolist())
         if rstate is None:
             return
         cfg, model = self.reflex_cfg, self.model
@@ -239,8 +240,7 @@ class SpeculativeEngine:
         coef = reflex.feedback_coefficients(pl.gather(1, ids), q_l, ids, valid, cand, p_top[:, :k],
                                             cfg.coverage_weight)
         e = reflex.feedback_vectors(w_s, coef, model.ctx)
-        a = reflex.update(rstate, active[rows], depth, e, cfg.decay_for(H))
-        self._alignment.index_add_(1, depth, torch.stack([a.nan_to_num(0.0), (~a.isnan()).to(a.dtype)]).double())
+        reflex.update(rstate, active[rows], depth, e, cfg.decay_for(H))
 
     # -- 3. verify ------------------------------------------------------------------------------------
     def verify(self, state: RolloutState, active: torch.Tensor, tree: TreeBatch):
@@ -267,15 +267,14 @@ class SpeculativeEngine:
         """Same contract as :meth:`VanillaEngine.generate`: identical tokens for the same seed."""
         out = self._generate(prompts, sampling, step, prompt_ids)
         if self.slow_path is not None:
-            t0 = time.perf_counter()
             event = self.slow_path.end_batch(out.stats["total_s"])
-            out.stats["total_s"] += time.perf_counter() - t0  # the monitor's scoring and any consolidation
-            out.stats["tokens_per_s"] = out.stats["tokens"] / max(out.stats["total_s"], 1e-9)
             st = self.slow_path.stats
             out.stats["slow_path"] = {"event": event, "events": len(st.events), "records": len(self.slow_path.buffer),
                                       "skipped": dict(st.skipped), "time_share": st.slow_seconds /
-                                      max(st.generation_seconds, 1e-9), "monitor_share": st.monitor_seconds /
                                       max(st.generation_seconds, 1e-9)}
+            if event is not None:
+                out.stats["total_s"] += event["seconds"]
+                out.stats["tokens_per_s"] = out.stats["tokens"] / max(out.stats["total_s"], 1e-9)
         return out
 
     @torch.inference_mode()
@@ -295,8 +294,6 @@ class SpeculativeEngine:
 
         t_start = clock()
         self._draft_vocab = self.draft_vocab()  # the output layer may have changed since the last rollout
-        if self.slow_path is not None:
-            self.slow_path.draft_vocab = self._draft_vocab
 
         state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=spec.n_max)
         roots, logp, hidden, _ = state.start(prompts, self.max_prefill_tokens)
@@ -307,7 +304,6 @@ class SpeculativeEngine:
         rstate = (reflex.ReflexState.new(state.num, H, cfg.hidden_size, device)
                   if self.reflex_cfg is not None and ctx.is_last_stage else None)
         gate_open, gate_total = 0, 0
-        self._alignment = torch.zeros(2, H, dtype=torch.float64, device=device)  # Reflex: alignments' sum, count
         row_steps = torch.zeros(state.num, dtype=torch.long, device=device)
         row_emitted = torch.zeros(state.num, dtype=torch.long, device=device)
         timers["prefill"] = clock() - t_start
@@ -414,9 +410,6 @@ class SpeculativeEngine:
             "acceptance_per_depth": (accepted_total.double() / tried_total.clamp(min=1).double()).tolist(),
             "tried_per_depth": tried_total.tolist(), "c_hw": self.c_hw, "time_split_s": timers,
             "reflex_gate_open": gate_open / gate_total if gate_total else 0.0,
-            # mean cosine between each horizon's memory and the feedback that followed it: the gate opens
-            # only where its lower confidence bound is positive (None: no alignment observed)
-            "reflex_alignment_per_depth": [a / n if n else None for a, n in self._alignment.t().tolist()],
             "per_step": per_step,
         })
 

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from specroll_mcore import slow_path
 from specroll_mcore.config import ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig, tiny_llama
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
 from specroll_mcore.slow_path import AcceptanceMonitor, RecordBuffer, Records, RecordStreams, SlowPath
@@ -16,10 +15,11 @@ from specroll_mcore.slow_path import AcceptanceMonitor, RecordBuffer, Records, R
 from tests.unit.test_speculative import PROMPTS, policy_with_heads
 
 
-def feed(monitor, rate, windows, H=3):
+def feed(monitor, rate, windows, H=3, window=64):
     fired = []
     for _ in range(windows):
-        monitor.observe([rate] * H)
+        a = round(rate * window)
+        monitor.observe([window] * H, [a] * H)
         fired.append(monitor.most_degraded())
     return fired
 
@@ -42,32 +42,11 @@ def test_trigger_needs_the_drop_to_exceed_the_tolerance():
     assert feed(m, 0.38, 3)[-1] == 0  # -24%
 
 
-def test_good_windows_do_not_raise_the_reference():
-    """A run of good windows at a fixed policy is noise, not a new level to defend."""
-    m = AcceptanceMonitor(3, SlowPathConfig())
-    feed(m, 0.5, 3)
-    feed(m, 0.7, 6)
-    assert set(feed(m, 0.42, 6)) == {None} and m.reference == [0.5] * 3
-
-
-def test_a_consolidated_head_is_judged_against_its_first_level():
-    """A consolidation that brings a drifted head only part of the way back leaves it degraded."""
-    m = AcceptanceMonitor(3, SlowPathConfig())
-    feed(m, 0.5, 3)
-    assert feed(m, 0.3, 3)[-1] == 0
-    m.consolidated(0)
-    assert m.degraded() == [1, 2]
-    m.consolidated(1), m.consolidated(2)
-    assert feed(m, 0.45, 3) == [None] * 3 and m.reference == [0.5] * 3  # back within the tolerance
-    assert feed(m, 0.35, 3)[-1] == 0  # 0.35 < 0.8 x 0.5, three windows again
-    assert all(len(r) == 3 for r in m.rates) and m.closed == [12] * 3  # only the windows the trigger reads are kept
-
-
 def test_most_degraded_head_is_chosen():
     m = AcceptanceMonitor(3, SlowPathConfig())
     feed(m, 0.5, 3)
     for _ in range(3):
-        m.observe([0.3, 0.1, 0.45])
+        m.observe([64, 64, 64], [20, 5, 30])
     assert m.most_degraded() == 1
 
 
@@ -254,70 +233,6 @@ def test_exact_with_reflex_and_slow_path_over_several_batches(ctx):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
         events = out.stats["slow_path"]["events"]
     assert events >= 1  # the heads did change along the way
-
-
-def reference_acceptance(model, rec, head, k, ids=None):
-    """[N]: the policy's mass on the head's top-k ids (from ``ids`` if given) at each record, with the
-    heads' inputs written out and a plain top-k over the gathered logits."""
-    path = model.root_features(rec.realised[:, :head]) if head else None  # head i drafts after j+1 .. j+i
-    z = model.heads.forward_one(head, rec.hidden.to(model.dtype), None, model.root_features(rec.root), path)
-    logits = z @ model.output_weight().t()
-    if ids is None:
-        cand = logits.topk(k, dim=-1).indices
-    else:
-        cand = ids[logits[:, ids].topk(k, dim=-1).indices]
-    hit = (rec.target_ids[:, head, :, None] == cand[:, None, :]).any(-1)
-    return (rec.target_probs[:, head] * hit).sum(-1)
-
-
-@pytest.mark.parametrize("chunk", [1024, 20])  # one pass, or two windows at a time
-def test_monitor_windows_hold_the_share_of_attainable_acceptance(ctx, chunk, monkeypatch):
-    """One monitor window per 8 matured records; a head's rate in it is its expected acceptance over
-    the policy's own top-k mass, on the records with a target for that head (every head is judged
-    on every window, whether or not its drafts were reached). Fewer than a window wait."""
-    monkeypatch.setattr(slow_path, "SCORE_CHUNK", chunk)
-    model, eng = tiny_engine(ctx, window=8, degraded_windows=100, reference_windows=100, buffer_size=1024)
-    sp, k = eng.slow_path, eng.spec.topk
-    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
-    rec = sp.buffer.records
-    n = len(rec)
-    assert n < sp.cfg.buffer_size and sp.stats.unscored == n % 8
-    assert 0 < rec.valid[:, 2].sum() < n  # the deepest head misses targets at the responses' ends
-    for h in range(3):
-        want = []
-        for w in range(n // 8):
-            part, valid = slice(8 * w, 8 * w + 8), rec.valid[8 * w:8 * w + 8, h]
-            got = reference_acceptance(model, rec, h, k)[part][valid].sum()
-            best = torch.sort(rec.target_probs[part, h][valid], dim=-1, descending=True).values[:, :k].sum()
-            if valid.any():
-                want.append(float(got / best))
-        assert sp.monitor.rates[h] == pytest.approx(want, abs=1e-6)  # float32 probabilities
-    # the waiting records are scored with the next batch's
-    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=2))
-    assert len(sp.monitor.rates[0]) == len(sp.buffer) // 8 and sp.stats.unscored == len(sp.buffer) % 8
-
-
-def test_monitor_scores_only_the_records_the_buffer_still_holds(ctx):
-    model, eng = tiny_engine(ctx, window=4, buffer_size=16, max_records=16, degraded_windows=100, reference_windows=100)
-    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))  # > 16 records
-    assert len(eng.slow_path.monitor.rates[0]) == 4 and eng.slow_path.stats.unscored == 0
-
-
-def test_heads_are_judged_on_the_draft_vocabulary(ctx):
-    """With a draft vocabulary the slow path's candidates (monitor, rollback test) come from it."""
-    from specroll_mcore.heads import DraftVocab
-
-    model, eng = tiny_engine(ctx)
-    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=20, seed=2))
-    sp = eng.slow_path
-    rec = sp.buffer.records
-    counts = torch.randint(0, 100, (model.config.vocab_size,), generator=torch.Generator().manual_seed(0))
-    sp.draft_vocab = DraftVocab.build(counts, 40, model.output_weight(), model.vocab_start)
-    for head in range(3):
-        cand = sp.head_candidates(rec, head, eng.spec.topk)
-        assert torch.isin(cand, sp.draft_vocab.ids).all()
-        want = reference_acceptance(model, rec, head, eng.spec.topk, sp.draft_vocab.ids)
-        torch.testing.assert_close(sp.record_acceptance(rec, head), want, rtol=0, atol=1e-9)
 
 
 def test_state_dict_round_trip(ctx):
