@@ -67,10 +67,12 @@ def main() -> int:
             return 1
         row = {"reflex": dataclasses.asdict(rc), "tau": out.stats["tau"],
                "acceptance_per_depth": out.stats["acceptance_per_depth"],
-               "gate_open": out.stats["reflex_gate_open"], "tokens": out.num_tokens}
+               "gate_open": out.stats["reflex_gate_open"],
+               "alignment_per_depth": out.stats["reflex_alignment_per_depth"], "tokens": out.num_tokens}
         report["variants"][name] = row
         print(f"{name:22s} tau {row['tau']:.3f}  acceptance per depth "
-              f"{[round(a, 3) for a in row['acceptance_per_depth']]}  gate open {row['gate_open']:.3f}", flush=True)
+              f"{[round(a, 3) for a in row['acceptance_per_depth']]}  gate open {row['gate_open']:.3f}  "
+              f"alignment {[a if a is None else round(a, 3) for a in row['alignment_per_depth']]}", flush=True)
     write_json_atomic(Path(args.out), report)
     print(f"wrote {args.out}")
     parallel.destroy()

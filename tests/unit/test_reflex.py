@@ -175,6 +175,30 @@ def test_reflex_changes_proposals_not_tokens(ctx):
     assert on.stats["reflex_gate_open"] > 0 and off.stats["reflex_gate_open"] == 0
 
 
+def test_alignment_statistic_is_the_mean_of_the_delayed_alignments(ctx, monkeypatch):
+    """The engine reports, per horizon, the mean alignment the gate judges (None where none was seen)."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, head_std=0.3)
+    seen = []
+
+    def update(*args):
+        a = real_update(*args)
+        seen.append((args[2].clone(), a.clone()))
+        return a
+
+    real_update = reflex.update
+    monkeypatch.setattr(reflex, "update", update)
+    spec = SpecConfig(c_hw=64, reflex=AGGRESSIVE_REFLEX, slow_path=SlowPathConfig(enabled=False))
+    out = SpeculativeEngine(model, spec).generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, seed=4))
+    depth, a = torch.cat([d for d, _ in seen]), torch.cat([x for _, x in seen])
+    for h, got in enumerate(out.stats["reflex_alignment_per_depth"]):
+        mine = a[(depth == h) & ~a.isnan()]
+        assert (got is None) if mine.numel() == 0 else got == pytest.approx(float(mine.double().mean()), abs=1e-12)
+    assert out.stats["reflex_alignment_per_depth"][0] is not None
+    off = SpeculativeEngine(model, SpecConfig(c_hw=64, reflex=ReflexConfig(enabled=False),
+                                              slow_path=SlowPathConfig(enabled=False)))
+    assert off.generate(PROMPTS, SamplingConfig(max_new_tokens=5)).stats["reflex_alignment_per_depth"] == [None] * 3
+
+
 @pytest.mark.parametrize("bad, field", [(dict(decay=(0.5, 1.0)), "decay"), (dict(alpha=-1), "alpha"),
                                         (dict(min_observations=1), "min_observations")])
 def test_config_errors_name_the_field(bad, field):
