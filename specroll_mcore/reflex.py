@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -44,11 +44,17 @@ class ReflexState:
     count: torch.Tensor  # [S, H] alignments observed
     mean: torch.Tensor  # [S, H] their running mean
     m2: torch.Tensor  # [S, H] running sum of squared deviations (Welford)
+    totals: torch.Tensor  # [2, H] float64: every alignment of the rollout, summed and counted (kept on release)
 
     @classmethod
     def new(cls, num_slots: int, num_heads: int, hidden_size: int, device: torch.device) -> "ReflexState":
         z = torch.zeros(num_slots, num_heads, device=device)
-        return cls(torch.zeros(num_slots, num_heads, hidden_size, device=device), z.clone(), z.clone(), z.clone())
+        return cls(torch.zeros(num_slots, num_heads, hidden_size, device=device), z.clone(), z.clone(), z.clone(),
+                   torch.zeros(2, num_heads, dtype=torch.float64, device=device))
+
+    def mean_alignment(self) -> list[Optional[float]]:
+        """Per horizon, the mean of every alignment observed so far (None where there was none)."""
+        return [a / n if n else None for a, n in self.totals.t().tolist()]
 
     def release(self, slots: torch.Tensor) -> None:
         """Forget finished trajectories."""
@@ -132,6 +138,7 @@ def update(state: ReflexState, slots: torch.Tensor, horizons: torch.Tensor, feed
     state.m2[idx] = state.m2[idx] + d * (a[has] - mean)
     state.mean[idx] = mean
     state.count[idx] = n
+    state.totals.index_add_(1, idx[1], torch.stack([a[has], torch.ones_like(a[has])]).double())
     rho = torch.tensor(list(decay), dtype=e.dtype, device=e.device)[horizons][:, None]
     state.memory[slots, horizons] = rho * m_old + (1 - rho) * e
     return torch.where(has, a, torch.full_like(a, math.nan))

@@ -240,8 +240,7 @@ class SpeculativeEngine:
         coef = reflex.feedback_coefficients(pl.gather(1, ids), q_l, ids, valid, cand, p_top[:, :k],
                                             cfg.coverage_weight)
         e = reflex.feedback_vectors(w_s, coef, model.ctx)
-        a = reflex.update(rstate, active[rows], depth, e, cfg.decay_for(H))
-        self._alignment.index_add_(1, depth, torch.stack([a.nan_to_num(0.0), (~a.isnan()).to(a.dtype)]).double())
+        reflex.update(rstate, active[rows], depth, e, cfg.decay_for(H))
 
     # -- 3. verify ------------------------------------------------------------------------------------
     def verify(self, state: RolloutState, active: torch.Tensor, tree: TreeBatch):
@@ -305,7 +304,6 @@ class SpeculativeEngine:
         rstate = (reflex.ReflexState.new(state.num, H, cfg.hidden_size, device)
                   if self.reflex_cfg is not None and ctx.is_last_stage else None)
         gate_open, gate_total = 0, 0
-        self._alignment = torch.zeros(2, H, dtype=torch.float64, device=device)  # Reflex: alignments' sum, count
         row_steps = torch.zeros(state.num, dtype=torch.long, device=device)
         row_emitted = torch.zeros(state.num, dtype=torch.long, device=device)
         timers["prefill"] = clock() - t_start
@@ -414,7 +412,7 @@ class SpeculativeEngine:
             "reflex_gate_open": gate_open / gate_total if gate_total else 0.0,
             # mean cosine between each horizon's memory and the feedback that followed it: the gate opens
             # only where its lower confidence bound is positive (None: no alignment observed)
-            "reflex_alignment_per_depth": [a / n if n else None for a, n in self._alignment.t().tolist()],
+            "reflex_alignment_per_depth": rstate.mean_alignment() if rstate is not None else [None] * H,
             "per_step": per_step,
         })
 
