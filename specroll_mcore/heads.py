@@ -120,6 +120,16 @@ class DraftVocab:
         return self.ids.numel()
 
     @classmethod
+    def for_policy(cls, policy: Any, size: int) -> Optional["DraftVocab"]:
+        """The draft vocabulary of ``policy``'s heads (``SpecConfig.draft_vocab`` = ``size``) from
+        their token counts and the current output layer; None: the whole vocabulary (``size`` 0 or
+        not smaller than it, or heads without counts)."""
+        heads = policy.heads
+        if heads is None or size == 0 or size >= policy.config.vocab_size or not bool(heads.token_counts.any()):
+            return None
+        return cls.build(heads.token_counts, size, policy.output_weight(), policy.vocab_start)
+
+    @classmethod
     def build(cls, counts: torch.Tensor, size: int, weight: torch.Tensor, vocab_start: int) -> "DraftVocab":
         """The ``size`` ids with the largest ``counts`` [V] (ties: lower id); ``weight`` [V/tp, h]
         is this rank's vocab projection, its first row global id ``vocab_start``."""
@@ -140,6 +150,11 @@ class DraftVocab:
     def global_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Subset indices (as vocab-parallel top-k returns them) -> global token ids."""
         return self.ids[index.clamp(0, self.size - 1)]
+
+    def topk_ids(self, z: torch.Tensor, k: int, ctx: Any) -> torch.Tensor:
+        """The k ids of the subset with the largest logits for head outputs z [n, h] -> [n, k]
+        (vocab-parallel: each rank scores its own ids)."""
+        return self.global_ids(vocab_parallel_topk(self.project(z), k, self.start, self.size, ctx)[1])
 
 
 # ------------------------------------------------------------------------------------------------

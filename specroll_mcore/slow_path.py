@@ -26,9 +26,11 @@ head's logit gaps between the policy's most likely token and the rest of S to re
 log-prob gaps (capped at ``rank_margin``). The backbone and the vocab projection are frozen; logits
 are taken on S only (each TP rank multiplies its own vocabulary rows, partial sums are all-reduced).
 As in distillation, head i reads the record's realised tokens j+1 .. j+i as its draft path.
-The update is rolled back if the held-out expected acceptance (the policy's probability mass on the
-head's top-k candidates) gets worse. The event's tokens are added to the heads' ``token_counts``,
-so tokens the drifted policy samples enter the draft vocabulary (``SpecConfig.draft_vocab``). It
+The event's tokens are first added to the heads' ``token_counts``, so tokens the drifted policy
+samples enter the draft vocabulary (``SpecConfig.draft_vocab``); the head's candidates (in the
+support and in the held-out test) are then ranked over that vocabulary, the ids the engine will
+draft from. The update is rolled back if the held-out expected acceptance (the policy's probability
+mass on the head's top-k candidates) gets worse. It
 runs on the last pipeline stage only, between rollout batches; other stages are not involved.
 """
 
@@ -42,7 +44,7 @@ import torch
 
 from specroll_mcore.config import SlowPathConfig
 from specroll_mcore.distill import draft_path
-from specroll_mcore.heads import vocab_parallel_topk, vocab_rows
+from specroll_mcore.heads import DraftVocab, vocab_parallel_topk, vocab_rows
 
 
 @dataclass
@@ -306,10 +308,14 @@ class SlowPathStats:
 
 
 class SlowPath:
-    """Monitor + records + consolidation for one policy's heads (last pipeline stage)."""
+    """Monitor + records + consolidation for one policy's heads (last pipeline stage).
 
-    def __init__(self, policy: Any, cfg: SlowPathConfig, candidates: int, seed: int = 0) -> None:
+    ``candidates``: the drafts per node (``SpecConfig.topk``); ``draft_vocab``: the size of the
+    vocabulary the heads draft from (``SpecConfig.draft_vocab``; 0: the whole vocabulary)."""
+
+    def __init__(self, policy: Any, cfg: SlowPathConfig, candidates: int, seed: int = 0, draft_vocab: int = 0) -> None:
         self.policy, self.cfg, self.candidates, self.seed = policy, cfg, candidates, seed
+        self.draft_vocab = draft_vocab
         H = policy.num_heads
         self.streams = RecordStreams(H, policy.config.hidden_size, cfg.target_topk)
         self.buffer = RecordBuffer(cfg.buffer_size)
@@ -391,15 +397,19 @@ class SlowPath:
         if int(policy.ctx.all_reduce_dp(short)) > 0:  # every replica needs records, or none trains
             return {"head": head, "records": 0, "steps": 0, "kept": False}
         rec = rec.detached()
+        # the tokens the policy samples now join the ranking of the draft vocabulary (every replica's)
+        counts = torch.bincount(rec.root, minlength=policy.heads.token_counts.numel())
+        policy.heads.token_counts.add_(policy.ctx.all_reduce_dp(counts))
+        dv = DraftVocab.for_policy(policy, self.draft_vocab)  # what the heads will draft from next
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self.stats.events))
         perm = torch.randperm(len(rec), generator=g).to(rec.hidden.device)
         n_hold = max(1, int(len(rec) * cfg.holdout_fraction))
         hold, train = rec.select(perm[:n_hold]), rec.select(perm[n_hold:])
         support = torch.unique(torch.cat([rec.target_ids[:, head].flatten(), rec.realised[:, head],
-                                          self.head_candidates(rec, head, 2 * self.candidates).flatten()]))
+                                          self.head_candidates(rec, head, 2 * self.candidates, dv).flatten()]))
         params = policy.heads.head_parameters(head)
         prev = [p.detach().clone() for p in params]
-        before = self.expected_acceptance(hold, head)
+        before = self.expected_acceptance(hold, head, dv)
         steps, losses = 0, []
         dp = policy.ctx.dp_size
         flags = [p.requires_grad for p in params]
@@ -421,15 +431,12 @@ class SlowPath:
             for p, f in zip(params, flags):
                 p.requires_grad_(f)
                 p.grad = None
-        after = self.expected_acceptance(hold, head)
+        after = self.expected_acceptance(hold, head, dv)
         kept = after >= before
         if not kept:
             with torch.no_grad():
                 for p, old in zip(params, prev):
                     p.copy_(old)
-        # the tokens the policy samples now join the ranking of the draft vocabulary (every replica's)
-        counts = torch.bincount(rec.root, minlength=policy.heads.token_counts.numel())
-        policy.heads.token_counts.add_(policy.ctx.all_reduce_dp(counts))
         return {"head": head, "records": len(rec), "steps": steps, "kept": kept, "heldout_before": before,
                 "heldout_after": after, "loss_first": losses[0]["loss"] if losses else None,
                 "loss_last": losses[-1]["loss"] if losses else None}
@@ -489,20 +496,23 @@ class SlowPath:
         return rec.hidden.to(dtype), policy.root_features(rec.root).to(dtype), path
 
     @torch.no_grad()
-    def head_candidates(self, rec: Records, head: int, k: int) -> torch.Tensor:
-        """The head's current top-k ids [N, k] (full vocabulary, vocab-parallel top-k)."""
+    def head_candidates(self, rec: Records, head: int, k: int, dv: Optional[DraftVocab] = None) -> torch.Tensor:
+        """The head's current top-k ids [N, k] over the draft vocabulary ``dv`` (None: the whole
+        vocabulary), vocab-parallel."""
         policy = self.policy
         hidden, root, path = self._inputs(rec, head)
         z = policy.heads.forward_one(head, hidden, None, root, path)
+        if dv is not None:
+            return dv.topk_ids(z, k, policy.ctx)
         logits = policy.vocab_projection(z)
         return vocab_parallel_topk(logits, k, policy.vocab_start, policy.config.vocab_size, policy.ctx)[1]
 
     @torch.no_grad()
-    def expected_acceptance(self, rec: Records, head: int) -> float:
-        """Mean policy probability mass on the head's top-k candidates (the chance that the policy's
-        sample at that depth is one of them), over the target's top-K."""
+    def expected_acceptance(self, rec: Records, head: int, dv: Optional[DraftVocab] = None) -> float:
+        """Mean policy probability mass on the head's top-k candidates over ``dv`` (the chance that
+        the policy's sample at that depth is one of them), over the target's top-K."""
         policy = self.policy
-        cand = self.head_candidates(rec, head, self.candidates)
+        cand = self.head_candidates(rec, head, self.candidates, dv)
         hit = (rec.target_ids[:, head, :, None] == cand[:, None, :]).any(-1)
         mean = (rec.target_probs[:, head] * hit).sum(-1).mean().double()
         ctx = policy.ctx

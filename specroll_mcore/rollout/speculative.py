@@ -77,17 +77,14 @@ class SpeculativeEngine:
         self.sync_timers = sync_timers
         self.c_hw = spec.c_hw or DEFAULT_C_HW
         self.reflex_cfg = spec.reflex if spec.reflex.enabled else None
-        self.slow_path = (SlowPath(model, spec.slow_path, spec.topk, seed)
+        self.slow_path = (SlowPath(model, spec.slow_path, spec.topk, seed, spec.draft_vocab)
                           if spec.slow_path.enabled and model.heads is not None else None)
         self._draft_vocab: Optional[DraftVocab] = None
 
     def draft_vocab(self) -> Optional[DraftVocab]:
         """The ids the heads draft from (``SpecConfig.draft_vocab``), from their token counts and the
         current output layer; None: the whole vocabulary (also for heads without counts)."""
-        heads, n = self.model.heads, self.spec.draft_vocab
-        if heads is None or n == 0 or n >= self.model.config.vocab_size or not bool(heads.token_counts.any()):
-            return None
-        return DraftVocab.build(heads.token_counts, n, self.model.output_weight(), self.model.vocab_start)
+        return DraftVocab.for_policy(self.model, self.spec.draft_vocab)
 
     # -- 1. propose ---------------------------------------------------------------------------------
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, sampling: SamplingConfig, budget: int,

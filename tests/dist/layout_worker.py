@@ -80,7 +80,8 @@ def run(arch: str, dtype: str, ctx) -> dict:
 
 def draft_vocab(model) -> dict:
     """Drafts from a 40-id draft vocabulary whose ids sit unevenly on the TP shards (ids 0-255 on
-    rank 0 at TP=2): 37 and 3 (fewer than the shortlist of 8), then 40 and none."""
+    rank 0 at TP=2): 37 and 3 (fewer than the shortlist of 8), then 40 and none; and the slow path's
+    ranking of head 1's candidates over that vocabulary (last stage)."""
     out = {}
     for name, high in {"uneven": [260, 280, 299], "one_shard": [250, 251, 252]}.items():
         if model.heads is not None:
@@ -92,6 +93,10 @@ def draft_vocab(model) -> dict:
         r = engine.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=16, num_samples=2, seed=9),
                             step=3)
         out[name] = {"tokens": r.tokens, "tau_per_row": r.stats["tau_per_row"]}
+        if model.heads is not None:  # the slow path ranks head 1's candidates over the same ids
+            sp = engine.slow_path
+            cand = sp.head_candidates(sp.buffer.latest(16, 1), 1, 4, engine.draft_vocab())
+            out[name]["slow_path_candidates"] = cand.tolist()
     return out
 
 
@@ -104,7 +109,7 @@ def adapt(model, ctx) -> dict:
     r = engine.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=16, num_samples=2, seed=9), step=2)
     res = {"tokens": r.tokens, "tau_per_row": r.stats["tau_per_row"], "gate": r.stats["reflex_gate_open"]}
     if ctx.is_last_stage:
-        engine.slow_path.expected_acceptance = lambda rec, head: 0.0  # keep the update whatever it does
+        engine.slow_path.expected_acceptance = lambda rec, head, dv=None: 0.0  # keep the update whatever it does
         res["event"] = engine.slow_path.consolidate(1)
         w = model.heads.layers[1].weight.detach()
         res["head1"] = ctx.all_gather_tp(w).reshape(-1, w.shape[1])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specroll_mcore.config import ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig, tiny_llama
+from specroll_mcore.heads import DraftVocab
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
 from specroll_mcore.slow_path import AcceptanceMonitor, RecordBuffer, Records, RecordStreams, SlowPath
 
@@ -161,7 +162,7 @@ def test_consolidation_changes_one_head_only(ctx):
     assert len(sp.buffer) >= 8
     gpt, heads = params_of(model.gpt), params_of(model.heads)
     flags = [p.requires_grad for p in model.heads.parameters()]
-    sp.expected_acceptance = lambda rec, head: 0.0  # never worse: the update is kept
+    sp.expected_acceptance = lambda rec, head, dv=None: 0.0  # never worse: the update is kept
     used = sp.buffer.latest(sp.cfg.max_records, 1).root
     ev = sp.consolidate(1)
     assert ev["kept"] and ev["steps"] == 5
@@ -180,12 +181,39 @@ def test_consolidation_rolls_back_when_heldout_acceptance_drops(ctx):
     eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
     sp = eng.slow_path
     scores = iter([0.5, 0.4])  # before, after
-    sp.expected_acceptance = lambda rec, head: next(scores)
+    sp.expected_acceptance = lambda rec, head, dv=None: next(scores)
     heads = params_of(model.heads)
     ev = sp.consolidate(0)
     assert not ev["kept"] and ev["steps"] == 5
     weights = {k: v for k, v in heads.items() if k != "token_counts"}  # (the counts grow either way)
     assert all(torch.equal(v, params_of(model.heads)[k]) for k, v in weights.items())
+
+
+def test_consolidation_ranks_candidates_over_the_draft_vocabulary(ctx):
+    """The head's candidates in the support and the held-out test come from the ids the engine drafts
+    from (after the event's tokens joined the counts), as a masked full-vocabulary top-k gives them."""
+    model, _ = tiny_engine(ctx)
+    model.heads.token_counts.copy_(torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(0)))
+    spec = SpecConfig(c_hw=64, draft_vocab=40, slow_path=SlowPathConfig(min_records=8, max_records=64, steps=3))
+    eng = SpeculativeEngine(model, spec)
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
+    sp = eng.slow_path
+    rec = sp.buffer.latest(64, 1)
+    seen = []
+    score = sp.expected_acceptance
+    sp.expected_acceptance = lambda rec, head, dv=None: seen.append(dv) or score(rec, head, dv)
+    ev = sp.consolidate(1)
+    assert ev["steps"] == 3 and len(seen) == 2
+    vocab = DraftVocab.for_policy(model, 40)  # the counts now hold the event's tokens
+    assert all(torch.equal(dv.ids, vocab.ids) for dv in seen)
+    # reference: the head's logits over the whole vocabulary, every id outside the subset masked
+    hidden, root, path = sp._inputs(rec, 1)
+    logits = model.heads.forward_one(1, hidden, None, root, path) @ model.output_weight().t()
+    outside = torch.ones(logits.shape[-1], dtype=torch.bool)  # (the output layer's rows: vocabulary + padding)
+    outside[vocab.ids] = False
+    want = logits.masked_fill(outside, float("-inf")).topk(4, dim=-1).indices
+    assert torch.equal(sp.head_candidates(rec, 1, 4, vocab), want)
+    assert not torch.equal(sp.head_candidates(rec, 1, 4), want)  # the whole vocabulary ranks others first
 
 
 def test_consolidation_lowers_its_loss(ctx):
