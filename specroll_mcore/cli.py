@@ -43,11 +43,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Data parallel: each DP rank takes every dp_size-th prompt; ids stay global, so the tokens do not
     # depend on the DP size.
     mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
-    spec = None
+    spec = latency = None
     if cfg.engine == "specroll":
-        c_hw = ensure_capacity(policy, cfg.spec.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"))
-        spec = dataclasses.replace(cfg.spec, num_heads=policy.num_heads, c_hw=c_hw)
-    engine = make_engine(cfg.engine, policy, spec, eos_token_ids=_eos_ids(tokenizer), tokenizer=tokenizer)
+        cap = ensure_capacity(policy, cfg.spec.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"))
+        spec, latency = dataclasses.replace(cfg.spec, num_heads=policy.num_heads, c_hw=cap.c_hw), cap.latency
+    engine = make_engine(cfg.engine, policy, spec, latency, eos_token_ids=_eos_ids(tokenizer), tokenizer=tokenizer)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
     rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p], "response": tokenizer.decode(t, skip_special_tokens=True),
              "tokens": t, "logprobs": [round(float(x), 6) for x in lp], "finish_reason": f}

@@ -326,13 +326,21 @@ class SpecConfig:
 
     c_hw: Optional[int] = None
     """Tokens one verification forward may hold; None reads the cached profile
-    (tools/profile_capacity.py) for this model, hardware and layout, else uses 64."""
+    (tools/profile_capacity.py) for this model, hardware and layout (the CLI, the trainer and the
+    tools measure a quick one on first use), else uses 64."""
 
     n_min: int = 1
     """Smallest tree per row (root included); 1 = plain decoding when the batch is full."""
 
     n_max: int = 16
     """Largest tree per row."""
+
+    adaptive_nodes: bool = True
+    """Keep each step's trees to the nodes that pay for their latency: of the N_t nodes per row the
+    budget allows, the prefix (in the order the trees were grown) with the most expected tokens per
+    second, from the drafts' cumulative probabilities (calibrated per depth by the acceptance
+    observed so far) and the profiled forward latency. Needs the latency profile (tools/profile_capacity.py, or the quick one
+    measured on first use); without one, or False: always N_t nodes. Speed only."""
 
     coupled: bool = True
     """Draft with the sampler's own noise: head i proposes the ids with the largest

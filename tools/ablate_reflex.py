@@ -52,7 +52,8 @@ def main() -> int:
         ap.error("--prompts and --max-new-tokens must be >= 1")
 
     ctx = parallel.initialize(ParallelConfig())
-    ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
+    ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx, args.c_hw)
+    c_hw = cap.c_hw  # fixed trees (no latency curve): tau compares the drafts, not tree sizes
     prompts = synthetic_chat_prompts(tok, args.prompts, seed=555)
     sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     report = {"checkpoint": str(ckpt), "c_hw": c_hw, "args": vars(args), "variants": {}}

@@ -102,7 +102,8 @@ def main() -> None:
     if args.adapt_every < 0:
         ap.error(f"--adapt-every must be >= 0 (0: no rollouts between checkpoints), got {args.adapt_every}")
     ctx = parallel.initialize(ParallelConfig())
-    ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
+    ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx, args.c_hw)
+    c_hw = cap.c_hw
     eos = [tok.eos_token_id]
     slow_cfg = SlowPathConfig()
     if args.cooldown_batches is not None:
@@ -112,7 +113,7 @@ def main() -> None:
     for name, (rx, sl) in VARIANTS.items():
         spec = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, reflex=ReflexConfig(enabled=rx),
                           slow_path=dataclasses.replace(slow_cfg, enabled=sl))
-        engines[name] = SpeculativeEngine(policy, spec, eos_token_ids=eos, tokenizer=tok)
+        engines[name] = SpeculativeEngine(policy, spec, eos_token_ids=eos, tokenizer=tok, latency=cap.latency)
         heads[name] = copy.deepcopy(initial_heads)
     vanilla = VanillaEngine(policy, eos_token_ids=eos, tokenizer=tok)
     vanilla.generate([[1, 2, 3]], SamplingConfig(max_new_tokens=2))  # warm-up

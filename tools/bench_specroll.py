@@ -163,6 +163,7 @@ def scenario(name, vanilla, spec, prompts, sp, reps):
     res = {"vanilla_s": tv, "specroll_s": ts, "speedup_median": statistics.median(ratios),
            "tokens": va.num_tokens, "identical_tokens": va.tokens == sb.tokens,
            "tau": sb.stats["tau"], "acceptance_per_depth": sb.stats["acceptance_per_depth"],
+           "nodes_per_row_mean": statistics.mean(s["nodes_per_row"] for s in sb.stats["per_step"]),
            "time_split_s": sb.stats["time_split_s"], "c_hw": sb.stats["c_hw"],
            "finish_reasons": {r: va.finish_reason.count(r) for r in set(va.finish_reason)},
            "binned": binned_speedup(va.stats["per_step"], sb.stats["per_step"])}
@@ -188,6 +189,8 @@ def main() -> int:
                     help="ids the heads draft from (SpecConfig.draft_vocab; 0: the whole vocabulary)")
     ap.add_argument("--coupled", action=argparse.BooleanOptionalAction, default=True,
                     help="draft with the sampler's noise (SpecConfig.coupled)")
+    ap.add_argument("--adaptive-nodes", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep each step's trees to the nodes that pay for their latency (SpecConfig.adaptive_nodes)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-full", action="store_true")
     ap.add_argument("--skip-batch1", action="store_true")
@@ -195,13 +198,15 @@ def main() -> int:
     ap.add_argument("--plot", default="bench_specroll.png")
     args = ap.parse_args()
     ctx = parallel.initialize(ParallelConfig())
-    ckpt, policy, tok, c_hw = open_for_rollout(args.checkpoint, ctx, args.c_hw)
+    ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx, args.c_hw)
+    c_hw = cap.c_hw
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk,
-                          coupled=args.coupled, draft_vocab=args.draft_vocab)
+                          coupled=args.coupled, draft_vocab=args.draft_vocab, adaptive_nodes=args.adaptive_nodes)
     eos = [tok.eos_token_id]
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
-    spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos)
+    spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=cap.latency)
     report = {"checkpoint": str(ckpt), "hardware": hardware_name(), "spec": dataclasses.asdict(spec_cfg),
+              "latency_curve": dataclasses.asdict(cap.latency) if cap.latency is not None else None,
               "threads": torch.get_num_threads(),
               "temperature": args.temperature,
               "reps": args.reps, "max_new_tokens": args.max_new_tokens}

@@ -1,15 +1,16 @@
 #!/usr/bin/env python
 """Profile C_hw, the token capacity of one verification forward, for this model, hardware and layout.
 
-    python tools/profile_capacity.py --checkpoint smollm2 [--tolerance 1.5]
+    python tools/profile_capacity.py --checkpoint smollm2 [--tolerance 2.0]
     torchrun --nproc_per_node 2 tools/profile_capacity.py --checkpoint CKPT --tp 2
 
 Measures the latency of a verification forward against the number of tokens in it (1 .. 512; one
 row holding an N-node tree on a 128-token context) and derives C_hw by the documented rule
 (specroll_mcore.tree.budget.capacity_from_latency): the largest N whose latency is at most
 ``tolerance`` x the one-token latency. The result is cached (``$SPECROLL_CACHE/capacity_profiles.json``)
-under a key of the policy fingerprint, the hardware and the TP/PP layout; the speculative engine
-reads it when SpecConfig.c_hw is unset.
+under a key of the policy fingerprint, the hardware and the TP/PP layout, with the whole curve; the
+speculative engine reads C_hw from it when SpecConfig.c_hw is unset, and the curve to keep each
+step's trees to the nodes that pay for their latency (SpecConfig.adaptive_nodes).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config  # noqa: E402
 from specroll_mcore.config import ParallelConfig  # noqa: E402
 from specroll_mcore.rollout.profile import measure_capacity  # noqa: E402
-from specroll_mcore.tree.budget import profile_path  # noqa: E402
+from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, profile_path  # noqa: E402
 
 
 def main() -> int:
@@ -36,7 +37,7 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--tokens", default="1,2,4,8,12,16,24,32,48,64,96,128,192,256,384,512")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--tolerance", type=float, default=1.5)
+    ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     ap.add_argument("--out", help="also write the profile as JSON here")
     args = ap.parse_args()
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint

@@ -7,7 +7,8 @@ Layout (a Megatron-LM checkpoint directory, so `specroll convert mcore-to-hf` re
     OUT/iter_000000N/mp_rank_TT[_PPP]/model_optim_rng.pt   model shard, optimizer state, RNG
     OUT/iter_000000N/trainer_state.json             step, data position, policy version, counters
     OUT/iter_000000N/heads.pt                       unsharded heads + what they are tied to
-    OUT/iter_000000N/slow_path_dpR.pt               slow-path records, monitor, time accounts (per DP replica)
+    OUT/iter_000000N/engine_state_dpR.pt            SpecRoll engine: slow-path records, monitor, time
+                                                    accounts, tree-size calibration (per DP replica)
 
 Every rank writes its files into ``OUT/.iter_000000N.tmp``; after a barrier rank 0 fsyncs the tree,
 renames it into place, then replaces the tracker file (temp file + rename) and removes iterations
@@ -29,7 +30,8 @@ from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, 
                                                 iteration_dir, shard_dir_name)
 
 STATE_FILE = "trainer_state.json"
-SLOW_PATH_FILE = "slow_path_dp{dp}.pt"
+ENGINE_STATE_FILE = "engine_state_dp{dp}.pt"
+OLD_ENGINE_STATE_FILE = "slow_path_dp{dp}.pt"  # checkpoints written before the tree-size calibration
 
 
 def _iter_name(step: int) -> str:
@@ -48,11 +50,11 @@ def _write_atomic_text(path: Path, text: str) -> None:
 def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: torch.optim.Optimizer,
                              trainer_state: dict[str, Any], heads: Optional[dict[str, torch.Tensor]],
                              heads_meta: dict[str, Any], keep_last: int,
-                             slow_path: Optional[dict[str, Any]] = None) -> Path:
+                             engine_state: Optional[dict[str, Any]] = None) -> Path:
     """One training checkpoint, atomically (written to a temporary directory, fsynced, renamed).
-    ``heads`` are the full (TP-gathered) head weights; ``slow_path`` this replica's slow-path state
-    (records, monitor, time accounts: identical on the TP ranks of the last stage; each data-parallel
-    replica keeps its own records)."""
+    ``heads`` are the full (TP-gathered) head weights; ``engine_state`` this replica's SpecRoll engine
+    state (slow-path records, monitor, time accounts, tree-size calibration: identical on the TP ranks
+    of the last stage; each data-parallel replica keeps its own)."""
     ctx = policy.ctx
     out_dir = Path(out_dir)
     tmp = out_dir / f".{_iter_name(step)}.tmp"
@@ -68,8 +70,8 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: t
                     "iteration": step, "checkpoint_version": CHECKPOINT_VERSION}, d / "model_optim_rng.pt")
     if heads is not None and ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0:
         torch.save({"heads": heads, "meta": heads_meta}, tmp / HEADS_FILE)
-    if slow_path is not None and ctx.is_last_stage and ctx.tp_rank == 0:  # one per data-parallel replica
-        torch.save(slow_path, tmp / SLOW_PATH_FILE.format(dp=ctx.dp_rank))
+    if engine_state is not None and ctx.is_last_stage and ctx.tp_rank == 0:  # one per data-parallel replica
+        torch.save(engine_state, tmp / ENGINE_STATE_FILE.format(dp=ctx.dp_rank))
     if ctx.rank == 0:
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
     ctx.barrier()
@@ -98,7 +100,7 @@ def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: torch.optim
                              ) -> tuple[dict[str, Any], Optional[dict[str, torch.Tensor]], dict[str, Any],
                                         Optional[dict[str, Any]]]:
     """Restore this rank's model shard, optimizer and RNG; returns (trainer state, heads, heads meta,
-    slow-path state or None). The run must use the layout it was saved with."""
+    SpecRoll engine state or None). The run must use the layout it was saved with."""
     ctx = policy.ctx
     path = iter_dir / shard_dir_name(ctx.tp_rank, ctx.pp_rank, ctx.pp_size) / "model_optim_rng.pt"
     if not path.is_file():
@@ -112,8 +114,10 @@ def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: torch.optim
     if (iter_dir / HEADS_FILE).is_file():
         h = torch.load(iter_dir / HEADS_FILE, map_location="cpu", weights_only=True)
         heads, meta = h["heads"], h["meta"]
-    slow = None
-    slow_file = iter_dir / SLOW_PATH_FILE.format(dp=ctx.dp_rank)
-    if ctx.is_last_stage and slow_file.is_file():
-        slow = torch.load(slow_file, map_location="cpu", weights_only=False)
-    return state, heads, meta, slow
+    engine = None
+    if ctx.is_last_stage:
+        for name in (ENGINE_STATE_FILE, OLD_ENGINE_STATE_FILE):
+            if (iter_dir / name.format(dp=ctx.dp_rank)).is_file():
+                engine = torch.load(iter_dir / name.format(dp=ctx.dp_rank), map_location="cpu", weights_only=False)
+                break
+    return state, heads, meta, engine

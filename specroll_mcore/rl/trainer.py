@@ -37,7 +37,7 @@ from specroll_mcore.rl.grpo import group_advantages, policy_loss
 from specroll_mcore.rl.rewards import RewardConfig, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        global_grad_norm, pack_micro_batch)
-from specroll_mcore.rollout import VanillaEngine, make_engine
+from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
 from specroll_mcore.rollout.profile import ensure_capacity
 
 
@@ -78,12 +78,13 @@ class GRPOTrainer:
             raise ValueError(f"only {len(self.examples)} usable prompts (skipped: {self.data_report.skipped}); "
                              f"TrainConfig.prompts_per_step is {cfg.prompts_per_step}")
 
-        spec = None
+        spec = latency = None
         if cfg.engine == "specroll":
             fp = read_checkpoint_config(self.source).get("policy_fingerprint")
-            spec = dataclasses.replace(cfg.spec, num_heads=self.policy.num_heads,
-                                       c_hw=ensure_capacity(self.policy, cfg.spec.c_hw, fp))
-        self.engine = make_engine(cfg.engine, self.policy, spec, eos_token_ids=self.eos, tokenizer=self.tokenizer)
+            cap = ensure_capacity(self.policy, cfg.spec.c_hw, fp)
+            spec, latency = dataclasses.replace(cfg.spec, num_heads=self.policy.num_heads, c_hw=cap.c_hw), cap.latency
+        self.engine = make_engine(cfg.engine, self.policy, spec, latency, eos_token_ids=self.eos,
+                                  tokenizer=self.tokenizer)
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer) \
             if cfg.compare_vanilla_every else None
         params = [p for p in self.policy.gpt.parameters() if p.requires_grad]
@@ -122,13 +123,13 @@ class GRPOTrainer:
         latest = latest_training_checkpoint(self.out)
         if latest is None:
             return
-        state, heads, meta, slow = load_training_checkpoint(latest, self.policy, self.optimizer)
+        state, heads, meta, engine_state = load_training_checkpoint(latest, self.policy, self.optimizer)
         self.state = state
         if heads is not None and self.policy.heads is not None:
             self.policy.load_full_heads(heads)
             self.heads_meta = meta
-        if slow is not None and getattr(self.engine, "slow_path", None) is not None:
-            self.engine.slow_path.load_state_dict(slow)
+        if engine_state is not None and isinstance(self.engine, SpeculativeEngine):
+            self.engine.load_state_dict(engine_state)
         if self.ctx.rank == 0 and (self.out / "metrics.jsonl").is_file():  # drop rows of steps not checkpointed
             rows = [line for line in (self.out / "metrics.jsonl").read_text().splitlines()
                     if line and json.loads(line)["step"] <= state["step"]]
@@ -292,10 +293,9 @@ class GRPOTrainer:
     def save(self) -> Path:
         heads = full_head_state(self.policy) if self.policy.heads is not None else None  # TP-gathered
         meta = {**self.heads_meta, "policy_version": self.state["policy_version"]}
-        slow = getattr(self.engine, "slow_path", None)
+        engine = self.engine.state_dict() if isinstance(self.engine, SpeculativeEngine) else None
         return save_training_checkpoint(self.out, self.state["step"], self.policy, self.optimizer, dict(self.state),
-                                        heads, meta, self.cfg.keep_last,
-                                        slow_path=slow.state_dict() if slow is not None else None)
+                                        heads, meta, self.cfg.keep_last, engine_state=engine)
 
     def log(self, row: dict[str, Any]) -> None:
         if self.ctx.rank != 0:

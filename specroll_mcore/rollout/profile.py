@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
 from specroll_mcore.model import PolicyModel, causal_mask
 from specroll_mcore.rollout.base import prefill
+from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, LatencyCurve
 
 
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+class Capacity(NamedTuple):
+    """What the speculative engine needs to know about this policy, hardware and layout."""
+
+    c_hw: int
+    """Tokens per verification forward (the node budget's C_hw)."""
+    latency: Optional[LatencyCurve]
+    """The profiled forward latency (None: not profiled, e.g. C_hw configured on a machine without a
+    cached profile); the engine keeps each step's trees to what pays for its latency with it."""
+
+
 def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None,
-                     with_heads: bool = True) -> tuple[Any, PolicyModel, Any, int]:
-    """``smollm2`` or a checkpoint directory -> (path, policy with heads, tokenizer, C_hw): what the
-    rollout tools start from."""
+                     with_heads: bool = True) -> tuple[Any, PolicyModel, Any, Capacity]:
+    """``smollm2`` or a checkpoint directory -> (path, policy with heads, tokenizer, capacity): what
+    the rollout tools start from."""
     import transformers
 
     from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config
@@ -31,22 +42,25 @@ def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None,
 
 
 def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_fingerprint: Optional[str],
-                    tolerance: float = 1.5) -> int:
-    """C_hw for this policy, hardware and layout: SpecConfig.c_hw if set, else the cached profile,
-    else a quick profile now (a few seconds to a minute, see :func:`measure_capacity`)."""
-    from specroll_mcore.tree.budget import hardware_name, load_capacity, profile_key
+                    tolerance: float = DEFAULT_TOLERANCE) -> Capacity:
+    """C_hw and the latency curve for this policy, hardware and layout: SpecConfig.c_hw if set (with
+    the cached curve, if any; nothing is measured), else the cached profile's (C_hw derived from its
+    curve by today's rule), else a quick profile now (a few seconds to a minute, see
+    :func:`measure_capacity`)."""
+    from specroll_mcore.tree.budget import capacity_from_latency, hardware_name, load_profile, profile_key
 
-    if configured:
-        return configured
     ctx = policy.ctx
-    cached = load_capacity(profile_key(policy_fingerprint or "unknown", hardware_name(), ctx.tp_size, ctx.pp_size))
-    if cached:
-        return cached
-    return measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=3, tolerance=tolerance, quick=True)["c_hw"]
+    record = load_profile(profile_key(policy_fingerprint or "unknown", hardware_name(), ctx.tp_size, ctx.pp_size))
+    if record is None and not configured:
+        record = measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=3, tolerance=tolerance, quick=True)
+    latency = LatencyCurve.from_profile(record) if record is not None else None
+    if configured:
+        return Capacity(configured, latency)
+    return Capacity(capacity_from_latency(latency.tokens, latency.seconds, tolerance), latency)
 
 
 def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], sizes: Sequence[int], reps: int,
-                     tolerance: float = 1.5, quick: bool = False, verbose: bool = False) -> dict:
+                     tolerance: float = DEFAULT_TOLERANCE, quick: bool = False, verbose: bool = False) -> dict:
     """Profile the forward latency on every rank (collective; the slowest rank's latencies decide),
     derive C_hw by the documented rule (tree/budget.capacity_from_latency) and cache the record
     (rank 0). Returns the record."""

@@ -6,7 +6,8 @@ One round, for all unfinished responses at once:
                few depth-d nodes, conditioned on that node's drafted path (ranked with the noise
                the sampler will use there: SpecConfig.coupled);
   2. build     a sparse tree per response from those candidates under the node budget
-               N_t = clip(C_hw / B_t, N_min, N_max);
+               N_t = clip(C_hw / B_t, N_min, N_max), cut to the nodes that pay for their
+               latency (SpecConfig.adaptive_nodes);
   3. verify    ONE policy forward over every tree (tree attention on top of the KV cache);
   4. accept    walk each tree with the policy's own counter-based samples (verify.py);
   5. commit    keep the accepted path's keys/values, compacted; drop the rest;
@@ -37,8 +38,8 @@ from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutStat
                                          validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
-from specroll_mcore.tree import (ROOT, DraftLevel, TreeBatch, expansion, node_budget, row_chunks, select_tree,
-                                 tree_ancestor_mask)
+from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, LatencyCurve, TreeBatch, expansion, expected_tokens,
+                                 node_beliefs, node_budget, row_chunks, select_tree, tree_ancestor_mask, tree_size)
 from specroll_mcore.tree.budget import DEFAULT_C_HW
 from specroll_mcore.verify import accept
 
@@ -61,10 +62,14 @@ class SpeculativeEngine:
 
     def __init__(self, model: PolicyModel, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
                  tokenizer: Any = None, max_prefill_tokens: int = 4096, seed: int = 0,
-                 sync_timers: bool = False) -> None:
+                 sync_timers: bool = False, latency: Optional[LatencyCurve] = None) -> None:
         """``sync_timers``: on a GPU, wait for the device at every stage boundary so that
         ``time_split_s`` charges each stage its own kernels (slower: a profiling run, not a rollout);
-        without it a stage's time is its host work plus whatever earlier GPU work it waits on."""
+        without it a stage's time is its host work plus whatever earlier GPU work it waits on.
+        ``latency``: the profiled forward latency of this policy, hardware and layout
+        (rollout/profile.ensure_capacity), with which each step keeps only the nodes that pay for
+        themselves (``SpecConfig.adaptive_nodes``); None: every step uses its whole budget.
+        :meth:`state_dict` holds what a resumed run needs to repeat the same rollout statistics."""
         if model.num_heads != spec.num_heads:
             raise ValueError(f"SpecConfig.num_heads ({spec.num_heads}) != heads of the policy ({model.num_heads}); "
                              f"build the PolicyModel with num_heads={spec.num_heads}")
@@ -80,6 +85,21 @@ class SpeculativeEngine:
         self.slow_path = (SlowPath(model, spec.slow_path, spec.topk, seed, spec.draft_vocab)
                           if spec.slow_path.enabled and model.heads is not None else None)
         self._draft_vocab: Optional[DraftVocab] = None
+        self.latency = latency if spec.adaptive_nodes else None
+        self.calibration = DepthCalibration(spec.num_heads)  # how far the drafts' beliefs hold, per depth
+
+    def state_dict(self) -> dict[str, Any]:
+        """Speed-only state that outlives a rollout: the tree-size calibration and the slow path's."""
+        return {"calibration": self.calibration.state_dict(),
+                "slow_path": self.slow_path.state_dict() if self.slow_path is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "monitor" in state:  # a checkpoint from before the calibration: the slow path's state alone
+            state = {"slow_path": state}
+        if "calibration" in state:
+            self.calibration.load_state_dict(state["calibration"])
+        if state.get("slow_path") is not None and self.slow_path is not None:
+            self.slow_path.load_state_dict(state["slow_path"])
 
     def draft_vocab(self) -> Optional[DraftVocab]:
         """The ids the heads draft from (``SpecConfig.draft_vocab``), from their token counts and the
@@ -320,7 +340,7 @@ class SpeculativeEngine:
             n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
             t0 = clock()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
-            proposal = pool_index = None
+            proposal = pool_index = believed = None
             if n == 1:  # a full batch: plain decoding, no proposal
                 t1 = clock()
                 tree = TreeBatch(roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
@@ -342,6 +362,14 @@ class SpeculativeEngine:
                 proposal = self.propose(hidden, roots, sampling, n, keys, delta)
                 t1 = clock()
                 tree, pool_index = select_tree(roots, proposal.levels, n)
+                if self.latency is not None:  # keep the nodes that pay for their latency
+                    beliefs = node_beliefs(proposal.levels, pool_index)
+                    depth = (tree.depth[:, 1:] - 1).clamp(min=0)  # (padding: depth 0, belief 0)
+                    scale = torch.tensor(self.calibration.factors(), device=device)[depth]
+                    keep_n = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency)
+                    tree, pool_index = tree.prefix(keep_n), pool_index[:, :keep_n]
+                    believed = torch.zeros(H, device=device).index_add_(
+                        0, depth[:, :keep_n - 1].flatten(), beliefs[:, :keep_n - 1].flatten())
             else:
                 t1, tree = clock(), None
             tree = self._share_tree(tree, b, n)
@@ -354,6 +382,8 @@ class SpeculativeEngine:
                 acc = accept(tree, logits, sample_fn, position, max_depth=H)
                 tried_total += acc.tried
                 accepted_total += acc.accepted
+                if believed is not None:
+                    self.calibration.update(believed.tolist(), acc.accepted.tolist())
                 packed = [acc.tokens, acc.logprobs, acc.path, acc.counts]
                 next_hidden = hidden_all[acc.last_node, torch.arange(b, device=device)]  # [b, h]
             else:

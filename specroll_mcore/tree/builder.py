@@ -43,6 +43,11 @@ class TreeBatch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)  # type: ignore[return-value]
 
+    def prefix(self, n: int) -> "TreeBatch":
+        """The first ``n`` nodes of every row: a tree again for trees from :func:`select_tree` (each
+        node's parent comes before it)."""
+        return TreeBatch(self.tokens[:, :n], self.parents[:, :n], self.depth[:, :n], self.num_nodes.clamp(max=n))
+
 
 @dataclass
 class DraftLevel:
@@ -105,3 +110,23 @@ def select_tree(root_tokens: torch.Tensor, levels: Sequence[DraftLevel],
                      torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), torch.where(live, depth[order], 0)], 1),
                      1 + live.sum(1))
     return tree, torch.cat([root, torch.where(live, order, ROOT)], 1)
+
+
+def node_beliefs(levels: Sequence[DraftLevel], pool_index: torch.Tensor) -> torch.Tensor:
+    """[b, n - 1]: for the non-root nodes of trees from :func:`select_tree` (``pool_index`` [b, n]),
+    the drafts' belief that the node is accepted: a node is accepted iff its whole path is, which the
+    drafts believe with the path's cumulative probability; padding 0."""
+    b = pool_index.shape[0]
+    nodes = pool_index[:, 1:]
+    if not levels or nodes.shape[1] == 0:
+        return torch.zeros(b, nodes.shape[1], device=pool_index.device)
+    score = torch.cat([lv.score.reshape(b, -1).float() for lv in levels], 1)
+    return torch.where(nodes >= 0, score.gather(1, nodes.clamp(min=0)).exp(), 0.0)
+
+
+def expected_tokens(beliefs: torch.Tensor) -> torch.Tensor:
+    """Node beliefs [b, n - 1] (:func:`node_beliefs`) -> [n]: the tokens a step is expected to emit
+    over all rows with the trees cut to their first N = 1 .. n nodes (a row emits one token plus one
+    per accepted node)."""
+    b = beliefs.shape[0]
+    return torch.cat([beliefs.new_zeros(1), beliefs.sum(0).cumsum(0)]) + b

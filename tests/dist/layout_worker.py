@@ -18,11 +18,12 @@ from specroll_mcore.model import PolicyModel, causal_mask  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.base import prefill  # noqa: E402
 from specroll_mcore.sampling import SampleKeys  # noqa: E402
-from specroll_mcore.tree import tree_ancestor_mask, tree_depths  # noqa: E402
+from specroll_mcore.tree import LatencyCurve, tree_ancestor_mask, tree_depths  # noqa: E402
 
 PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37]]
 TREE_PARENTS = torch.tensor([[-1, 0, 0, 1, 3], [-1, -1, 1, -2, -2], [-1, 0, 1, 2, 0]])
 TREE_TOKENS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0], [13, 14, 15, 16, 17]])
+MID_LATENCY = LatencyCurve((1, 6, 12, 24), (1e-3, 1.1e-3, 2e-3, 8e-3))
 
 
 def models():
@@ -73,6 +74,10 @@ def run(arch: str, dtype: str, ctx) -> dict:
         out[name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason, "features": r.features}
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3]).generate(PROMPTS, sp, step=1)
         out["spec-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        # trees cut to what pays for its latency (each TP rank decides alone, from the same drafts)
+        r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], latency=MID_LATENCY).generate(
+            PROMPTS, sp, step=1)
+        out["spec-adaptive-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     out["adapt"] = adapt(model, ctx)
     out["draft_vocab"] = draft_vocab(model)
     return out

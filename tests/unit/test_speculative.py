@@ -2,6 +2,8 @@
 random tiny models, at T=0 and at T=1 with top-p, on ragged batches with early EOS; the near-tie
 divergence rate in float32 is measured and reported."""
 
+import copy
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from specroll_mcore.checkpoint import random_full_state_dict
 from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
+from specroll_mcore.tree import DepthCalibration, LatencyCurve
 
 PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37], [41, 42]]
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0.0, max_new_tokens=40, num_samples=2),
@@ -136,6 +139,52 @@ def test_tree_forwards_never_exceed_c_hw(ctx, monkeypatch):
     sizes.clear()
     SpeculativeEngine(model, SpecConfig(c_hw=3)).generate(PROMPTS, SAMPLINGS["t1_top_p"])  # 12 rows > C_hw
     assert sizes[0] == (12, 1)  # all unfinished rows in one plain decode forward
+
+
+def test_adaptive_nodes_follow_the_latency_curve_and_keep_the_tokens(ctx):
+    """Each step keeps the nodes that pay for their latency: the whole budget when extra tokens are
+    free, one node (plain decoding) when each costs a whole forward; the tokens are vanilla's always."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    sp = SAMPLINGS["t1_top_p"]
+    ref = VanillaEngine(model).generate(PROMPTS, sp)
+    curves = {"flat": LatencyCurve((1, 64), (1.0, 1.0)), "steep": LatencyCurve((1, 2, 64), (1.0, 2.0, 64.0)),
+              "mid": LatencyCurve((1, 8, 16, 64), (1.0, 1.1, 2.0, 8.0)), "none": None}
+    nodes = {}
+    for name, curve in curves.items():
+        engine = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=curve)
+        engine.calibration = DepthCalibration(3, decay=1.0, prior=0.0)  # plain sums
+        out = engine.generate(PROMPTS, sp)
+        assert out.tokens == ref.tokens, name
+        if curve is not None:  # the calibration counts every accepted draft, per depth
+            accepted = [round(a * t) for a, t in zip(out.stats["acceptance_per_depth"], out.stats["tried_per_depth"])]
+            assert engine.calibration.accepted == accepted
+        nodes[name] = [p["nodes_per_row"] for p in out.stats["per_step"]]
+        if name == "steep":
+            assert set(nodes[name]) == {1} and out.stats["tau"] == 1.0
+    assert nodes["flat"] == nodes["none"]  # nothing trimmed where nodes cost nothing
+    assert sum(nodes["mid"]) < sum(nodes["flat"])
+    engine = SpeculativeEngine(model, SpecConfig(c_hw=64, adaptive_nodes=False), latency=curves["steep"])
+    assert engine.latency is None  # switched off: every step uses its whole budget
+
+
+def test_engine_state_round_trip(ctx):
+    """What a resumed run restores: the tree-size calibration and the slow path's state; a checkpoint
+    from before the calibration holds the slow path's state alone."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    flat = LatencyCurve((1, 64), (1.0, 1.0))
+    engine = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=flat)
+    engine.generate(PROMPTS, SAMPLINGS["t1_top_p"])
+    state = copy.deepcopy(engine.state_dict())
+    assert state["calibration"]["accepted"] != [4.0, 4.0, 4.0]  # it has seen steps
+    other = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=flat)
+    other.load_state_dict(state)
+    assert other.calibration.state_dict() == engine.calibration.state_dict()
+    assert len(other.slow_path.buffer) == len(engine.slow_path.buffer) > 0
+    old = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=flat)
+    old.load_state_dict(copy.deepcopy(engine.slow_path.state_dict()))
+    assert len(old.slow_path.buffer) == len(engine.slow_path.buffer) and old.calibration.factors() == [1.0] * 3
+    with pytest.raises(ValueError, match="a calibration of 2 depths does not fit 3 heads"):
+        other.load_state_dict({"calibration": {"expected": [1.0, 1.0], "accepted": [1.0, 1.0]}})
 
 
 def test_engine_flag_and_config_errors(ctx):

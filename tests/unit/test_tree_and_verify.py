@@ -3,10 +3,12 @@
 import math
 import random
 
+import pytest
 import torch
 
-from specroll_mcore.tree import (PAD, ROOT, DraftLevel, TreeBatch, capacity_from_latency, expansion, node_budget,
-                                 row_chunks, select_tree)
+from specroll_mcore.tree import (PAD, ROOT, DraftLevel, LatencyCurve, TreeBatch, capacity_from_latency, expansion,
+                                 expected_tokens, node_beliefs, node_budget, row_chunks, select_tree, tree_size)
+from specroll_mcore.tree.budget import DepthCalibration
 from specroll_mcore.verify import accept
 
 
@@ -128,7 +130,61 @@ def test_budget_and_chunks():
     assert node_budget(1, 64, 1, 16) == 16
     assert node_budget(100, 64, 2, 16) == 2
     assert row_chunks(100, 2, 64) == [(0, 32), (32, 64), (64, 96), (96, 100)]
-    assert capacity_from_latency([1, 2, 4, 8, 16, 32], [1.0, 1.0, 1.1, 1.3, 1.6, 2.5]) == 8
+    assert capacity_from_latency([1, 2, 4, 8, 16, 32], [1.0, 1.0, 1.1, 1.3, 1.6, 2.5], tolerance=1.5) == 8
+    assert capacity_from_latency([1, 2, 4, 8, 16, 32], [1.0, 1.0, 1.1, 1.3, 1.6, 2.5]) == 16  # within 2x
+
+
+def test_latency_curve_interpolates_and_checks_its_points():
+    curve = LatencyCurve((1, 4, 8), (1.0, 1.6, 2.0))
+    assert curve(1) == 1.0 and curve(8) == 2.0
+    assert curve(2) == pytest.approx(1.2) and curve(6) == pytest.approx(1.8)
+    assert curve(16) == pytest.approx(2.8)  # past the last point: the last segment's slope (0.1 per token)
+    with pytest.raises(ValueError, match="at least two"):
+        LatencyCurve((1,), (1.0,))
+    with pytest.raises(ValueError, match="increasing"):
+        LatencyCurve((1, 8, 4), (1.0, 2.0, 3.0))
+    with pytest.raises(ValueError, match="seconds must be > 0"):
+        LatencyCurve((1, 2), (1.0, 0.0))
+
+
+def test_tree_size_keeps_the_nodes_that_pay_for_their_latency():
+    expected = [2.0, 2.9, 3.3, 3.5]  # two rows: tokens expected with 1..4 nodes per row
+    flat = LatencyCurve((1, 64), (1.0, 1.0))
+    steep = LatencyCurve((1, 2, 64), (1.0, 2.0, 64.0))  # every extra token costs a whole forward
+    assert tree_size(expected, 2, flat) == 4  # free nodes: the whole budget
+    assert tree_size(expected, 2, steep) == 1  # (2.9 tokens in 4 s < 2 tokens in 2 s)
+    mid = LatencyCurve((1, 2, 4, 8), (1.0, 1.0, 1.2, 2.0))  # rows * N tokens: 2, 4, 6, 8
+    # rates: 2.0 / 1.0, 2.9 / 1.2, 3.3 / 1.6, 3.5 / 2.0 -> two nodes per row
+    assert tree_size(expected, 2, mid) == 2
+    assert tree_size([2.0, 2.0, 2.0], 2, flat) == 1  # nothing to gain: the smallest
+
+
+def test_depth_calibration_follows_the_observed_ratio():
+    cal = DepthCalibration(2, decay=0.9, prior=4.0)
+    assert cal.factors() == [1.0, 1.0]
+    for _ in range(200):  # depth 1: half of what the drafts believe is accepted; depth 2: all of it
+        cal.update([2.0, 1.0], [1.0, 1.0])
+    assert cal.factors() == pytest.approx([0.5, 1.0], abs=1e-6)
+    assert DepthCalibration(1, prior=0.0).factors() == [1.0]  # nothing seen: trust the drafts
+
+
+def test_tree_prefixes_are_trees_and_expected_tokens_sum_path_beliefs():
+    b, k = 3, 3
+    g = torch.Generator().manual_seed(0)
+    lq = torch.log_softmax(torch.randn(b, 1, k, generator=g), -1).sort(-1, descending=True).values
+    lv1 = DraftLevel(torch.full((b, 1), ROOT), torch.randint(5, 50, (b, 1, k), generator=g), lq)
+    sel = expansion(lv1, 2)
+    lq2 = torch.log_softmax(torch.randn(b, 2, k, generator=g), -1).sort(-1, descending=True).values
+    lv2 = DraftLevel(sel, torch.randint(5, 50, (b, 2, k), generator=g), lv1.score.reshape(b, -1).gather(1, sel)[..., None] + lq2)
+    tree, pool = select_tree(torch.tensor([1, 2, 3]), [lv1, lv2], 7)
+    flat = torch.cat([lv1.score.reshape(b, -1), lv2.score.reshape(b, -1)], 1)
+    want = [b + sum(float(flat[r, pool[r, j]].exp()) for r in range(b) for j in range(1, n)) for n in range(1, 8)]
+    assert expected_tokens(node_beliefs([lv1, lv2], pool)).tolist() == pytest.approx(want)
+    for n in range(1, 8):
+        part = tree.prefix(n)
+        assert part.shape == (b, n) and part.num_nodes.tolist() == [n] * b
+        parents = part.parents[:, 1:]
+        assert bool(((parents >= 0) & (parents < torch.arange(1, n))).all())  # every parent is kept, and first
 
 
 def test_accept_walk_matches_children_and_always_emits():
@@ -159,9 +215,13 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
     model = make_policy(tiny_llama(), ctx)
-    assert profile.ensure_capacity(model, 24, "fp") == 24  # configured wins, nothing measured
+    assert profile.ensure_capacity(model, 24, "fp") == (24, None)  # configured wins, nothing measured
     assert not (tmp_path / "capacity_profiles.json").exists()
-    c_hw = profile.ensure_capacity(model, None, "fp")
-    assert c_hw in profile.QUICK_SIZES and (tmp_path / "capacity_profiles.json").is_file()
+    cap = profile.ensure_capacity(model, None, "fp")
+    assert cap.c_hw in profile.QUICK_SIZES and (tmp_path / "capacity_profiles.json").is_file()
+    assert cap.latency.tokens == profile.QUICK_SIZES and len(cap.latency.seconds) == len(profile.QUICK_SIZES)
     monkeypatch.setattr(profile, "forward_latency", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
-    assert profile.ensure_capacity(model, None, "fp") == c_hw  # cached
+    assert profile.ensure_capacity(model, None, "fp") == cap  # cached
+    assert profile.ensure_capacity(model, 24, "fp") == (24, cap.latency)  # configured C_hw, the cached curve
+    # C_hw comes from the cached curve by the rule in force
+    assert profile.ensure_capacity(model, None, "fp", tolerance=0.5).c_hw == 1  # (nothing within 0.5x: the least)
