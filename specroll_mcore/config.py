@@ -339,8 +339,9 @@ class SpecConfig:
     """Keep each step's trees to the nodes that pay for their latency: of the N_t nodes per row the
     budget allows, the prefix (in the order the trees were grown) with the most expected tokens per
     second, from the drafts' cumulative probabilities (calibrated per depth by the acceptance
-    observed so far) and the profiled forward latency. Needs the latency profile (tools/profile_capacity.py, or the quick one
-    measured on first use); without one, or False: always N_t nodes. Speed only."""
+    observed so far) and the profiled forward latency. Needs the latency profile
+    (tools/profile_capacity.py, or the quick one measured on first use); without one, or False:
+    always N_t nodes. Speed only."""
 
     coupled: bool = True
     """Draft with the sampler's own noise: head i proposes the ids with the largest

@@ -30,8 +30,8 @@ The event's tokens are first added to the heads' ``token_counts``, so tokens the
 samples enter the draft vocabulary (``SpecConfig.draft_vocab``); the head's candidates (in the
 support and in the held-out test) are then ranked over that vocabulary, the ids the engine will
 draft from. The update is rolled back if the held-out expected acceptance (the policy's probability
-mass on the head's top-k candidates) gets worse. It
-runs on the last pipeline stage only, between rollout batches; other stages are not involved.
+mass on the head's top-k candidates) gets worse. It runs on the last pipeline stage only, between
+rollout batches; other stages are not involved.
 """
 
 from __future__ import annotations
