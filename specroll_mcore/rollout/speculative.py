@@ -365,9 +365,11 @@ class SpeculativeEngine:
                 if self.latency is not None:  # keep the nodes that pay for their latency
                     beliefs = node_beliefs(proposal.levels, pool_index)
                     depth = (tree.depth[:, 1:] - 1).clamp(min=0)  # (padding: depth 0, belief 0)
-                    scale = torch.tensor(self.calibration.factors(), device=device)[depth]
-                    keep_n = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency)
-                    tree, pool_index = tree.prefix(keep_n), pool_index[:, :keep_n]
+                    keep_n = tree.shape[1]
+                    if self.latency(b * keep_n) > self.latency(b):  # (a flat curve: every node pays, no sync)
+                        scale = torch.tensor(self.calibration.factors(), device=device)[depth]
+                        keep_n = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency)
+                        tree, pool_index = tree.prefix(keep_n), pool_index[:, :keep_n]
                     believed = torch.zeros(H, device=device).index_add_(
                         0, depth[:, :keep_n - 1].flatten(), beliefs[:, :keep_n - 1].flatten())
             else:

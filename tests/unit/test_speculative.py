@@ -141,16 +141,23 @@ def test_tree_forwards_never_exceed_c_hw(ctx, monkeypatch):
     assert sizes[0] == (12, 1)  # all unfinished rows in one plain decode forward
 
 
-def test_adaptive_nodes_follow_the_latency_curve_and_keep_the_tokens(ctx):
+def test_adaptive_nodes_follow_the_latency_curve_and_keep_the_tokens(ctx, monkeypatch):
     """Each step keeps the nodes that pay for their latency: the whole budget when extra tokens are
-    free, one node (plain decoding) when each costs a whole forward; the tokens are vanilla's always."""
+    free (without weighing them: no host round trip), one node (plain decoding) when each costs a
+    whole forward; the tokens are vanilla's always."""
+    import specroll_mcore.rollout.speculative as engine_module
+
     model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
     sp = SAMPLINGS["t1_top_p"]
     ref = VanillaEngine(model).generate(PROMPTS, sp)
     curves = {"flat": LatencyCurve((1, 64), (1.0, 1.0)), "steep": LatencyCurve((1, 2, 64), (1.0, 2.0, 64.0)),
               "mid": LatencyCurve((1, 8, 16, 64), (1.0, 1.1, 2.0, 8.0)), "none": None}
     nodes = {}
+    weighed = []
+    real_tree_size = engine_module.tree_size
+    monkeypatch.setattr(engine_module, "tree_size", lambda *a: weighed.append(a) or real_tree_size(*a))
     for name, curve in curves.items():
+        weighed.clear()
         engine = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=curve)
         engine.calibration = DepthCalibration(3, decay=1.0, prior=0.0)  # plain sums
         out = engine.generate(PROMPTS, sp)
@@ -161,6 +168,7 @@ def test_adaptive_nodes_follow_the_latency_curve_and_keep_the_tokens(ctx):
         nodes[name] = [p["nodes_per_row"] for p in out.stats["per_step"]]
         if name == "steep":
             assert set(nodes[name]) == {1} and out.stats["tau"] == 1.0
+        assert bool(weighed) == (name in ("steep", "mid")), name
     assert nodes["flat"] == nodes["none"]  # nothing trimmed where nodes cost nothing
     assert sum(nodes["mid"]) < sum(nodes["flat"])
     engine = SpeculativeEngine(model, SpecConfig(c_hw=64, adaptive_nodes=False), latency=curves["steep"])
