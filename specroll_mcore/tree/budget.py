@@ -76,6 +76,9 @@ class LatencyCurve:
     def from_profile(cls, record: dict) -> "LatencyCurve":
         """From a record of :func:`specroll_mcore.rollout.profile.measure_capacity`."""
         curve = record["curve"]
+        if len(curve["tokens"]) < 2:
+            raise ValueError(f"the cached capacity profile measured {len(curve['tokens'])} token count(s); rerun "
+                             f"tools/profile_capacity.py with at least two --tokens (its default measures 1 to 512)")
         return cls(tuple(int(t) for t in curve["tokens"]), tuple(float(s) for s in curve["tree_row_s"]))
 
     def __call__(self, tokens: int) -> float:

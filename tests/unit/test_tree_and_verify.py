@@ -145,6 +145,8 @@ def test_latency_curve_interpolates_and_checks_its_points():
         LatencyCurve((1, 8, 4), (1.0, 2.0, 3.0))
     with pytest.raises(ValueError, match="seconds must be > 0"):
         LatencyCurve((1, 2), (1.0, 0.0))
+    with pytest.raises(ValueError, match="measured 1 token count.*rerun tools/profile_capacity.py with at least two"):
+        LatencyCurve.from_profile({"curve": {"tokens": [1], "tree_row_s": [0.01]}})
 
 
 def test_tree_size_keeps_the_nodes_that_pay_for_their_latency():
