@@ -7,7 +7,6 @@ Run with torchrun for TP/PP/DP, e.g.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import warnings
@@ -24,12 +23,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import transformers
 
     from specroll_mcore import parallel
-    from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config
+    from specroll_mcore.checkpoint.megatron import load_policy
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
     from specroll_mcore.config import load_generate_config
     from specroll_mcore.rl.data import chat_prompt_ids
     from specroll_mcore.rollout import make_engine
-    from specroll_mcore.rollout.profile import ensure_capacity
+    from specroll_mcore.rollout.profile import speculative_setup
 
     cfg = load_generate_config(args.config, args.set)
     ckpt = resolve_checkpoint(cfg.checkpoint)
@@ -45,8 +44,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
     spec = latency = None
     if cfg.engine == "specroll":
-        cap = ensure_capacity(policy, cfg.spec.c_hw, read_checkpoint_config(ckpt).get("policy_fingerprint"))
-        spec, latency = dataclasses.replace(cfg.spec, num_heads=policy.num_heads, c_hw=cap.c_hw), cap.latency
+        spec, latency = speculative_setup(policy, cfg.spec, ckpt)
     engine = make_engine(cfg.engine, policy, spec, latency, eos_token_ids=_eos_ids(tokenizer), tokenizer=tokenizer)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
     rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p], "response": tokenizer.decode(t, skip_special_tokens=True),

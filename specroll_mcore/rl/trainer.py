@@ -38,13 +38,11 @@ from specroll_mcore.rl.rewards import RewardConfig, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        global_grad_norm, pack_micro_batch)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
-from specroll_mcore.rollout.profile import ensure_capacity
+from specroll_mcore.rollout.profile import speculative_setup
 
 
 class GRPOTrainer:
     def __init__(self, cfg: TrainConfig) -> None:
-        import dataclasses
-
         import transformers
 
         self.cfg = cfg
@@ -80,9 +78,7 @@ class GRPOTrainer:
 
         spec = latency = None
         if cfg.engine == "specroll":
-            fp = read_checkpoint_config(self.source).get("policy_fingerprint")
-            cap = ensure_capacity(self.policy, cfg.spec.c_hw, fp)
-            spec, latency = dataclasses.replace(cfg.spec, num_heads=self.policy.num_heads, c_hw=cap.c_hw), cap.latency
+            spec, latency = speculative_setup(self.policy, cfg.spec, self.source)
         self.engine = make_engine(cfg.engine, self.policy, spec, latency, eos_token_ids=self.eos,
                                   tokenizer=self.tokenizer)
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer) \

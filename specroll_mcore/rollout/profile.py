@@ -59,6 +59,17 @@ def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_finge
     return Capacity(capacity_from_latency(latency.tokens, latency.seconds, tolerance), latency)
 
 
+def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[Any, Optional[LatencyCurve]]:
+    """The SpecConfig a SpecRoll engine runs ``policy`` (loaded from ``checkpoint``) with: its head
+    count and C_hw filled in (:func:`ensure_capacity`), and the latency curve to size trees with."""
+    import dataclasses
+
+    from specroll_mcore.checkpoint.megatron import read_checkpoint_config
+
+    cap = ensure_capacity(policy, spec.c_hw, read_checkpoint_config(checkpoint).get("policy_fingerprint"))
+    return dataclasses.replace(spec, num_heads=policy.num_heads, c_hw=cap.c_hw), cap.latency
+
+
 def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], sizes: Sequence[int], reps: int,
                      tolerance: float = DEFAULT_TOLERANCE, quick: bool = False, verbose: bool = False) -> dict:
     """Profile the forward latency on every rank (collective; the slowest rank's latencies decide),

@@ -206,6 +206,25 @@ class SpeculativeEngine:
             zs.append(zd)
         return Proposal(levels, q_tops, zs)
 
+    # -- 2. build: keep the nodes that pay for their latency ----------------------------------------------
+    def trim(self, tree: TreeBatch, pool_index: torch.Tensor, proposal: Proposal):
+        """The prefix of the selected trees with the most expected tokens per second of forward
+        (``SpecConfig.adaptive_nodes``; the drafts' beliefs scaled by :attr:`calibration`). Returns the
+        trees, their pool indices and the drafts' summed beliefs per depth over the kept nodes [H] (what
+        the calibration compares with the accepted nodes after verification). A latency curve flat
+        over the step's tokens keeps every node without weighing them (no host round trip)."""
+        b = tree.shape[0]
+        beliefs = node_beliefs(proposal.levels, pool_index)
+        depth = (tree.depth[:, 1:] - 1).clamp(min=0)  # (padding: depth 0, belief 0)
+        keep_n = tree.shape[1]
+        if self.latency(b * keep_n) > self.latency(b):
+            scale = torch.tensor(self.calibration.factors(), device=beliefs.device)[depth]
+            keep_n = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency)
+            tree, pool_index = tree.prefix(keep_n), pool_index[:, :keep_n]
+        believed = beliefs.new_zeros(self.spec.num_heads).index_add_(
+            0, depth[:, :keep_n - 1].flatten(), beliefs[:, :keep_n - 1].flatten())
+        return tree, pool_index, believed
+
     # -- 6. feedback ----------------------------------------------------------------------------------
     def feedback(self, active: torch.Tensor, slots: list[int], counts: list[int], acc: Any, logits: torch.Tensor,
                  hidden_all: torch.Tensor, proposal: Optional[Proposal], pool_index: Optional[torch.Tensor],
@@ -362,16 +381,8 @@ class SpeculativeEngine:
                 proposal = self.propose(hidden, roots, sampling, n, keys, delta)
                 t1 = clock()
                 tree, pool_index = select_tree(roots, proposal.levels, n)
-                if self.latency is not None:  # keep the nodes that pay for their latency
-                    beliefs = node_beliefs(proposal.levels, pool_index)
-                    depth = (tree.depth[:, 1:] - 1).clamp(min=0)  # (padding: depth 0, belief 0)
-                    keep_n = tree.shape[1]
-                    if self.latency(b * keep_n) > self.latency(b):  # (a flat curve: every node pays, no sync)
-                        scale = torch.tensor(self.calibration.factors(), device=device)[depth]
-                        keep_n = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency)
-                        tree, pool_index = tree.prefix(keep_n), pool_index[:, :keep_n]
-                    believed = torch.zeros(H, device=device).index_add_(
-                        0, depth[:, :keep_n - 1].flatten(), beliefs[:, :keep_n - 1].flatten())
+                if self.latency is not None:
+                    tree, pool_index, believed = self.trim(tree, pool_index, proposal)
             else:
                 t1, tree = clock(), None
             tree = self._share_tree(tree, b, n)
