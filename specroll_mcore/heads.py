@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from specroll_mcore import cpu_gemm
 from specroll_mcore.sampling import SampleKeys, gumbel_noise, gumbel_noise_at, upcast
 
 
@@ -114,6 +115,7 @@ class DraftVocab:
     local_ids: torch.Tensor  # [size_r] the ids in this rank's shard
     rows: torch.Tensor  # [size_r, h] their rows of the vocab projection
     start: int  # subset index of local_ids[0]
+    packed: Optional[torch.Tensor] = None  # rows packed for CPU float32 products (cpu_gemm.py)
 
     @property
     def size(self) -> int:
@@ -138,11 +140,17 @@ class DraftVocab:
         ids = ids.to(weight.device)
         own = (ids >= vocab_start) & (ids < vocab_start + weight.shape[0])
         local_ids = ids[own]
-        return cls(ids, local_ids, weight[local_ids - vocab_start], int((ids < vocab_start).sum()))
+        rows = weight[local_ids - vocab_start]
+        packable = rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.numel() > 0  # (a TP rank may own no id)
+        packed = cpu_gemm.pack(rows) if packable and cpu_gemm.enabled() else None
+        return cls(ids, local_ids, rows, int((ids < vocab_start).sum()), packed)
 
     def project(self, z: torch.Tensor) -> torch.Tensor:
-        """Subset logits of this rank's ids: [..., h] -> [..., size_r] (``rows @ z^T`` on CPU, where
-        BLAS is slow for a few rows times a tall matrix, as in the policy's vocab projection)."""
+        """Subset logits of this rank's ids: [..., h] -> [..., size_r] (on CPU, as the policy's vocab
+        projection: packed rows from ``cpu_gemm.VOCAB_MIN_ROWS`` rows of z on, else ``rows @ z^T``,
+        where BLAS is slow for a few rows times a tall matrix)."""
+        if self.packed is not None and cpu_gemm.applies(z, cpu_gemm.VOCAB_MIN_ROWS):
+            return cpu_gemm.packed_linear(z, self.packed)
         flat = z.reshape(-1, z.shape[-1]).to(self.rows.dtype)
         out = torch.mm(self.rows, flat.t()).t() if z.device.type == "cpu" else flat @ self.rows.t()
         return out.reshape(*z.shape[:-1], self.rows.shape[0])

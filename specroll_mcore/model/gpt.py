@@ -21,7 +21,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict, shard_tensor
 from specroll_mcore.config import ModelConfig
 from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
+from specroll_mcore import cpu_gemm
 from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
+from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
 from specroll_mcore.model.kv_cache import KVCache
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
@@ -62,12 +64,18 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerC
 
 
 def layer_spec() -> ModuleSpec:
-    """megatron-core's local GPT layer spec with our self-attention and core attention."""
+    """megatron-core's local GPT layer spec with our self-attention and core attention, and linears
+    whose CPU inference products run on packed weights (cpu_gemm.py)."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     attn = spec.submodules.self_attention
-    attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPACoreAttention)
+    attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPACoreAttention,
+                                   linear_qkv=PackedColumnParallelLinear, linear_proj=PackedRowParallelLinear)
     new_attn = dataclasses.replace(attn, module=SpecRollSelfAttention, submodules=attn_sub)
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn))
+    mlp = spec.submodules.mlp
+    new_mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
+        mlp.submodules, linear_fc1=PackedColumnParallelLinear, linear_fc2=PackedRowParallelLinear))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn,
+                                                                   mlp=new_mlp))
 
 
 class PolicyModel(torch.nn.Module):
@@ -103,6 +111,7 @@ class PolicyModel(torch.nn.Module):
                 self.heads = build_module(horizon_heads_spec(num_heads, config.vocab_size), config=self.gpt.config)
             self.heads.to(device=ctx.device, dtype=config.torch_dtype)
         self.num_heads = num_heads
+        self._packed_vocab = cpu_gemm.PackedWeight()  # (CPU inference, see vocab_projection)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,14 +160,18 @@ class PolicyModel(torch.nn.Module):
         """The policy's output layer (vocab-parallel): [..., h] -> [..., V/tp].
 
         With gradients, or on GPU, this is megatron's ``output_layer(x, weight=shared)``. In CPU
-        inference the same product is computed as ``W @ x^T``: with a tall vocabulary matrix and a
-        few rows, CPU BLAS runs ``x @ W^T`` on a slow kernel (SmolLM2, 3 rows: 38 ms vs 7 ms)."""
+        inference the same product runs on packed weights from ``cpu_gemm.VOCAB_MIN_ROWS`` rows on
+        (cpu_gemm.py), and as ``W @ x^T`` below: with a tall vocabulary matrix and a few
+        rows, CPU BLAS runs ``x @ W^T`` on a slow kernel."""
         gpt = self.gpt
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         if torch.is_grad_enabled() or x.device.type != "cpu":
             logits, _ = gpt.output_layer(x, weight=weight)
             return logits
         w = self.output_weight()  # [V/tp, h]
+        packed = self._packed_vocab.get(w) if cpu_gemm.applies(x, cpu_gemm.VOCAB_MIN_ROWS) else None
+        if packed is not None:
+            return cpu_gemm.packed_linear(x, packed)
         flat = x.reshape(-1, x.shape[-1])
         return torch.mm(w, flat.t()).t().reshape(*x.shape[:-1], w.shape[0])
 

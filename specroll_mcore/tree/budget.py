@@ -141,13 +141,19 @@ def profile_key(model_fingerprint: str, hardware: str, tp: int, pp: int) -> str:
 
 
 def hardware_name() -> str:
+    """The device a capacity profile was measured on (part of its cache key), with what changes its
+    latency curve there: on CPU the thread count and whether products run on packed weights
+    (cpu_gemm.py)."""
     import platform
 
     import torch
 
+    from specroll_mcore import cpu_gemm
+
     if torch.cuda.is_available():
         return f"cuda:{torch.cuda.get_device_name()}x{torch.cuda.device_count()}"
-    return f"cpu:{platform.processor() or platform.machine()}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
+    name = f"cpu:{platform.processor() or platform.machine()}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
+    return name + (":packed" if cpu_gemm.enabled() else "")
 
 
 def profile_path(cache: Optional[Path] = None) -> Path:

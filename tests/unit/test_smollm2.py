@@ -35,9 +35,12 @@ def test_smollm2_parity_on_chat_prompts(smollm2):
         ids = torch.tensor([prompts[0]])
         s = ids.shape[1]
         ours = policy.full_logits(policy(ids, policy.metadata(torch.arange(s)[None], causal_mask(1, s, ids.device))))
-        diff = (hf(ids).logits - ours).abs().max().item()
+        ref = hf(ids).logits
+        diff = (ref - ours).abs().max().item()
     print(f"SmolLM2 max |logits diff| = {diff:.2e}")
-    assert diff < 1e-4
+    # float32 rounding of 30 layers: the same kernels give 0.0; products on packed weights
+    # (cpu_gemm.py) move the logits by ~4e-6 of their largest magnitude (1.4e-4 of 40)
+    assert diff < 1e-5 * ref.abs().max().item()
     out = VanillaEngine(policy, eos_token_ids=[tok.eos_token_id], tokenizer=tok).generate(
         prompts, SamplingConfig(temperature=0, max_new_tokens=24))
     for p, toks in zip(prompts, out.tokens):

@@ -1,0 +1,100 @@
+"""CPU inference products on weights packed once for oneDNN, for forwards of a few tokens.
+
+On CPU, ``x @ W^T`` with a handful of rows runs on BLAS kernels made for one row or for many: a
+verification forward of 4-16 tree tokens pays for its extra rows almost as if it were a batch of
+separate forwards. oneDNN's matmul on a weight reordered into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``) does not. Measured on a 2-core Xeon (AVX-512),
+SmolLM2-135M's 120 layer matrices, fp32, ms per forward (rows = tokens in the forward):
+
+    rows            1     2     3     4     8     16    32    200
+    BLAS          16.0  18.6  20.0  28.7  34.9  39.4  43.9  163.2
+    oneDNN packed 21.3  22.3  22.9  22.8  26.2  30.7  39.2  135.9
+
+and its 49152 x 576 vocabulary projection 2.3 (``W @ x^T``, one row) / 3.2 / 3.8 / 5.4 / 8.5 against
+packed 2.8 / 2.8 / 3.2 / 3.2 / 3.9 at 1 / 2 / 3 / 4 / 8 rows. So layer products take the packed
+weights from :data:`LAYER_MIN_ROWS` rows on and the vocabulary projection from
+:data:`VOCAB_MIN_ROWS` (see PolicyModel.vocab_projection). This speeds up every engine alike
+(prefill, batched decoding, trees), and changes float32 results only by rounding (~1e-6, as any
+change of kernel does); float64 and half precision keep the BLAS path.
+
+The packed copy is made on first use and remade when the weight changes (a new tensor or an
+in-place update: its version counter), so an optimizer step or a checkpoint load is picked up. It
+doubles the memory of the packed weights on CPU. ``SPECROLL_PACKED_GEMM=0`` switches it off.
+Only inference takes this path: with gradients enabled, or on GPU, nothing changes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+LAYER_MIN_ROWS = 4
+VOCAB_MIN_ROWS = 2
+PACK_ROWS_HINT = 8
+"""The row count oneDNN lays the packed weights out for (any count works; 8 measured best of 1 / 8)."""
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECROLL_PACKED_GEMM", "1") != "0" and torch.backends.mkldnn.is_available()
+
+
+def applies(x: torch.Tensor, min_rows: int) -> bool:
+    """Whether a product of ``x`` [..., in] may run on packed weights: CPU float32 inference of
+    ``min_rows`` rows or more."""
+    return (not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
+            and x.numel() >= min_rows * x.shape[-1] and enabled())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] (CPU float32) in oneDNN's blocked layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` for x [..., in] with ``packed = pack(weight)``."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class PackedWeight:
+    """A parameter's packed copy, remade when the parameter is replaced or updated in place."""
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self._packed: Optional[torch.Tensor] = None
+
+    def get(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
+        """The packed copy; None for a weight created under ``torch.inference_mode`` (no version
+        counter: its in-place updates could not be told)."""
+        if weight.is_inference():
+            return None
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if key != self._key:
+            self._packed, self._key = pack(weight), key
+        return self._packed
+
+
+class _PackedForward:
+    """Overrides megatron's local product (``_forward_impl``: the matmul and bias of this rank's
+    shard, before any TP communication), so the layer's parallel semantics stay megatron's."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if weight is self.weight and not kwargs.get("sequence_parallel") and applies(input, LAYER_MIN_ROWS):
+            if not hasattr(self, "_packed_weight"):
+                self._packed_weight = PackedWeight()
+            packed = self._packed_weight.get(weight)
+            if packed is not None:
+                return packed_linear(input, packed, kwargs.get("bias"))
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class PackedColumnParallelLinear(_PackedForward, ColumnParallelLinear):
+    """megatron's ColumnParallelLinear; CPU inference products on packed weights."""
+
+
+class PackedRowParallelLinear(_PackedForward, RowParallelLinear):
+    """megatron's RowParallelLinear; CPU inference products on packed weights."""

@@ -1,0 +1,86 @@
+"""CPU inference products on packed weights equal the BLAS ones (float32 rounding), follow every
+weight update, and are taken only where they apply: float32 inference of enough rows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_policy
+from specroll_mcore import cpu_gemm
+from specroll_mcore.config import tiny_llama, tiny_qwen2
+from specroll_mcore.model import causal_mask
+
+
+def test_packed_linear_equals_blas_and_follows_weight_updates():
+    torch.manual_seed(0)
+    w, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(2, 5, 64)
+    cache = cpu_gemm.PackedWeight()
+    with torch.inference_mode():
+        assert cpu_gemm.applies(x, 4)
+        torch.testing.assert_close(cpu_gemm.packed_linear(x, cache.get(w), bias), F.linear(x, w, bias))
+    with torch.no_grad():
+        w.mul_(2.0)  # an optimizer step or a checkpoint load: in place
+        torch.testing.assert_close(cpu_gemm.packed_linear(x, cache.get(w)), F.linear(x, w))
+    w = torch.randn(96, 64)  # a new tensor
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_gemm.packed_linear(x, cache.get(w)), F.linear(x, w))
+        assert cache.get(torch.randn(96, 64)) is None  # an inference tensor: no version counter
+        assert not cpu_gemm.applies(x[:, :1], 4)  # 2 rows
+        assert not cpu_gemm.applies(x.double(), 4)
+    assert not cpu_gemm.applies(x, 4)  # gradients enabled
+
+
+def forward_logits(model, ids):
+    meta = model.metadata(torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1),
+                          causal_mask(ids.shape[0], ids.shape[1], ids.device))
+    return model.full_logits(model(ids, meta))
+
+
+@pytest.mark.parametrize("cfg", [tiny_llama(), tiny_qwen2()], ids=["llama", "qwen2_qkv_bias"])
+def test_policy_forward_on_packed_weights_equals_blas(ctx, monkeypatch, cfg):
+    """The whole policy, with packed products in every layer and in the vocab projection, against
+    the same forward with them switched off (SPECROLL_PACKED_GEMM=0); one-token decode keeps BLAS."""
+    model = make_policy(cfg, ctx)
+    calls = []
+    real = cpu_gemm.packed_linear
+    monkeypatch.setattr(cpu_gemm, "packed_linear", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    ids = torch.randint(0, cfg.vocab_size, (2, 6))
+    with torch.inference_mode():
+        packed = forward_logits(model, ids)
+        assert len(calls) == 4 * cfg.num_layers + 1  # qkv, proj, fc1, fc2 per layer; the vocab projection
+        calls.clear()
+        forward_logits(model, ids[:1, :1])
+        assert not calls  # one row: BLAS
+        monkeypatch.setenv("SPECROLL_PACKED_GEMM", "0")
+        blas = forward_logits(model, ids)
+        assert not calls
+    torch.testing.assert_close(packed, blas, rtol=1e-5, atol=1e-5)
+
+
+def test_training_and_float64_keep_megatron_products(ctx, monkeypatch):
+    """With gradients the products are megatron's (they carry the backward); float64 is never packed."""
+    calls = []
+    monkeypatch.setattr(cpu_gemm, "packed_linear", lambda *a, **k: calls.append(1))
+    model = make_policy(tiny_llama(), ctx)
+    ids = torch.randint(0, 300, (2, 6))
+    forward_logits(model, ids).sum().backward()
+    assert not calls
+    assert model.gpt.decoder.layers[0].mlp.linear_fc1.weight.grad is not None
+    with torch.inference_mode():
+        forward_logits(make_policy(tiny_llama(params_dtype="float64"), ctx), ids)
+    assert not calls
+
+
+def test_draft_vocab_projection_on_packed_rows():
+    """The draft vocabulary's rows are packed once, when it is built (every rollout)."""
+    from specroll_mcore.heads import DraftVocab
+
+    torch.manual_seed(0)
+    weight, z = torch.randn(300, 64), torch.randn(3, 1, 64)
+    counts = torch.randint(0, 50, (300,))
+    with torch.inference_mode():
+        dv = DraftVocab.build(counts, 100, weight, 0)
+        assert dv.packed is not None
+        torch.testing.assert_close(dv.project(z), z @ dv.rows.t())
+        assert DraftVocab.build(counts, 100, weight.double(), 0).packed is None
+        assert DraftVocab.build(counts, 100, weight[:0], 300).packed is None  # a TP rank that owns none of the ids
