@@ -10,8 +10,8 @@ SmolLM2-135M's 120 layer matrices, fp32, ms per forward (rows = tokens in the fo
     BLAS          16.0  18.6  20.0  28.7  34.9  39.4  43.9  163.2
     oneDNN packed 21.3  22.3  22.9  22.8  26.2  30.7  39.2  135.9
 
-and its 49152 x 576 vocabulary projection 2.3 (``W @ x^T``, one row) / 3.2 / 3.8 / 5.4 / 8.5 against
-packed 2.8 / 2.8 / 3.2 / 3.2 / 3.9 at 1 / 2 / 3 / 4 / 8 rows. So layer products take the packed
+and its 49152 x 576 vocabulary projection at 1 / 2 / 3 / 4 / 8 rows: BLAS 2.3 (as ``W @ x^T``; 7.4-7.9
+that way from 2 rows on) / 3.2 / 3.8 / 5.4 / 8.5, packed 2.8 / 2.8 / 3.2 / 3.2 / 3.9. So layer products take the packed
 weights from :data:`LAYER_MIN_ROWS` rows on and the vocabulary projection from
 :data:`VOCAB_MIN_ROWS` (see PolicyModel.vocab_projection). This speeds up every engine alike
 (prefill, batched decoding, trees), and changes float32 results only by rounding (~1e-6, as any
@@ -29,6 +29,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 LAYER_MIN_ROWS = 4
@@ -38,14 +39,21 @@ PACK_ROWS_HINT = 8
 
 
 def enabled() -> bool:
-    return os.environ.get("SPECROLL_PACKED_GEMM", "1") != "0" and torch.backends.mkldnn.is_available()
+    """On unless ``SPECROLL_PACKED_GEMM=0``, where this torch build has oneDNN and the two ops (torch's
+    own, private: those Inductor's CPU weight prepacking uses; checked on torch 2.13)."""
+    return (os.environ.get("SPECROLL_PACKED_GEMM", "1") != "0" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def cpu_inference(x: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() and x.device.type == "cpu"
 
 
 def applies(x: torch.Tensor, min_rows: int) -> bool:
     """Whether a product of ``x`` [..., in] may run on packed weights: CPU float32 inference of
     ``min_rows`` rows or more."""
-    return (not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
-            and x.numel() >= min_rows * x.shape[-1] and enabled())
+    return (cpu_inference(x) and x.dtype == torch.float32 and x.numel() >= min_rows * x.shape[-1]
+            and enabled())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -80,15 +88,21 @@ class PackedWeight:
 
 class _PackedForward:
     """Overrides megatron's local product (``_forward_impl``: the matmul and bias of this rank's
-    shard, before any TP communication), so the layer's parallel semantics stay megatron's."""
+    shard, before any TP communication), so the layer's parallel semantics stay megatron's. In CPU
+    inference that product is the packed one from :data:`LAYER_MIN_ROWS` rows on, and ``F.linear``
+    below (the same BLAS call without megatron's autograd function around it, whose forward only
+    matters for the backward)."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if weight is self.weight and not kwargs.get("sequence_parallel") and applies(input, LAYER_MIN_ROWS):
-            if not hasattr(self, "_packed_weight"):
-                self._packed_weight = PackedWeight()
-            packed = self._packed_weight.get(weight)
+        if weight is self.weight and not kwargs.get("sequence_parallel") and cpu_inference(input):
+            packed = None
+            if applies(input, LAYER_MIN_ROWS):
+                if not hasattr(self, "_packed_weight"):
+                    self._packed_weight = PackedWeight()
+                packed = self._packed_weight.get(weight)
             if packed is not None:
                 return packed_linear(input, packed, kwargs.get("bias"))
+            return F.linear(input, weight, kwargs.get("bias"))
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 

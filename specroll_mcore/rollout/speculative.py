@@ -405,8 +405,8 @@ class SpeculativeEngine:
             emitted, emitted_lp, path, counts = ctx.broadcast_from_last_stage(packed)
             t4 = clock()
             # 5. commit the root and the accepted drafts; record tokens; retire finished responses.
-            path_len = (path >= 0).sum(-1)
-            state.cache.commit(active, path_len, path.clamp(min=0))
+            path_len = (path >= 0).sum(-1)  # (plain decoding: the one new token is already in place)
+            state.cache.commit(active, path_len, path.clamp(min=0) if tree.shape[1] > 1 else None)
             keep, recorded = [], 0
             emitted_l, counts_l = emitted.tolist(), counts.tolist()
             for r, slot in enumerate(active_l):

@@ -39,7 +39,8 @@ def forward_logits(model, ids):
 @pytest.mark.parametrize("cfg", [tiny_llama(), tiny_qwen2()], ids=["llama", "qwen2_qkv_bias"])
 def test_policy_forward_on_packed_weights_equals_blas(ctx, monkeypatch, cfg):
     """The whole policy, with packed products in every layer and in the vocab projection, against
-    the same forward with them switched off (SPECROLL_PACKED_GEMM=0); one-token decode keeps BLAS."""
+    the same forward with them switched off (SPECROLL_PACKED_GEMM=0); one-token decode keeps BLAS
+    and equals megatron's products (taken with gradients enabled)."""
     model = make_policy(cfg, ctx)
     calls = []
     real = cpu_gemm.packed_linear
@@ -49,12 +50,13 @@ def test_policy_forward_on_packed_weights_equals_blas(ctx, monkeypatch, cfg):
         packed = forward_logits(model, ids)
         assert len(calls) == 4 * cfg.num_layers + 1  # qkv, proj, fc1, fc2 per layer; the vocab projection
         calls.clear()
-        forward_logits(model, ids[:1, :1])
-        assert not calls  # one row: BLAS
+        one_row = forward_logits(model, ids[:1, :1])
+        assert not calls  # one row: BLAS (F.linear)
         monkeypatch.setenv("SPECROLL_PACKED_GEMM", "0")
         blas = forward_logits(model, ids)
         assert not calls
     torch.testing.assert_close(packed, blas, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one_row, forward_logits(model, ids[:1, :1]).detach())  # megatron's own products
 
 
 def test_training_and_float64_keep_megatron_products(ctx, monkeypatch):
