@@ -76,3 +76,18 @@ def test_noise_at_some_ids_is_those_entries_of_the_noise():
     keys = keys_for(4, seed=8, step=1)
     ids = torch.tensor([[0, 99, 5], [7, 7, 1], [50, 2, 3], [98, 97, 96]])
     assert torch.equal(gumbel_noise_at(keys, ids), gumbel_noise(keys, 100, torch.float32).gather(1, ids))
+
+
+def test_noise_in_row_chunks_equals_one_pass(monkeypatch):
+    """On CPU the noise is computed a few rows at a time (cache-sized passes); the values are those
+    of one pass over all rows, for chunks that do and do not divide the rows."""
+    import specroll_mcore.sampling as sampling
+
+    keys = SampleKeys(5, 3, torch.arange(11) // 4, torch.arange(11) % 4, torch.arange(11) + 17)
+    ids = torch.randint(0, 1000, (11, 30))
+    monkeypatch.setattr(sampling, "CPU_CHUNK", 10**9)
+    whole = [gumbel_noise(keys, 1000), uniform_noise(keys, 1000, torch.float32, start=40), gumbel_noise_at(keys, ids)]
+    for chunk in (1000, 3000, 4000, 1):
+        monkeypatch.setattr(sampling, "CPU_CHUNK", chunk)
+        got = [gumbel_noise(keys, 1000), uniform_noise(keys, 1000, torch.float32, start=40), gumbel_noise_at(keys, ids)]
+        assert all(torch.equal(a, b) for a, b in zip(got, whole)), chunk
