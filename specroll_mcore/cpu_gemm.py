@@ -20,7 +20,9 @@ change of kernel does); float64 and half precision keep the BLAS path.
 The packed copy is made on first use and remade when the weight changes (a new tensor or an
 in-place update: its version counter), so an optimizer step or a checkpoint load is picked up. It
 doubles the memory of the packed weights on CPU. ``SPECROLL_PACKED_GEMM=0`` switches it off.
-Only inference takes this path: with gradients enabled, or on GPU, nothing changes.
+Below :data:`LAYER_MIN_ROWS` rows a layer product is ``F.linear``: the BLAS call megatron makes,
+without the autograd function megatron wraps it in for the backward (4-8% of a one-token forward).
+Only inference takes these paths: with gradients enabled, or on GPU, nothing changes.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def enabled() -> bool:
 
 
 def cpu_inference(x: torch.Tensor) -> bool:
+    """No gradients recorded, CPU input."""
     return not torch.is_grad_enabled() and x.device.type == "cpu"
 
 

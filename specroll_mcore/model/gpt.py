@@ -18,12 +18,12 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from specroll_mcore import cpu_gemm
 from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict, shard_tensor
 from specroll_mcore.config import ModelConfig
-from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
-from specroll_mcore import cpu_gemm
-from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
 from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
+from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
+from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
 from specroll_mcore.model.kv_cache import KVCache
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
