@@ -71,6 +71,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def vocab_product(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ weight^T`` in CPU inference for a tall ``weight`` [V, h] (a vocabulary projection):
+    x [..., h] -> [..., V]. On ``packed`` (its packed copy, given where :func:`applies` with
+    :data:`VOCAB_MIN_ROWS`), else as ``weight @ x^T``: BLAS runs ``x @ weight^T`` with one row and
+    a tall matrix on a slow kernel."""
+    if packed is not None:
+        return packed_linear(x, packed)
+    flat = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+    return torch.mm(weight, flat.t()).t().reshape(*x.shape[:-1], weight.shape[0])
+
+
 class PackedWeight:
     """A parameter's packed copy, remade when the parameter is replaced or updated in place."""
 

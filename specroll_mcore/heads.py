@@ -146,14 +146,12 @@ class DraftVocab:
         return cls(ids, local_ids, rows, int((ids < vocab_start).sum()), packed)
 
     def project(self, z: torch.Tensor) -> torch.Tensor:
-        """Subset logits of this rank's ids: [..., h] -> [..., size_r] (on CPU, as the policy's vocab
-        projection: packed rows from ``cpu_gemm.VOCAB_MIN_ROWS`` rows of z on, else ``rows @ z^T``,
-        where BLAS is slow for a few rows times a tall matrix)."""
-        if self.packed is not None and cpu_gemm.applies(z, cpu_gemm.VOCAB_MIN_ROWS):
-            return cpu_gemm.packed_linear(z, self.packed)
-        flat = z.reshape(-1, z.shape[-1]).to(self.rows.dtype)
-        out = torch.mm(self.rows, flat.t()).t() if z.device.type == "cpu" else flat @ self.rows.t()
-        return out.reshape(*z.shape[:-1], self.rows.shape[0])
+        """Subset logits of this rank's ids: [..., h] -> [..., size_r] (on CPU as the policy's vocab
+        projection, :func:`specroll_mcore.cpu_gemm.vocab_product`)."""
+        if z.device.type != "cpu":
+            return z.to(self.rows.dtype) @ self.rows.t()
+        packed = self.packed if cpu_gemm.applies(z, cpu_gemm.VOCAB_MIN_ROWS) else None
+        return cpu_gemm.vocab_product(z, self.rows, packed)
 
     def global_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Subset indices (as vocab-parallel top-k returns them) -> global token ids."""

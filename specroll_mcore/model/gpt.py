@@ -160,9 +160,8 @@ class PolicyModel(torch.nn.Module):
         """The policy's output layer (vocab-parallel): [..., h] -> [..., V/tp].
 
         With gradients, or on GPU, this is megatron's ``output_layer(x, weight=shared)``. In CPU
-        inference the same product runs on packed weights from ``cpu_gemm.VOCAB_MIN_ROWS`` rows on
-        (cpu_gemm.py), and as ``W @ x^T`` below: with a tall vocabulary matrix and a few
-        rows, CPU BLAS runs ``x @ W^T`` on a slow kernel."""
+        inference it is :func:`specroll_mcore.cpu_gemm.vocab_product`: on packed weights from
+        ``cpu_gemm.VOCAB_MIN_ROWS`` rows on, else as ``W @ x^T``."""
         gpt = self.gpt
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         if torch.is_grad_enabled() or x.device.type != "cpu":
@@ -170,10 +169,7 @@ class PolicyModel(torch.nn.Module):
             return logits
         w = self.output_weight()  # [V/tp, h]
         packed = self._packed_vocab.get(w) if cpu_gemm.applies(x, cpu_gemm.VOCAB_MIN_ROWS) else None
-        if packed is not None:
-            return cpu_gemm.packed_linear(x, packed)
-        flat = x.reshape(-1, x.shape[-1])
-        return torch.mm(w, flat.t()).t().reshape(*x.shape[:-1], w.shape[0])
+        return cpu_gemm.vocab_product(x, w, packed)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 logits_index: Optional[torch.Tensor] = None, return_hidden: bool = False):
