@@ -22,6 +22,10 @@ in-place update: its version counter), so an optimizer step or a checkpoint load
 doubles the memory of the packed weights on CPU. ``SPECROLL_PACKED_GEMM=0`` switches it off.
 Below :data:`LAYER_MIN_ROWS` rows a layer product is ``F.linear``: the BLAS call megatron makes,
 without the autograd function megatron wraps it in for the backward (4-8% of a one-token forward).
+Likewise the layers' CPU inference forwards leave out megatron's tensor-parallel region functions
+where these are identities (the input copy of a column-parallel layer always, as its backward is
+what all-reduces; the output all-reduce and gather at TP=1) and call them where they communicate:
+121 autograd functions per SmolLM2 forward, ~4% of a one-token forward.
 Only inference takes these paths: with gradients enabled, or on GPU, nothing changes.
 """
 
@@ -33,6 +37,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region)
 
 LAYER_MIN_ROWS = 4
 VOCAB_MIN_ROWS = 2
@@ -109,20 +115,53 @@ class _PackedForward:
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if weight is self.weight and not kwargs.get("sequence_parallel") and cpu_inference(input):
-            packed = None
-            if applies(input, LAYER_MIN_ROWS):
-                if not hasattr(self, "_packed_weight"):
-                    self._packed_weight = PackedWeight()
-                packed = self._packed_weight.get(weight)
-            if packed is not None:
-                return packed_linear(input, packed, kwargs.get("bias"))
-            return F.linear(input, weight, kwargs.get("bias"))
+            return self._inference_product(input, kwargs.get("bias"))
         return super()._forward_impl(input, weight, *args, **kwargs)
+
+    def _inference_product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        packed = None
+        if applies(x, LAYER_MIN_ROWS):
+            if not hasattr(self, "_packed_weight"):
+                self._packed_weight = PackedWeight()
+            packed = self._packed_weight.get(self.weight)
+        return packed_linear(x, packed, bias) if packed is not None else F.linear(x, self.weight, bias)
+
+    def _lean(self, x: torch.Tensor) -> bool:
+        """CPU inference without the features whose forward megatron's region functions serve
+        (sequence parallelism, expert communication, deferred embedding gradients)."""
+        return (cpu_inference(x) and not self.sequence_parallel and not getattr(self, "explicit_expert_comm", False)
+                and not getattr(self.config, "defer_embedding_wgrad_compute", False))
+
+    def _tp_size(self) -> int:
+        if not hasattr(self, "_tp_world"):
+            self._tp_world = torch.distributed.get_world_size(self.tp_group)
+        return self._tp_world
 
 
 class PackedColumnParallelLinear(_PackedForward, ColumnParallelLinear):
     """megatron's ColumnParallelLinear; CPU inference products on packed weights."""
 
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if weight is not None or not self._lean(input_):
+            return super().forward(input_, weight, runtime_gather_output)
+        # megatron's input copy is the identity forward (its backward all-reduces the input gradient)
+        out = self._inference_product(input_, None if self.skip_bias_add else self.bias)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and self._tp_size() > 1:
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, (self.bias if self.skip_bias_add else None)
+
 
 class PackedRowParallelLinear(_PackedForward, RowParallelLinear):
     """megatron's RowParallelLinear; CPU inference products on packed weights."""
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if not self.input_is_parallel or not self._lean(input_):
+            return super().forward(input_)
+        out = self._inference_product(input_, None)
+        if self._tp_size() > 1:
+            out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None

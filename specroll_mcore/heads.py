@@ -15,7 +15,7 @@ them zero (``z_i = h_t + SiLU(W_i h_t)`` is the first form; U alone the second).
 The heads own no vocabulary matrix, no KV cache and no backbone; they carry ``token_counts`` [V], how
 often each token occurred in the responses they were fitted on (replicated, not a parameter), which
 ranks the ids they draft from (:class:`DraftVocab`). Under TP, every W, U, V is a
-megatron ``ColumnParallelLinear`` (each rank holds h/tp output rows); SiLU is elementwise,
+megatron ``ColumnParallelLinear`` (cpu_gemm's, for its CPU inference products; each rank holds h/tp output rows); SiLU is elementwise,
 so each rank activates its slice and the slices are all-gathered before the residual add. The
 logits stay sharded over the vocabulary: :func:`vocab_parallel_topk` and
 :func:`vocab_parallel_logsumexp` never gather the full vocabulary (local top-k plus a small
@@ -29,18 +29,18 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from specroll_mcore import cpu_gemm
+from specroll_mcore.cpu_gemm import PackedColumnParallelLinear
 from specroll_mcore.sampling import SampleKeys, gumbel_noise, gumbel_noise_at, upcast
 
 
 @dataclass
 class HorizonHeadsSubmodules:
-    linear: Any = ColumnParallelLinear
+    linear: Any = PackedColumnParallelLinear
 
 
 class HorizonHeads(MegatronModule):

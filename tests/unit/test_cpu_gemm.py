@@ -86,3 +86,42 @@ def test_draft_vocab_projection_on_packed_rows():
         torch.testing.assert_close(dv.project(z), z @ dv.rows.t())
         assert DraftVocab.build(counts, 100, weight.double(), 0).packed is None
         assert DraftVocab.build(counts, 100, weight[:0], 300).packed is None  # a TP rank that owns none of the ids
+
+
+@pytest.mark.parametrize("skip_bias_add", [False, True])
+@pytest.mark.parametrize("gather_output", [False, True])
+def test_inference_forward_skips_megatron_regions_and_equals_megatron_forward(ctx, monkeypatch, skip_bias_add,
+                                                                             gather_output):
+    """In CPU inference the linears' forwards leave out megatron's TP-region functions (identities at
+    TP=1; the TP=2 layout tests cover the communicating ones) and return what megatron's forwards
+    return, bias handling included; with gradients they are megatron's forwards."""
+    import megatron.core.tensor_parallel.layers as layers
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    config = make_policy(tiny_llama(), ctx).gpt.config
+    torch.manual_seed(0)
+    col = cpu_gemm.PackedColumnParallelLinear(64, 96, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                              gather_output=gather_output, skip_bias_add=skip_bias_add)
+    row = cpu_gemm.PackedRowParallelLinear(96, 64, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                           input_is_parallel=True, skip_bias_add=skip_bias_add)
+    for p in (col.bias, row.bias):
+        torch.nn.init.normal_(p)
+    x = torch.randn(5, 1, 64)
+    with torch.inference_mode():
+        want_col = ColumnParallelLinear.forward(col, x)
+        want_row = RowParallelLinear.forward(row, want_col[0])
+    regions = []
+    for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+                 "gather_from_tensor_model_parallel_region"):
+        real = getattr(layers, name)
+        monkeypatch.setattr(layers, name, lambda t, *a, _real=real, _name=name, **k: regions.append(_name) or
+                            _real(t, *a, **k))
+    with torch.inference_mode():
+        got_col, got_row = col(x), row(want_col[0])
+    assert not regions
+    for got, want in ((got_col, want_col), (got_row, want_row)):
+        assert torch.equal(got[0], want[0])
+        assert (got[1] is None) == (want[1] is None) == (not skip_bias_add)
+    trained = row(col(x)[0])  # gradients: megatron's forwards, regions included
+    assert trained[0].grad_fn is not None and regions
+    torch.testing.assert_close(trained[0].detach(), want_row[0])
