@@ -38,41 +38,16 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
-import torch  # noqa: E402
-
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
-from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,  # noqa: E402
-                                       pack_micro_batch)
+from specroll_mcore.rl.drift import STYLES, SFTDrift  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
 
 VARIANTS = {"static": (False, False), "reflex": (True, False), "slow": (False, True), "both": (True, True)}
-
-
-STYLES = {
-    "solutions": lambda text: text,
-    "upper": str.upper,
-    "reversed": lambda text: "\n".join(" ".join(w[::-1] for w in line.split(" ")) for line in text.split("\n")),
-}
-
-
-def sft_batches(tok, n: int, seed: int, batch: int, device, style: str) -> list[MicroBatch]:
-    """Chat prompt + worked solution (in the given style) + EOS; the loss covers the solution tokens."""
-    seqs = []
-    for p in problems(n, seed=seed):
-        text = STYLES[style](p.solution)
-        seqs.append((chat_prompt_ids(tok, p.question),
-                     tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], None, 0.0))
-    return [pack_micro_batch(seqs[s:s + batch], device) for s in range(0, len(seqs), batch)]
-
-
-def nll(mb: MicroBatch, logp: torch.Tensor):
-    loss = -(logp * mb.loss_mask).sum() / mb.loss_mask.sum()
-    return loss, {"nll": float(loss.detach())}
 
 
 def main() -> None:
@@ -118,19 +93,7 @@ def main() -> None:
     vanilla = VanillaEngine(policy, eos_token_ids=eos, tokenizer=tok)
     vanilla.generate([[1, 2, 3]], SamplingConfig(max_new_tokens=2))  # warm-up
 
-    for p in policy.heads.parameters():
-        p.requires_grad_(False)
-    params = [p for p in policy.gpt.parameters()]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=args.sft_lr, weight_decay=0.0)
-    train = sft_batches(tok, args.drift_steps * args.sft_batch, 4242, args.sft_batch, ctx.device, args.style)
-    held = sft_batches(tok, 16, 9999, 8, ctx.device, args.style)
-
-    def held_nll() -> float:
-        with torch.no_grad():
-            lps = forward_logprobs(policy, held, 1.0)
-        return sum(float(nll(mb, lp)[0]) for mb, lp in zip(held, lps)) / len(held)
+    drift = SFTDrift(policy, tok, args.style, args.sft_lr, args.sft_batch, args.drift_steps)
 
     report = {"checkpoint": str(ckpt), "c_hw": c_hw, "args": vars(args), "reflex": ReflexConfig().__dict__,
               "slow_path": slow_cfg.__dict__, "checkpoints": [], "adaptation": []}
@@ -138,7 +101,7 @@ def main() -> None:
     step = 0
     while True:
         row = measure(args, step, tok, policy, vanilla, engines, heads)
-        row["sft_heldout_nll"] = held_nll()
+        row["sft_heldout_nll"] = drift.held_nll()
         report["checkpoints"].append(row)
         print(f"drift step {step}: heldout nll {row['sft_heldout_nll']:.3f} " + " ".join(
             f"{v}: tau {r['tau']:.3f} x{r['speedup']:.2f} ev{r['slow_events']}" for v, r in row["variants"].items()),
@@ -147,11 +110,7 @@ def main() -> None:
         if step >= args.drift_steps:
             break
         for _ in range(args.measure_every):  # real optimizer steps on the backbone
-            opt.zero_grad(set_to_none=True)
-            forward_backward(policy, [train[step % len(train)]], nll, 1.0)
-            finalize_grads(policy)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            drift.step()
             step += 1
             if args.adapt_every and step % args.adapt_every == 0 and step % args.measure_every:
                 report["adaptation"].append(adapt(args, step, tok, policy, engines, heads))

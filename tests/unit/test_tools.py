@@ -155,11 +155,15 @@ def test_bench_convert_smoke(tmp_path):
 def test_ablate_reflex_smoke_and_bad_input(tiny_ckpt, tmp_path):
     out = tmp_path / "a.json"
     run_tool("ablate_reflex.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--max-new-tokens", 8, "--alphas", "0.1",
-             "--c-hw", 16, "--out", out)
+             "--c-hw", 16, "--drift-steps", 1, "--sft-batch", 2, "--out", out)
     report = json.loads(out.read_text())
+    assert len(report["sft_heldout_nll"]) == 2  # the policy was moved first
     assert list(report["variants"]) == ["off", "configured", "z_delta=0", "no gate, alpha=0.1"]
     assert report["variants"]["off"]["gate_open"] == 0.0
     assert all(1.0 <= v["tau"] <= 4.0 for v in report["variants"].values())
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ablate_reflex.py"), "--prompts", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--prompts and --max-new-tokens must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ablate_reflex.py"), "--drift-steps", "-1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--drift-steps must be >= 0" in proc.stderr
