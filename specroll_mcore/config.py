@@ -343,6 +343,14 @@ class SpecConfig:
     (tools/profile_capacity.py, or the quick one measured on first use); without one, or False:
     always N_t nodes. Speed only."""
 
+    probe_every: int = 8
+    """With ``adaptive_nodes``, every ``probe_every``-th step of a rollout keeps at least the trunk (the
+    root and each head's top-1 path) whatever the latency weighing says. Where the drafts stop paying
+    for their nodes (stale heads after the policy moved), trimmed trees shrink to their roots and
+    nothing would be tried any more: the calibration would keep its low factors for good, and the
+    slow path's monitor would see no acceptance to react to. The probes keep both measuring, for
+    about (latency(H + 1) / latency(1) - 1) / probe_every of the time at worst. 0: never. Speed only."""
+
     coupled: bool = True
     """Draft with the sampler's own noise: head i proposes the ids with the largest
     ``filtered draft logits / T + g`` at the response position it drafts (g: that position's
@@ -380,6 +388,7 @@ class SpecConfig:
         _check(1 <= self.n_min <= self.n_max,
                f"need 1 <= SpecConfig.n_min ({self.n_min}) <= SpecConfig.n_max ({self.n_max})")
         _check(self.c_hw is None or self.c_hw >= 1, f"SpecConfig.c_hw must be >= 1, got {self.c_hw}")
+        _check(self.probe_every >= 0, f"SpecConfig.probe_every must be >= 0 (0: never), got {self.probe_every}")
 
 
 @dataclass

@@ -207,12 +207,13 @@ class SpeculativeEngine:
         return Proposal(levels, q_tops, zs)
 
     # -- 2. build: keep the nodes that pay for their latency ----------------------------------------------
-    def trim(self, tree: TreeBatch, pool_index: torch.Tensor, proposal: Proposal):
+    def trim(self, tree: TreeBatch, pool_index: torch.Tensor, proposal: Proposal, probe: bool = False):
         """The prefix of the selected trees with the most expected tokens per second of forward
-        (``SpecConfig.adaptive_nodes``; the drafts' beliefs scaled by :attr:`calibration`). Returns the
-        trees, their pool indices and the drafts' summed beliefs per depth over the kept nodes [H] (what
-        the calibration compares with the accepted nodes after verification). A latency curve flat
-        over the step's tokens keeps every node without weighing them (no host round trip)."""
+        (``SpecConfig.adaptive_nodes``; the drafts' beliefs scaled by :attr:`calibration`); on a
+        ``probe`` step at least the trunk (``SpecConfig.probe_every``). Returns the trees, their pool
+        indices and the drafts' summed beliefs per depth over the kept nodes [H] (what the calibration
+        compares with the accepted nodes after verification). A latency curve flat over the step's
+        tokens keeps every node without weighing them (no host round trip)."""
         b = tree.shape[0]
         beliefs = node_beliefs(proposal.levels, pool_index)
         depth = (tree.depth[:, 1:] - 1).clamp(min=0)  # (padding: depth 0, belief 0)
@@ -220,6 +221,8 @@ class SpeculativeEngine:
         if self.latency(b * keep_n) > self.latency(b):
             scale = torch.tensor(self.calibration.factors(), device=beliefs.device)[depth]
             keep_n = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency)
+            if probe:  # the trunk comes first in the trees' order (select_tree)
+                keep_n = max(keep_n, min(tree.shape[1], len(proposal.levels) + 1))
             tree, pool_index = tree.prefix(keep_n), pool_index[:, :keep_n]
         believed = beliefs.new_zeros(self.spec.num_heads).index_add_(
             0, depth[:, :keep_n - 1].flatten(), beliefs[:, :keep_n - 1].flatten())
@@ -382,7 +385,8 @@ class SpeculativeEngine:
                 t1 = clock()
                 tree, pool_index = select_tree(roots, proposal.levels, n)
                 if self.latency is not None:
-                    tree, pool_index, believed = self.trim(tree, pool_index, proposal)
+                    probe = spec.probe_every > 0 and steps % spec.probe_every == spec.probe_every - 1
+                    tree, pool_index, believed = self.trim(tree, pool_index, proposal, probe)
             else:
                 t1, tree = clock(), None
             tree = self._share_tree(tree, b, n)

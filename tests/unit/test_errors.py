@@ -122,3 +122,5 @@ def test_spec_config_errors():
         SpecConfig(shortlist=2)
     with pytest.raises(ValueError, match=r"need 1 <= SpecConfig.n_min \(4\) <= SpecConfig.n_max \(2\)"):
         SpecConfig(n_min=4, n_max=2)
+    with pytest.raises(ValueError, match=r"SpecConfig.probe_every must be >= 0 \(0: never\), got -1"):
+        SpecConfig(probe_every=-1)

@@ -166,13 +166,40 @@ def test_adaptive_nodes_follow_the_latency_curve_and_keep_the_tokens(ctx, monkey
             accepted = [round(a * t) for a, t in zip(out.stats["acceptance_per_depth"], out.stats["tried_per_depth"])]
             assert engine.calibration.accepted == accepted
         nodes[name] = [p["nodes_per_row"] for p in out.stats["per_step"]]
-        if name == "steep":
-            assert set(nodes[name]) == {1} and out.stats["tau"] == 1.0
+        if name == "steep":  # plain decoding, but for the trunk (root + 3 heads) on every 8th step
+            assert nodes[name] == [4 if i % 8 == 7 else 1 for i in range(len(nodes[name]))]
         assert bool(weighed) == (name in ("steep", "mid")), name
     assert nodes["flat"] == nodes["none"]  # nothing trimmed where nodes cost nothing
     assert sum(nodes["mid"]) < sum(nodes["flat"])
+    out = SpeculativeEngine(model, SpecConfig(c_hw=64, probe_every=0), latency=curves["steep"]).generate(PROMPTS, sp)
+    assert {p["nodes_per_row"] for p in out.stats["per_step"]} == {1} and out.stats["tau"] == 1.0
+    assert out.tokens == ref.tokens
     engine = SpeculativeEngine(model, SpecConfig(c_hw=64, adaptive_nodes=False), latency=curves["steep"])
     assert engine.latency is None  # switched off: every step uses its whole budget
+
+
+def test_probes_keep_measuring_the_drafts_where_trimming_stopped_trying_them(ctx):
+    """A calibration that believes the drafts worthless trims every tree to its root; without probes
+    nothing is tried again, so it never learns otherwise (an absorbing state). Probe steps try the
+    trunk, the calibration sees the accepted drafts and its factors move back up."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    sp = SAMPLINGS["greedy"]
+    ref = VanillaEngine(model).generate(PROMPTS, sp)
+    curve = LatencyCurve((1, 2, 64), (1.0, 1.5, 40.0))
+    factors = {}
+    for probe_every in (0, 4):
+        engine = SpeculativeEngine(model, SpecConfig(c_hw=64, probe_every=probe_every), latency=curve)
+        engine.calibration = DepthCalibration(3, decay=1.0, prior=0.0)
+        engine.calibration.update([1000.0] * 3, [1e-3] * 3)  # "the drafts are never accepted"
+        out = engine.generate(PROMPTS, sp)
+        assert out.tokens == ref.tokens
+        factors[probe_every] = engine.calibration.factors()
+        if probe_every == 0:
+            assert out.stats["tried_per_depth"] == [0, 0, 0]
+        else:
+            assert out.stats["tried_per_depth"][0] > 0 and sum(out.stats["acceptance_per_depth"]) > 0
+    assert factors[0] == [1e-6] * 3
+    assert factors[4][0] > factors[0][0]
 
 
 def test_engine_state_round_trip(ctx):
