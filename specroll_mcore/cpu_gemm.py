@@ -108,10 +108,10 @@ class PackedWeight:
 
 class _PackedForward:
     """Overrides megatron's local product (``_forward_impl``: the matmul and bias of this rank's
-    shard, before any TP communication), so the layer's parallel semantics stay megatron's. In CPU
-    inference that product is the packed one from :data:`LAYER_MIN_ROWS` rows on, and ``F.linear``
-    below (the same BLAS call without megatron's autograd function around it, whose forward only
-    matters for the backward)."""
+    shard, before any TP communication). In CPU inference that product is the packed one from
+    :data:`LAYER_MIN_ROWS` rows on, and ``F.linear`` below (the same BLAS call without megatron's
+    autograd function around it, whose forward only matters for the backward); the subclasses'
+    forwards around it call megatron's region functions only where they communicate."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if weight is self.weight and not kwargs.get("sequence_parallel") and cpu_inference(input):
@@ -139,7 +139,8 @@ class _PackedForward:
 
 
 class PackedColumnParallelLinear(_PackedForward, ColumnParallelLinear):
-    """megatron's ColumnParallelLinear; CPU inference products on packed weights."""
+    """megatron's ColumnParallelLinear; in CPU inference, products on packed weights and no input copy
+    (the identity forward of a function whose backward all-reduces), the gather only at TP > 1."""
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -154,7 +155,8 @@ class PackedColumnParallelLinear(_PackedForward, ColumnParallelLinear):
 
 
 class PackedRowParallelLinear(_PackedForward, RowParallelLinear):
-    """megatron's RowParallelLinear; CPU inference products on packed weights."""
+    """megatron's RowParallelLinear; in CPU inference, products on packed weights and the output
+    all-reduce only at TP > 1."""
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if not self.input_is_parallel or not self._lean(input_):

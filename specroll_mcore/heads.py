@@ -14,9 +14,10 @@ them zero (``z_i = h_t + SiLU(W_i h_t)`` is the first form; U alone the second).
 
 The heads own no vocabulary matrix, no KV cache and no backbone; they carry ``token_counts`` [V], how
 often each token occurred in the responses they were fitted on (replicated, not a parameter), which
-ranks the ids they draft from (:class:`DraftVocab`). Under TP, every W, U, V is a
-megatron ``ColumnParallelLinear`` (cpu_gemm's, for its CPU inference products; each rank holds h/tp output rows); SiLU is elementwise,
-so each rank activates its slice and the slices are all-gathered before the residual add. The
+ranks the ids they draft from (:class:`DraftVocab`). Under TP, every W, U, V is a megatron
+``ColumnParallelLinear`` (cpu_gemm's subclass, for its CPU inference forward; each rank holds h/tp
+output rows); SiLU is elementwise, so each rank activates its slice and the slices are all-gathered
+before the residual add. The
 logits stay sharded over the vocabulary: :func:`vocab_parallel_topk` and
 :func:`vocab_parallel_logsumexp` never gather the full vocabulary (local top-k plus a small
 all-gather; a global log-sum-exp by all-reduce).
