@@ -211,32 +211,34 @@ class SpeculativeEngine:
         """The prefix of the selected trees with the most expected tokens per second of forward
         (``SpecConfig.adaptive_nodes``; the drafts' beliefs scaled by :attr:`calibration`); on a
         ``probe`` step at least the trunk (``SpecConfig.probe_every``). Returns the trees, their pool
-        indices and the drafts' summed beliefs per depth over the kept nodes [H] (what the calibration
-        compares with the accepted nodes after verification). A latency curve flat over the step's
-        tokens keeps every node without weighing them (no host round trip)."""
+        indices, the drafts' summed beliefs per depth over the kept nodes [H] (what the calibration
+        compares with the accepted nodes after verification) and whether the weighing kept more than
+        the roots (if not, the next steps do not draft until a probe step). A latency curve flat over
+        the step's tokens keeps every node without weighing them (no host round trip)."""
         b = tree.shape[0]
         beliefs = node_beliefs(proposal.levels, pool_index)
         depth = (tree.depth[:, 1:] - 1).clamp(min=0)  # (padding: depth 0, belief 0)
-        keep_n = tree.shape[1]
+        keep_n = weighed = tree.shape[1]
         if self.latency(b * keep_n) > self.latency(b):
             scale = torch.tensor(self.calibration.factors(), device=beliefs.device)[depth]
-            keep_n = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency)
+            keep_n = weighed = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency)
             if probe:  # the trunk comes first in the trees' order (select_tree)
                 keep_n = max(keep_n, min(tree.shape[1], len(proposal.levels) + 1))
             tree, pool_index = tree.prefix(keep_n), pool_index[:, :keep_n]
         believed = beliefs.new_zeros(self.spec.num_heads).index_add_(
             0, depth[:, :keep_n - 1].flatten(), beliefs[:, :keep_n - 1].flatten())
-        return tree, pool_index, believed
+        return tree, pool_index, believed, weighed > 1
 
     # -- 6. feedback ----------------------------------------------------------------------------------
     def feedback(self, active: torch.Tensor, slots: list[int], counts: list[int], acc: Any, logits: torch.Tensor,
                  hidden_all: torch.Tensor, proposal: Optional[Proposal], pool_index: Optional[torch.Tensor],
-                 temperature: float, rstate: Optional[reflex.ReflexState]) -> None:
+                 temperature: float, rstate: Optional[reflex.ReflexState], full_batch: bool = False) -> None:
         """The verifier's verdict at every position the accepted path reached -> Reflex memory and
         slow-path records (last stage). ``slots``, ``counts``: ``active`` and ``acc.counts`` as lists;
-        ``pool_index`` [b, n]: each tree node's index among the proposal's candidates."""
-        if proposal is None:
-            # Plain decoding (a full batch): nothing was drafted, so nothing to monitor or correct, and
+        ``pool_index`` [b, n]: each tree node's index among the proposal's candidates. Without a
+        proposal only the slow path's records are kept, and none for a ``full_batch``."""
+        if full_batch:
+            # Plain decoding of a full batch: nothing was drafted, so nothing to monitor or correct, and
             # recording every row's top-K would cost more than the records are worth; the slow
             # path's streams restart with speculation.
             if self.slow_path is not None:
@@ -252,7 +254,7 @@ class SpeculativeEngine:
             top_ids, top_probs = top_distribution(p_logits, self.spec.slow_path.target_topk)
             self.slow_path.observe(slots, counts, hidden_all[node, rows], top_ids,
                                    top_probs, tokens, acc.tried.tolist(), acc.accepted.tolist())
-        if rstate is None:
+        if rstate is None or proposal is None:
             return
         cfg, model = self.reflex_cfg, self.model
         # head i drafted (under path node i, if that node was expanded) the token sampled at path node i
@@ -353,6 +355,7 @@ class SpeculativeEngine:
             return tok, lp.float()
 
         steps, per_step = 0, []
+        drafting = True  # False while weighed trees keep only their roots (see trim): no drafting until a probe
         tried_total = torch.zeros(H, dtype=torch.long)
         accepted_total = torch.zeros(H, dtype=torch.long)
         while active.numel() > 0:
@@ -360,10 +363,11 @@ class SpeculativeEngine:
             # response index of the token sampled at each root (head i drafts position + i)
             position = torch.tensor([len(state.responses[s]) for s in active_l], device=device)
             n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
+            probe = spec.probe_every > 0 and steps % spec.probe_every == spec.probe_every - 1
             t0 = clock()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
             proposal = pool_index = believed = None
-            if n == 1:  # a full batch: plain decoding, no proposal
+            if n == 1 or not (drafting or probe):  # a full batch, or drafts that do not pay: plain decoding
                 t1 = clock()
                 tree = TreeBatch(roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
                                  torch.zeros(b, 1, dtype=torch.long, device=device), torch.ones(b, dtype=torch.long,
@@ -385,8 +389,7 @@ class SpeculativeEngine:
                 t1 = clock()
                 tree, pool_index = select_tree(roots, proposal.levels, n)
                 if self.latency is not None:
-                    probe = spec.probe_every > 0 and steps % spec.probe_every == spec.probe_every - 1
-                    tree, pool_index, believed = self.trim(tree, pool_index, proposal, probe)
+                    tree, pool_index, believed, drafting = self.trim(tree, pool_index, proposal, probe)
             else:
                 t1, tree = clock(), None
             tree = self._share_tree(tree, b, n)
@@ -425,7 +428,7 @@ class SpeculativeEngine:
             # 6. feedback (last stage): Reflex memory, slow-path records; finished rows are released.
             if logits is not None and (rstate is not None or self.slow_path is not None):
                 self.feedback(active, active_l, counts_l, acc, logits, hidden_all, proposal, pool_index,
-                              sampling.temperature, rstate)
+                              sampling.temperature, rstate, full_batch=n == 1)
                 if rstate is not None:
                     rstate.release(active[~keep_t])
                 if self.slow_path is not None:

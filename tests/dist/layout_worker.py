@@ -24,6 +24,7 @@ PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37]]
 TREE_PARENTS = torch.tensor([[-1, 0, 0, 1, 3], [-1, -1, 1, -2, -2], [-1, 0, 1, 2, 0]])
 TREE_TOKENS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0], [13, 14, 15, 16, 17]])
 MID_LATENCY = LatencyCurve((1, 6, 12, 24), (1e-3, 1.1e-3, 2e-3, 8e-3))
+STEEP_LATENCY = LatencyCurve((1, 2, 24), (1e-3, 2e-3, 24e-3))  # trees shrink to their roots: no drafting between probes
 
 
 def models():
@@ -78,6 +79,9 @@ def run(arch: str, dtype: str, ctx) -> dict:
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], latency=MID_LATENCY).generate(
             PROMPTS, sp, step=1)
         out["spec-adaptive-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        r = SpeculativeEngine(model, SpecConfig(c_hw=24, probe_every=3), eos_token_ids=[3],
+                              latency=STEEP_LATENCY).generate(PROMPTS, sp, step=1)
+        out["spec-idle-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     out["adapt"] = adapt(model, ctx)
     out["draft_vocab"] = draft_vocab(model)
     return out

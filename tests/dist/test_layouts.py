@@ -57,7 +57,8 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp):
         coupled = filter_logits(full, 1.0, 0.9, 20) + gumbel_noise(keys, full.shape[-1], full.dtype)
         assert torch.equal(got[name]["heads_coupled"], coupled.topk(4, dim=-1).indices), name
         assert torch.equal(got[name]["heads_filter_kept"], ref["heads_filter_kept"]), name
-        for key in ("t1", "greedy", "spec-t1", "spec-greedy", "spec-adaptive-t1", "spec-adaptive-greedy"):
+        for key in ("t1", "greedy", "spec-t1", "spec-greedy", "spec-adaptive-t1", "spec-adaptive-greedy",
+                    "spec-idle-t1", "spec-idle-greedy"):
             if key.startswith("spec-"):  # the speculative engine equals the vanilla engine of TP=1/PP=1
                 vanilla = ref[key.split("-")[-1]]
                 if name.endswith("float64") or key == "spec-greedy":

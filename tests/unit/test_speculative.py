@@ -178,6 +178,30 @@ def test_adaptive_nodes_follow_the_latency_curve_and_keep_the_tokens(ctx, monkey
     assert engine.latency is None  # switched off: every step uses its whole budget
 
 
+def test_no_drafting_while_trees_keep_only_their_roots(ctx, monkeypatch):
+    """Once the weighing keeps only the roots, the steps that follow do not draft at all (plain
+    decoding without the heads' cost) until a probe step weighs the drafts again; the slow path
+    still gets a record for every token, as when every step drafts."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    sp = SAMPLINGS["t1_top_p"]
+    ref = VanillaEngine(model).generate(PROMPTS, sp)
+    steep = LatencyCurve((1, 2, 64), (1.0, 2.0, 64.0))
+    records = {}
+    for probe_every in (8, 1):
+        engine = SpeculativeEngine(model, SpecConfig(c_hw=64, probe_every=probe_every), latency=steep)
+        proposed = []
+        real = engine.propose
+        monkeypatch.setattr(engine, "propose", lambda *a, **k: proposed.append(1) or real(*a, **k))
+        out = engine.generate(PROMPTS, sp)
+        assert out.tokens == ref.tokens
+        steps = len(out.stats["per_step"])
+        # the first step drafts; after it, only the probe steps (every 8th, or every step)
+        assert len(proposed) == (1 + sum(i % 8 == 7 for i in range(1, steps)) if probe_every == 8 else steps)
+        records[probe_every] = len(engine.slow_path.buffer)
+    # (drafting every step also records the few drafts accepted past a response's length limit)
+    assert records[1] - 12 * 3 <= records[8] <= records[1]
+
+
 def test_probes_keep_measuring_the_drafts_where_trimming_stopped_trying_them(ctx):
     """A calibration that believes the drafts worthless trims every tree to its root; without probes
     nothing is tried again, so it never learns otherwise (an absorbing state). Probe steps try the
