@@ -346,10 +346,11 @@ class SpecConfig:
     probe_every: int = 8
     """With ``adaptive_nodes``, every ``probe_every``-th step of a rollout keeps at least the trunk (the
     root and each head's top-1 path) whatever the latency weighing says. Where the drafts stop paying
-    for their nodes (stale heads after the policy moved), trimmed trees shrink to their roots and
-    nothing would be tried any more: the calibration would keep its low factors for good, and the
-    slow path's monitor would see no acceptance to react to. The probes keep both measuring, for
-    about (latency(H + 1) / latency(1) - 1) / probe_every of the time at worst. 0: never. Speed only."""
+    for their nodes (stale heads after the policy moved), trimmed trees shrink to their roots, and
+    where no tree could pay at the calibration's factors steps do not draft at all: nothing would be
+    tried any more, the calibration would keep its low factors for good, and the slow path's monitor
+    would see no acceptance to react to. The probes keep both measuring, for about
+    (latency(H + 1) / latency(1) - 1) / probe_every of the time at worst. 0: never. Speed only."""
 
     coupled: bool = True
     """Draft with the sampler's own noise: head i proposes the ids with the largest

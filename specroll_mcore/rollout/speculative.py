@@ -53,6 +53,12 @@ class Proposal:
     z: list[torch.Tensor]  # per level [b, P, h] the head's output for each expanded node (Reflex correction included)
 
 
+IDLE_AFTER = 2
+"""Consecutive drafted steps whose weighing kept only the roots after which steps stop drafting until
+the next probe step (SpecConfig.probe_every): one such step happens with good heads on an unsure
+position, a few in a row mean stale ones."""
+
+
 class SpeculativeEngine:
     """Same interface as VanillaEngine; ``model`` must carry horizon heads (``num_heads > 0``).
 
@@ -212,9 +218,9 @@ class SpeculativeEngine:
         (``SpecConfig.adaptive_nodes``; the drafts' beliefs scaled by :attr:`calibration`); on a
         ``probe`` step at least the trunk (``SpecConfig.probe_every``). Returns the trees, their pool
         indices, the drafts' summed beliefs per depth over the kept nodes [H] (what the calibration
-        compares with the accepted nodes after verification) and whether the weighing kept more than
-        the roots (if not, the next steps do not draft until a probe step). A latency curve flat over
-        the step's tokens keeps every node without weighing them (no host round trip)."""
+        compares with the accepted nodes after verification) and the size the weighing chose (before
+        a probe's trunk). A latency curve flat over the step's tokens keeps every node without
+        weighing them (no host round trip)."""
         b = tree.shape[0]
         beliefs = node_beliefs(proposal.levels, pool_index)
         depth = (tree.depth[:, 1:] - 1).clamp(min=0)  # (padding: depth 0, belief 0)
@@ -227,7 +233,22 @@ class SpeculativeEngine:
             tree, pool_index = tree.prefix(keep_n), pool_index[:, :keep_n]
         believed = beliefs.new_zeros(self.spec.num_heads).index_add_(
             0, depth[:, :keep_n - 1].flatten(), beliefs[:, :keep_n - 1].flatten())
-        return tree, pool_index, believed, weighed > 1
+        return tree, pool_index, believed, weighed
+
+    def drafts_can_pay(self, rows: int, budget: int) -> bool:
+        """Whether any trees of ``budget`` nodes could pay for their latency at the current
+        calibration. A kept node's expected contribution is its belief times its depth's factor f_d,
+        at most 1 (see trim), and the beliefs at one depth sum to at most 1: so depth d offers at most
+        f_d expected tokens, in nodes of at most 1 each, which bounds every tree. When even that bound
+        does not pay (stale heads: low factors), the step decodes plainly without drafting; probe
+        steps draft regardless, so the factors keep being measured."""
+        depth = min(self.spec.num_heads, budget - 1)
+        if self.latency is None or depth < 1 or self.latency(rows * (depth + 1)) <= self.latency(rows):
+            return True  # (as in trim: where extra tokens are free, nothing is weighed)
+        offers = sorted((v for f in self.calibration.factors()[:depth] for v in [1.0] * int(f) + [f - int(f)]),
+                        reverse=True)[:budget - 1]
+        best = [rows * (1.0 + sum(offers[:k])) for k in range(len(offers) + 1)]
+        return tree_size(best, rows, self.latency) > 1
 
     # -- 6. feedback ----------------------------------------------------------------------------------
     def feedback(self, active: torch.Tensor, slots: list[int], counts: list[int], acc: Any, logits: torch.Tensor,
@@ -355,7 +376,7 @@ class SpeculativeEngine:
             return tok, lp.float()
 
         steps, per_step = 0, []
-        drafting = True  # False while weighed trees keep only their roots (see trim): no drafting until a probe
+        roots_only = 0  # consecutive drafted steps whose weighing kept only the roots
         tried_total = torch.zeros(H, dtype=torch.long)
         accepted_total = torch.zeros(H, dtype=torch.long)
         while active.numel() > 0:
@@ -367,7 +388,8 @@ class SpeculativeEngine:
             t0 = clock()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
             proposal = pool_index = believed = None
-            if n == 1 or not (drafting or probe):  # a full batch, or drafts that do not pay: plain decoding
+            idle = not probe and (roots_only >= IDLE_AFTER or not self.drafts_can_pay(b, n))
+            if n == 1 or idle:  # a full batch, or drafts that do not pay: plain decoding
                 t1 = clock()
                 tree = TreeBatch(roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
                                  torch.zeros(b, 1, dtype=torch.long, device=device), torch.ones(b, dtype=torch.long,
@@ -389,7 +411,8 @@ class SpeculativeEngine:
                 t1 = clock()
                 tree, pool_index = select_tree(roots, proposal.levels, n)
                 if self.latency is not None:
-                    tree, pool_index, believed, drafting = self.trim(tree, pool_index, proposal, probe)
+                    tree, pool_index, believed, weighed = self.trim(tree, pool_index, proposal, probe)
+                    roots_only = roots_only + 1 if weighed == 1 else 0
             else:
                 t1, tree = clock(), None
             tree = self._share_tree(tree, b, n)

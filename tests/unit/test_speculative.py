@@ -178,26 +178,30 @@ def test_adaptive_nodes_follow_the_latency_curve_and_keep_the_tokens(ctx, monkey
     assert engine.latency is None  # switched off: every step uses its whole budget
 
 
-def test_no_drafting_while_trees_keep_only_their_roots(ctx, monkeypatch):
-    """Once the weighing keeps only the roots, the steps that follow do not draft at all (plain
-    decoding without the heads' cost) until a probe step weighs the drafts again; the slow path
-    still gets a record for every token, as when every step drafts."""
+def test_no_drafting_where_no_tree_could_pay(ctx, monkeypatch):
+    """Where even trunks believed certain would not pay for their latency at the current calibration,
+    steps do not draft at all (plain decoding without the heads' cost), except the probe steps; the
+    slow path still gets a record for every token, as when every step drafts. Where drafts could
+    pay, every step drafts."""
     model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
     sp = SAMPLINGS["t1_top_p"]
     ref = VanillaEngine(model).generate(PROMPTS, sp)
-    steep = LatencyCurve((1, 2, 64), (1.0, 2.0, 64.0))
+    steep = LatencyCurve((1, 2, 64), (1.0, 2.0, 64.0))  # a token costs a forward: no draft pays
     records = {}
-    for probe_every in (8, 1):
-        engine = SpeculativeEngine(model, SpecConfig(c_hw=64, probe_every=probe_every), latency=steep)
+    for probe_every, curve in ((8, steep), (1, steep), (8, LatencyCurve((1, 64), (1.0, 1.1)))):
+        engine = SpeculativeEngine(model, SpecConfig(c_hw=64, probe_every=probe_every), latency=curve)
         proposed = []
         real = engine.propose
         monkeypatch.setattr(engine, "propose", lambda *a, **k: proposed.append(1) or real(*a, **k))
+        assert engine.drafts_can_pay(12, 5) is (curve is not steep)  # factors 1: a certain trunk
         out = engine.generate(PROMPTS, sp)
         assert out.tokens == ref.tokens
         steps = len(out.stats["per_step"])
-        # the first step drafts; after it, only the probe steps (every 8th, or every step)
-        assert len(proposed) == (1 + sum(i % 8 == 7 for i in range(1, steps)) if probe_every == 8 else steps)
-        records[probe_every] = len(engine.slow_path.buffer)
+        if curve is steep:
+            assert len(proposed) == (sum(i % 8 == 7 for i in range(steps)) if probe_every == 8 else steps)
+            records[probe_every] = len(engine.slow_path.buffer)
+        else:
+            assert len(proposed) == steps
     # (drafting every step also records the few drafts accepted past a response's length limit)
     assert records[1] - 12 * 3 <= records[8] <= records[1]
 
