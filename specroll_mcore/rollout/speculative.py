@@ -388,8 +388,8 @@ class SpeculativeEngine:
             t0 = clock()
             # 1-2. propose and build the trees on the last stage; every stage gets them.
             proposal = pool_index = believed = None
-            idle = not probe and (roots_only >= IDLE_AFTER or not self.drafts_can_pay(b, n))
-            if n == 1 or idle:  # a full batch, or drafts that do not pay: plain decoding
+            if n == 1 or not probe and (roots_only >= IDLE_AFTER or not self.drafts_can_pay(b, n)):
+                # a full batch, or drafts that do not pay: plain decoding, no proposal
                 t1 = clock()
                 tree = TreeBatch(roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
                                  torch.zeros(b, 1, dtype=torch.long, device=device), torch.ones(b, dtype=torch.long,
