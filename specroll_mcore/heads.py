@@ -17,9 +17,8 @@ often each token occurred in the responses they were fitted on (replicated, not 
 ranks the ids they draft from (:class:`DraftVocab`). Under TP, every W, U, V is a megatron
 ``ColumnParallelLinear`` (cpu_gemm's subclass, for its CPU inference forward; each rank holds h/tp
 output rows); SiLU is elementwise, so each rank activates its slice and the slices are all-gathered
-before the residual add. The
-logits stay sharded over the vocabulary: :func:`vocab_parallel_topk` and
-:func:`vocab_parallel_logsumexp` never gather the full vocabulary (local top-k plus a small
+before the residual add. The logits stay sharded over the vocabulary: :func:`vocab_parallel_topk`
+and :func:`vocab_parallel_logsumexp` never gather the full vocabulary (local top-k plus a small
 all-gather; a global log-sum-exp by all-reduce).
 """
 

@@ -164,7 +164,7 @@ class PolicyModel(torch.nn.Module):
         ``cpu_gemm.VOCAB_MIN_ROWS`` rows on, else as ``W @ x^T``."""
         gpt = self.gpt
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
-        if torch.is_grad_enabled() or x.device.type != "cpu":
+        if not cpu_gemm.cpu_inference(x):
             logits, _ = gpt.output_layer(x, weight=weight)
             return logits
         w = self.output_weight()  # [V/tp, h]
