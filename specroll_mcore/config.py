@@ -259,7 +259,11 @@ class SlowPathConfig:
 
     enabled: bool = True
     window: int = 64
-    """Acceptance events per head in one monitor window."""
+    """Records per head in one monitor window (each scored by the head's acceptance on it)."""
+
+    scored_per_batch: int = 192
+    """Records per head the monitor scores after a rollout batch (the most recent matured ones), so
+    its cost does not grow with the batch: at the default, one batch can close three windows."""
 
     degraded_windows: int = 3
     """Consecutive degraded windows that trigger a consolidation."""
@@ -276,7 +280,8 @@ class SlowPathConfig:
     """Rollout batches between two consolidations."""
 
     time_cap: float = 0.018
-    """Slow-path time may not exceed this share of generation time."""
+    """Consolidation time may not exceed this share of generation time (the monitor's scoring is
+    bounded by ``scored_per_batch`` and accounted apart)."""
 
     max_records: int = 256
     """Records one consolidation uses (the most recent; a quarter is held out)."""
@@ -300,8 +305,8 @@ class SlowPathConfig:
     holdout_fraction: float = 0.25
 
     def __post_init__(self) -> None:
-        for name in ("window", "degraded_windows", "reference_windows", "min_records", "max_records", "buffer_size",
-                     "target_topk", "steps"):
+        for name in ("window", "scored_per_batch", "degraded_windows", "reference_windows", "min_records",
+                     "max_records", "buffer_size", "target_topk", "steps"):
             _check(getattr(self, name) >= 1, f"SlowPathConfig.{name} must be >= 1, got {getattr(self, name)}")
         _check(self.cooldown_batches >= 0, f"SlowPathConfig.cooldown_batches must be >= 0, got {self.cooldown_batches}")
         _check(0 < self.tolerance < 1, f"SlowPathConfig.tolerance must be in (0, 1), got {self.tolerance}")
@@ -348,8 +353,8 @@ class SpecConfig:
     root and each head's top-1 path) whatever the latency weighing says. Where the drafts stop paying
     for their nodes (stale heads after the policy moved), trimmed trees shrink to their roots, and
     where no tree could pay at the calibration's factors steps do not draft at all: nothing would be
-    tried any more, the calibration would keep its low factors for good, and the slow path's monitor
-    would see no acceptance to react to. The probes keep both measuring, for about
+    tried any more and the calibration would keep its low factors for good (the slow path's monitor
+    scores the heads on records, tried or not). The probes keep it measuring, for about
     (latency(H + 1) / latency(1) - 1) / probe_every of the time at worst. 0: never. Speed only."""
 
     coupled: bool = True

@@ -7,11 +7,19 @@ targets tokens j+1 .. j+H (head h: the policy's distribution p_{j+h} and the rea
 record *matures* once all H targets are known (or its response ended); matured records enter a
 ring buffer.
 
-:class:`AcceptanceMonitor` watches each head's acceptance over windows of verification events. Only
-sustained degradation triggers a consolidation: ``degraded_windows`` consecutive windows below
-``(1 - tolerance)`` x the head's reference, at least ``min_records`` records, ``cooldown_batches``
-rollout batches since the last event, and slow-path time so far under ``time_cap`` x generation
-time (an event runs its ``steps`` whole once admitted, so the share can overshoot by one event).
+:class:`AcceptanceMonitor` watches each head's acceptance over windows of ``window`` matured
+records. After every rollout batch the heads, as they are now, are scored on the most recent
+``scored_per_batch`` new records: a record's score for head h is the policy's probability mass on
+the head's top candidates at depth h (the chance that a draft there is accepted, given the path to
+it). Every token the policy samples makes a record, so the monitor hears about every head whatever
+the tree sizes were (drafts that are not tried, because the trees shrank or drafting paused,
+would otherwise starve it exactly when the heads go stale). Only sustained degradation triggers a
+consolidation: ``degraded_windows`` consecutive windows below ``(1 - tolerance)`` x the head's
+reference, at least ``min_records`` records, ``cooldown_batches`` rollout batches since the last
+event, and consolidation time so far under ``time_cap`` x generation time (an event runs its
+``steps`` whole once admitted, so the share can overshoot by one event). The scoring is bounded by
+``scored_per_batch`` instead and accounted apart (``monitor_seconds``): on a small batch it would
+otherwise spend the whole cap on watching.
 
 A consolidation updates ONE head (the most degraded) on at most ``max_records`` recent records:
 
@@ -243,23 +251,24 @@ class RecordStreams:
 
 
 class AcceptanceMonitor:
-    """Per-head acceptance over windows of ``window`` verification events."""
+    """Per-head acceptance over windows of ``window`` scored records."""
 
     def __init__(self, num_heads: int, cfg: SlowPathConfig) -> None:
         self.cfg = cfg
-        self.tried = [0] * num_heads
-        self.accepted = [0] * num_heads
+        self.count = [0] * num_heads  # records in the open window
+        self.total = [0.0] * num_heads  # their summed scores
         self.rates: list[list[float]] = [[] for _ in range(num_heads)]
         self.reference: list[Optional[float]] = [None] * num_heads
         self.consecutive = [0] * num_heads
 
-    def observe(self, tried: list[int], accepted: list[int]) -> None:
-        for h, (t, a) in enumerate(zip(tried, accepted)):
-            self.tried[h] += t
-            self.accepted[h] += a
-            if self.tried[h] >= self.cfg.window:
-                self._close(h, self.accepted[h] / self.tried[h])
-                self.tried[h] = self.accepted[h] = 0
+    def observe(self, head: int, scores: list[float]) -> None:
+        """Records' acceptance scores for ``head``, oldest first; every ``window`` of them closes a window."""
+        for x in scores:
+            self.count[head] += 1
+            self.total[head] += x
+            if self.count[head] == self.cfg.window:
+                self._close(head, self.total[head] / self.count[head])
+                self.count[head], self.total[head] = 0, 0.0
 
     def _close(self, h: int, rate: float) -> None:
         cfg = self.cfg
@@ -291,9 +300,11 @@ class AcceptanceMonitor:
         self.consecutive[h] = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("tried", "accepted", "rates", "reference", "consecutive")}
+        return {k: getattr(self, k) for k in ("count", "total", "rates", "reference", "consecutive")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "tried" in state:  # a monitor of verification events (older checkpoints): windows start afresh
+            return
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -301,7 +312,8 @@ class AcceptanceMonitor:
 @dataclass
 class SlowPathStats:
     events: list[dict] = field(default_factory=list)
-    slow_seconds: float = 0.0
+    slow_seconds: float = 0.0  # consolidations (the time cap's account)
+    monitor_seconds: float = 0.0  # scoring the heads on records
     generation_seconds: float = 0.0
     batches_since_event: int = 10**9
     skipped: dict[str, int] = field(default_factory=dict)
@@ -321,13 +333,13 @@ class SlowPath:
         self.buffer = RecordBuffer(cfg.buffer_size)
         self.monitor = AcceptanceMonitor(H, cfg)
         self.stats = SlowPathStats()
+        self.unscored = 0  # records matured since the monitor last scored the heads
 
     # -- fed by the speculative engine ----------------------------------------------------------
     def observe(self, slots: list[int], counts: list[int], hidden: torch.Tensor, top_ids: torch.Tensor,
-                top_probs: torch.Tensor, tokens: torch.Tensor, tried: list[int], accepted: list[int]) -> None:
+                top_probs: torch.Tensor, tokens: torch.Tensor) -> None:
         """One verification step: rows' emitted tokens (flattened over rows, ``counts`` each) with
         the hidden state each was sampled from and the top-K of its distribution."""
-        self.monitor.observe(tried, accepted)
         self.streams.add_rows(slots, counts, hidden, top_ids, top_probs, tokens)
         self._collect()
 
@@ -342,6 +354,7 @@ class SlowPath:
         rec = self.streams.take()
         if rec is not None:
             self.buffer.add(rec)
+            self.unscored += len(rec)
 
     # -- between rollout batches ----------------------------------------------------------------
     def end_batch(self, generation_seconds: float) -> Optional[dict]:
@@ -352,6 +365,9 @@ class SlowPath:
         st, cfg = self.stats, self.cfg
         st.generation_seconds += generation_seconds
         st.batches_since_event += 1
+        t0 = time.perf_counter()
+        self.score()
+        st.monitor_seconds += time.perf_counter() - t0
         head = self.monitor.most_degraded()
         if head is not None:
             budget = cfg.time_cap * st.generation_seconds - st.slow_seconds
@@ -372,6 +388,19 @@ class SlowPath:
         self.monitor.consolidated(head)
         st.events.append(event)
         return event
+
+    def score(self) -> None:
+        """Score every head on the most recent of the records matured since the last call (at most
+        ``scored_per_batch``) and feed the scores to the monitor, oldest first. Each replica scores
+        its own records; the trigger follows replica 0."""
+        n, self.unscored = min(self.unscored, self.cfg.scored_per_batch), 0
+        if n == 0:
+            return
+        dv = DraftVocab.for_policy(self.policy, self.draft_vocab)
+        for head in range(self.policy.num_heads):
+            rec = self.buffer.latest(n, head)
+            if rec is not None:
+                self.monitor.observe(head, self.acceptance(rec, head, dv).tolist())
 
     def _replica0(self, head: Optional[int]) -> Optional[int]:
         """The decision of TP rank 0 of DP replica 0, on every rank of the last stage (the time guard
@@ -508,14 +537,17 @@ class SlowPath:
         return vocab_parallel_topk(logits, k, policy.vocab_start, policy.config.vocab_size, policy.ctx)[1]
 
     @torch.no_grad()
-    def expected_acceptance(self, rec: Records, head: int, dv: Optional[DraftVocab] = None) -> float:
-        """Mean policy probability mass on the head's top-k candidates over ``dv`` (the chance that
-        the policy's sample at that depth is one of them), over the target's top-K."""
-        policy = self.policy
+    def acceptance(self, rec: Records, head: int, dv: Optional[DraftVocab] = None) -> torch.Tensor:
+        """Per record [N]: the policy's probability mass (over the target's top-K) on the head's top-k
+        candidates over ``dv``, the chance that the policy's sample at that depth is one of them."""
         cand = self.head_candidates(rec, head, self.candidates, dv)
         hit = (rec.target_ids[:, head, :, None] == cand[:, None, :]).any(-1)
-        mean = (rec.target_probs[:, head] * hit).sum(-1).mean().double()
-        ctx = policy.ctx
+        return (rec.target_probs[:, head] * hit).sum(-1)
+
+    def expected_acceptance(self, rec: Records, head: int, dv: Optional[DraftVocab] = None) -> float:
+        """:meth:`acceptance` averaged over the records of every data-parallel replica."""
+        mean = self.acceptance(rec, head, dv).mean().double()
+        ctx = self.policy.ctx
         return float(ctx.all_reduce_dp(mean.reshape(1)) / ctx.dp_size) if ctx.dp_size > 1 else float(mean)
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -253,7 +253,7 @@ class GRPOTrainer:
         if stats.get("slow_path"):
             sp = stats["slow_path"]
             row.update(slow_path_events=sp["events"], slow_path_share=sp["time_share"],
-                       slow_path_records=sp["records"])
+                       slow_path_monitor_share=sp["monitor_share"], slow_path_records=sp["records"])
             if sp["event"]:
                 row["slow_path_event"] = {k: sp["event"][k] for k in ("head", "steps", "kept", "heldout_before",
                                                                        "heldout_after", "seconds")}

@@ -273,8 +273,7 @@ class SpeculativeEngine:
         tokens = acc.tokens[rows, depth]
         if self.slow_path is not None:
             top_ids, top_probs = top_distribution(p_logits, self.spec.slow_path.target_topk)
-            self.slow_path.observe(slots, counts, hidden_all[node, rows], top_ids,
-                                   top_probs, tokens, acc.tried.tolist(), acc.accepted.tolist())
+            self.slow_path.observe(slots, counts, hidden_all[node, rows], top_ids, top_probs, tokens)
         if rstate is None or proposal is None:
             return
         cfg, model = self.reflex_cfg, self.model
@@ -333,7 +332,8 @@ class SpeculativeEngine:
             st = self.slow_path.stats
             out.stats["slow_path"] = {"event": event, "events": len(st.events), "records": len(self.slow_path.buffer),
                                       "skipped": dict(st.skipped), "time_share": st.slow_seconds /
-                                      max(st.generation_seconds, 1e-9)}
+                                      max(st.generation_seconds, 1e-9),
+                                      "monitor_share": st.monitor_seconds / max(st.generation_seconds, 1e-9)}
             if event is not None:
                 out.stats["total_s"] += event["seconds"]
                 out.stats["tokens_per_s"] = out.stats["tokens"] / max(out.stats["total_s"], 1e-9)

@@ -19,8 +19,8 @@ from tests.unit.test_speculative import PROMPTS, policy_with_heads
 def feed(monitor, rate, windows, H=3, window=64):
     fired = []
     for _ in range(windows):
-        a = round(rate * window)
-        monitor.observe([window] * H, [a] * H)
+        for h in range(H):
+            monitor.observe(h, [rate] * window)
         fired.append(monitor.most_degraded())
     return fired
 
@@ -47,7 +47,8 @@ def test_most_degraded_head_is_chosen():
     m = AcceptanceMonitor(3, SlowPathConfig())
     feed(m, 0.5, 3)
     for _ in range(3):
-        m.observe([64, 64, 64], [20, 5, 30])
+        for h, rate in enumerate([20 / 64, 5 / 64, 30 / 64]):
+            m.observe(h, [rate] * 64)
     assert m.most_degraded() == 1
 
 
@@ -214,6 +215,32 @@ def test_consolidation_ranks_candidates_over_the_draft_vocabulary(ctx):
     want = logits.masked_fill(outside, float("-inf")).topk(4, dim=-1).indices
     assert torch.equal(sp.head_candidates(rec, 1, 4, vocab), want)
     assert not torch.equal(sp.head_candidates(rec, 1, 4), want)  # the whole vocabulary ranks others first
+
+
+@pytest.mark.parametrize("cap", [1000, 12])
+def test_monitor_scores_the_heads_on_the_batch_records(ctx, cap):
+    """After a batch, each head is scored on the most recent of its new records (at most
+    ``scored_per_batch``): a window's rate is the mean policy mass on the head's top-k candidates,
+    here recomputed from full-vocabulary logits. Records come from every emitted token, so windows
+    close whether or not the trees tried that depth."""
+    model, eng = tiny_engine(ctx, scored_per_batch=cap, degraded_windows=100)
+    sp = eng.slow_path
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
+    assert sp.unscored == 0 and sp.stats.monitor_seconds > 0 and sp.stats.slow_seconds == 0  # (apart from the cap)
+    k, window = eng.spec.topk, sp.cfg.window
+    for head in range(model.num_heads):
+        rec = sp.buffer.latest(min(len(sp.buffer), cap), head)
+        hidden, root, path = sp._inputs(rec, head)
+        logits = model.heads.forward_one(head, hidden, None, root, path) @ model.output_weight().t()
+        cand = logits[:, :model.config.vocab_size].topk(k, dim=-1).indices
+        mass = (rec.target_probs[:, head] * (rec.target_ids[:, head, :, None] == cand[:, None]).any(-1)).sum(-1)
+        n = len(rec) // window
+        want = [float(mass[i * window:(i + 1) * window].mean()) for i in range(n)]
+        assert n >= 2 and sp.monitor.rates[head] == pytest.approx(want, abs=1e-6)  # (float32 target probs)
+        assert sp.monitor.count[head] == len(rec) - n * window  # the open window carries over
+    state = copy.deepcopy(sp.monitor.state_dict())
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=1, num_samples=1, seed=2))
+    assert sp.monitor.state_dict() == state  # one token per response makes no record: nothing is scored again
 
 
 def test_consolidation_lowers_its_loss(ctx):
