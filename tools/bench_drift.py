@@ -65,6 +65,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--c-hw", type=int, default=None)
+    ap.add_argument("--adaptive-nodes", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep each step's trees to the nodes that pay for their latency "
+                         "(SpecConfig.adaptive_nodes); --no-adaptive-nodes fills every tree to its budget, "
+                         "so tau measures the heads alone, not the tree sizing learnt along the drift")
     ap.add_argument("--cooldown-batches", type=int, default=None,
                     help="override the slow path's cooldown (default: the config's)")
     ap.add_argument("--adapt-every", type=int, default=0,
@@ -86,8 +90,8 @@ def main() -> None:
     engines, heads = {}, {}
     initial_heads = copy.deepcopy(policy.heads.state_dict())
     for name, (rx, sl) in VARIANTS.items():
-        spec = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, reflex=ReflexConfig(enabled=rx),
-                          slow_path=dataclasses.replace(slow_cfg, enabled=sl))
+        spec = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, adaptive_nodes=args.adaptive_nodes,
+                          reflex=ReflexConfig(enabled=rx), slow_path=dataclasses.replace(slow_cfg, enabled=sl))
         engines[name] = SpeculativeEngine(policy, spec, eos_token_ids=eos, tokenizer=tok, latency=cap.latency)
         heads[name] = copy.deepcopy(initial_heads)
     vanilla = VanillaEngine(policy, eos_token_ids=eos, tokenizer=tok)

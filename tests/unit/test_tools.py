@@ -39,8 +39,9 @@ def test_bench_drift_smoke(tiny_ckpt, tmp_path):
     out = tmp_path / "d.json"
     run_tool("bench_drift.py", "--checkpoint", tiny_ckpt, "--drift-steps", 2, "--measure-every", 2, "--batches", 1,
              "--prompts-per-batch", 1, "--max-new-tokens", 8, "--c-hw", 16, "--sft-batch", 2, "--adapt-every", 1,
-             "--out", out, "--plot", tmp_path / "d.png")
+             "--no-adaptive-nodes", "--out", out, "--plot", tmp_path / "d.png")
     report = json.loads(out.read_text())
+    assert report["args"]["adaptive_nodes"] is False
     assert [c["drift_step"] for c in report["checkpoints"]] == [0, 2]
     assert set(report["summary"]) == {"static", "reflex", "slow", "both"}
     # a rollout between the checkpoints, for the variants whose slow path keeps what it sees
