@@ -52,6 +52,16 @@ def test_most_degraded_head_is_chosen():
     assert m.most_degraded() == 1
 
 
+def test_monitor_state_of_an_older_checkpoint_starts_afresh():
+    """A checkpoint from the monitor of tried drafts (counts of verification events) does not mix
+    into windows of record scores: the monitor starts afresh, the rest of the state loads."""
+    m = AcceptanceMonitor(3, SlowPathConfig())
+    m.load_state_dict({"tried": [10, 0, 0], "accepted": [5, 0, 0], "rates": [[0.5] * 3] * 3,
+                       "reference": [0.5] * 3, "consecutive": [3, 0, 0]})
+    assert m.state_dict() == AcceptanceMonitor(3, SlowPathConfig()).state_dict()
+    assert feed(m, 0.5, 3) == [None] * 3 and m.reference == [0.5] * 3
+
+
 def test_records_target_the_next_tokens_and_flush_partially_at_the_end():
     H, h, K = 2, 4, 3
     st = RecordStreams(H, h, K)
