@@ -71,6 +71,8 @@ def main() -> None:
                          "so tau measures the heads alone, not the tree sizing learnt along the drift")
     ap.add_argument("--cooldown-batches", type=int, default=None,
                     help="override the slow path's cooldown (default: the config's)")
+    ap.add_argument("--tolerance", type=float, default=None,
+                    help="override the slow path's degradation tolerance (default: the config's)")
     ap.add_argument("--adapt-every", type=int, default=0,
                     help="between checkpoints, roll out one batch of fresh prompts every this many drift "
                          "steps with the slow-path variants (the rollouts an RL run makes as its policy "
@@ -80,13 +82,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.adapt_every < 0:
         ap.error(f"--adapt-every must be >= 0 (0: no rollouts between checkpoints), got {args.adapt_every}")
+    try:
+        slow_cfg = SlowPathConfig(**{k: v for k, v in (("cooldown_batches", args.cooldown_batches),
+                                                       ("tolerance", args.tolerance)) if v is not None})
+    except ValueError as e:
+        ap.error(str(e))
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx, args.c_hw)
     c_hw = cap.c_hw
     eos = [tok.eos_token_id]
-    slow_cfg = SlowPathConfig()
-    if args.cooldown_batches is not None:
-        slow_cfg = SlowPathConfig(cooldown_batches=args.cooldown_batches)
     engines, heads = {}, {}
     initial_heads = copy.deepcopy(policy.heads.state_dict())
     for name, (rx, sl) in VARIANTS.items():

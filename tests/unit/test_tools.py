@@ -51,6 +51,9 @@ def test_bench_drift_smoke(tiny_ckpt, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_drift.py"), "--adapt-every", "-1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--adapt-every must be >= 0" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_drift.py"), "--tolerance", "1.5"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "SlowPathConfig.tolerance must be in (0, 1)" in proc.stderr
 
 
 def test_acceptance_ceiling_smoke(tiny_ckpt, tmp_path):
