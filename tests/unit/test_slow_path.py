@@ -312,7 +312,8 @@ def test_state_dict_round_trip(ctx):
 
 
 @pytest.mark.parametrize("bad, field", [(dict(max_records=4096), "max_records"), (dict(tolerance=1.5), "tolerance"),
-                                        (dict(time_cap=2.0), "time_cap"), (dict(window=0), "window")])
+                                        (dict(time_cap=2.0), "time_cap"), (dict(window=0), "window"),
+                                        (dict(scored_per_batch=0), "scored_per_batch")])
 def test_config_errors_name_the_field(bad, field):
     with pytest.raises(ValueError, match=f"SlowPathConfig.{field}"):
         SlowPathConfig(**bad)
