@@ -495,16 +495,21 @@ class SlowPath:
         p_s = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
         logp = torch.log(p_s.clamp(min=1e-12))
 
-        def kl(logits: torch.Tensor) -> torch.Tensor:
-            return (p_s * (logp - torch.log_softmax(logits.float(), -1))).sum(-1).mean()
+        def kl(logits: torch.Tensor, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:  # per record
+            return (p_s[rows] * (logp[rows] - torch.log_softmax(logits.float(), -1))).sum(-1)
 
         hidden, root, path = inputs
         l_raw = self._logits_on(heads.forward_one(head, hidden, None, root, path), support)
-        loss_raw = kl(l_raw)
+        kl_raw = kl(l_raw)
+        loss_raw = kl_raw.mean()
         loss_cor = torch.zeros((), device=hidden.device)
-        if cfg.corrected_weight > 0 and bool(rec.delta[:, head].abs().sum() > 0):
-            z_cor = heads.forward_one(head, hidden, rec.delta[:, head].to(dtype), root, path)
-            loss_cor = kl(self._logits_on(z_cor, support))
+        corrected = (rec.delta[:, head] != 0).any(-1).nonzero().flatten() if cfg.corrected_weight > 0 else None
+        if corrected is not None and corrected.numel():
+            # q_corrected is q_raw wherever no correction was applied: only the corrected records need
+            # another forward (under a mostly closed gate, a few of them)
+            i = corrected
+            z_cor = heads.forward_one(head, hidden[i], rec.delta[i, head].to(dtype), root[i], None if path is None else path[i])
+            loss_cor = kl_raw.index_copy(0, i, kl(self._logits_on(z_cor, support), i)).mean()
         # ranking: the head's logit gap between the policy's most likely token and every other support
         # entry should reach the policy's own log-prob gap, capped at the margin.
         top = torch.searchsorted(support, rec.target_ids[:, head, :1].contiguous())  # [N, 1]

@@ -260,6 +260,32 @@ def test_consolidation_lowers_its_loss(ctx):
     assert ev["loss_last"] < 0.9 * ev["loss_first"]
 
 
+def test_corrected_term_equals_a_forward_of_every_record_with_its_correction(ctx):
+    """KL(p_S || q_corrected) is taken from another forward of the corrected records only; the
+    reference runs every record through the head with its own correction (zeros where none)."""
+    model, eng = tiny_engine(ctx)
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
+    sp, head = eng.slow_path, 1
+    rec = sp.buffer.latest(64, head).detached()
+    rec.delta[::2] = 0.0  # a mix of corrected and uncorrected proposals
+    rec.delta[1::4, head] = torch.randn_like(rec.delta[1::4, head])
+    assert 0 < int((rec.delta[:, head] != 0).any(-1).sum()) < len(rec)
+    support = torch.unique(torch.cat([rec.target_ids[:, head].flatten(), rec.realised[:, head]]))
+    prev = [p.detach().clone() for p in model.heads.head_parameters(head)]
+    inputs = sp._inputs(rec, head)
+    _, parts = sp.loss(rec, head, prev, support, inputs)
+    hidden, root, path = inputs
+    with torch.no_grad():
+        logits = sp._logits_on(model.heads.forward_one(head, hidden, rec.delta[:, head], root, path), support)
+    p = torch.zeros(len(rec), support.numel(), dtype=torch.float32)
+    p.scatter_add_(1, torch.searchsorted(support, rec.target_ids[:, head].contiguous()), rec.target_probs[:, head])
+    p = p / p.sum(-1, keepdim=True)
+    want = (p * (torch.log(p.clamp(min=1e-12)) - torch.log_softmax(logits.float(), -1))).sum(-1).mean()
+    assert parts["kl_corrected"] == pytest.approx(float(want), rel=1e-6)
+    rec.delta.zero_()  # no correction anywhere: the term is left out, as before
+    assert sp.loss(rec, head, prev, support, inputs)[1]["kl_corrected"] == 0.0
+
+
 def force_trigger(sp):
     sp.monitor.consecutive = [sp.cfg.degraded_windows, 0, 0]
     sp.monitor.reference = [0.5, 0.5, 0.5]
