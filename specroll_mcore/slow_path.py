@@ -357,8 +357,10 @@ class SlowPath:
             self.unscored += len(rec)
 
     # -- between rollout batches ----------------------------------------------------------------
-    def end_batch(self, generation_seconds: float) -> Optional[dict]:
-        """Account one rollout batch; consolidate one head if the trigger fires. Returns the event.
+    def end_batch(self, generation_seconds: float, draft_vocab: Optional[DraftVocab]) -> Optional[dict]:
+        """Account one rollout batch, score the heads on its records over ``draft_vocab`` (what the
+        batch drafted from; None: the whole vocabulary), and consolidate one head if the trigger
+        fires. Returns the event.
 
         Data-parallel replicas see different rollouts; they follow replica 0's decision and average
         their gradients, so the heads stay identical everywhere."""
@@ -366,7 +368,7 @@ class SlowPath:
         st.generation_seconds += generation_seconds
         st.batches_since_event += 1
         t0 = time.perf_counter()
-        self.score()
+        self.score(draft_vocab)
         st.monitor_seconds += time.perf_counter() - t0
         head = self.monitor.most_degraded()
         if head is not None:
@@ -389,14 +391,14 @@ class SlowPath:
         st.events.append(event)
         return event
 
-    def score(self) -> None:
+    def score(self, dv: Optional[DraftVocab]) -> None:
         """Score every head on the most recent of the records matured since the last call (at most
-        ``scored_per_batch``) and feed the scores to the monitor, oldest first. Each replica scores
-        its own records; the trigger follows replica 0."""
+        ``scored_per_batch``), ranking its candidates over ``dv`` (the draft vocabulary the batch was
+        drafted from), and feed the scores to the monitor, oldest first. Each replica scores its own
+        records; the trigger follows replica 0."""
         n, self.unscored = min(self.unscored, self.cfg.scored_per_batch), 0
         if n == 0:
             return
-        dv = DraftVocab.for_policy(self.policy, self.draft_vocab)
         for head in range(self.policy.num_heads):
             rec = self.buffer.latest(n, head)
             if rec is not None:
@@ -503,11 +505,10 @@ class SlowPath:
         kl_raw = kl(l_raw)
         loss_raw = kl_raw.mean()
         loss_cor = torch.zeros((), device=hidden.device)
-        corrected = (rec.delta[:, head] != 0).any(-1).nonzero().flatten() if cfg.corrected_weight > 0 else None
-        if corrected is not None and corrected.numel():
-            # q_corrected is q_raw wherever no correction was applied: only the corrected records need
-            # another forward (under a mostly closed gate, a few of them)
-            i = corrected
+        # q_corrected is q_raw wherever no correction was applied: only the corrected records need
+        # another forward (under a mostly closed gate, a few of them)
+        i = (rec.delta[:, head] != 0).any(-1).nonzero().flatten()
+        if cfg.corrected_weight > 0 and i.numel():
             z_cor = heads.forward_one(head, hidden[i], rec.delta[i, head].to(dtype), root[i], None if path is None else path[i])
             loss_cor = kl_raw.index_copy(0, i, kl(self._logits_on(z_cor, support), i)).mean()
         # ranking: the head's logit gap between the policy's most likely token and every other support

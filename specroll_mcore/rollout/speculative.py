@@ -328,7 +328,7 @@ class SpeculativeEngine:
         """Same contract as :meth:`VanillaEngine.generate`: identical tokens for the same seed."""
         out = self._generate(prompts, sampling, step, prompt_ids)
         if self.slow_path is not None:
-            event = self.slow_path.end_batch(out.stats["total_s"])
+            event = self.slow_path.end_batch(out.stats["total_s"], self._draft_vocab)
             st = self.slow_path.stats
             out.stats["slow_path"] = {"event": event, "events": len(st.events), "records": len(self.slow_path.buffer),
                                       "skipped": dict(st.skipped), "time_share": st.slow_seconds /

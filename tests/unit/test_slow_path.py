@@ -296,18 +296,18 @@ def test_trigger_guards_records_cooldown_and_time_cap(ctx):
     model, eng = tiny_engine(ctx, cooldown_batches=2, time_cap=0.5, degraded_windows=100)
     sp = eng.slow_path
     force_trigger(sp)
-    assert sp.end_batch(1.0) is None and sp.stats.skipped == {"records": 1}  # an empty buffer
+    assert sp.end_batch(1.0, eng.draft_vocab()) is None and sp.stats.skipped == {"records": 1}  # an empty buffer
     sp.monitor.consecutive = [0, 0, 0]
     eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
     force_trigger(sp)
     sp.stats.slow_seconds = 10.0  # far over 50% of the generation time so far
-    assert sp.end_batch(1.0) is None, sp.stats
+    assert sp.end_batch(1.0, eng.draft_vocab()) is None, sp.stats
     assert sp.stats.skipped["time_cap"] == 1, sp.stats
     sp.stats.slow_seconds = 0.0
-    assert sp.end_batch(1.0) is not None  # everything allows it
+    assert sp.end_batch(1.0, eng.draft_vocab()) is not None  # everything allows it
     force_trigger(sp)
-    assert sp.end_batch(1.0) is None and sp.stats.skipped["cooldown"] == 1  # 1 batch since the event
-    assert sp.end_batch(1.0) is not None  # 2 batches: the cooldown is over
+    assert sp.end_batch(1.0, eng.draft_vocab()) is None and sp.stats.skipped["cooldown"] == 1  # 1 batch since the event
+    assert sp.end_batch(1.0, eng.draft_vocab()) is not None  # 2 batches: the cooldown is over
 
 
 def test_exact_with_reflex_and_slow_path_over_several_batches(ctx):
