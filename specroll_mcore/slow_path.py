@@ -21,7 +21,10 @@ event, and consolidation time so far under ``time_cap`` x generation time (an ev
 ``scored_per_batch`` instead and accounted apart (``monitor_seconds``): on a small batch it would
 otherwise spend the whole cap on watching.
 
-A consolidation updates ONE head (the most degraded) on at most ``max_records`` recent records:
+A consolidation updates ONE head on at most ``max_records`` recent records: of the degraded heads,
+the one whose return to its reference would add the most tokens per step to a chain of drafts
+(:meth:`AcceptanceMonitor.most_degraded`; a shallow head's loss also costs the drafts below it).
+The objective:
 
     KL(p_S || q_raw) + corrected_weight * KL(p_S || q_corrected) + rank_weight * ranking
         + proximal * ||theta - theta_prev||^2
@@ -250,6 +253,15 @@ class RecordStreams:
                                   buf["probs"][ts, tgt], buf["tok"][ts, tgt], valid, buf["tok"][s_t, j_t % W]))
 
 
+def chain_tokens(acceptance: list[float]) -> float:
+    """Tokens per step of a chain of drafts with per-depth acceptance a: ``1 + a_0 + a_0 a_1 + ...``."""
+    total, reach = 1.0, 1.0
+    for a in acceptance:
+        reach *= a
+        total += reach
+    return total
+
+
 class AcceptanceMonitor:
     """Per-head acceptance over windows of ``window`` scored records."""
 
@@ -286,15 +298,28 @@ class AcceptanceMonitor:
         return [h for h, c in enumerate(self.consecutive) if c >= self.cfg.degraded_windows]
 
     def most_degraded(self) -> Optional[int]:
+        """The degraded head whose recovery is worth the most tokens per verification step.
+
+        With each head's current acceptance a_h (the mean of its last ``degraded_windows`` windows),
+        a chain of drafts confirms ``1 + a_0 + a_0 a_1 + ...`` tokens per step; the head chosen is
+        the one whose return to its reference adds the most to that sum. A shallow head's loss
+        also costs every draft below it, so a deep head with a larger relative drop can be worth
+        less."""
         heads = self.degraded()
         if not heads:
             return None
+        now = [self._current(h) for h in range(len(self.rates))]
 
-        def drop(h: int) -> float:
-            recent = self.rates[h][-self.cfg.degraded_windows:]
-            return (self.reference[h] - sum(recent) / len(recent)) / max(self.reference[h], 1e-9)
+        def gain(h: int) -> float:
+            restored = list(now)
+            restored[h] = self.reference[h]
+            return chain_tokens(restored) - chain_tokens(now)
 
-        return max(heads, key=drop)
+        return max(heads, key=gain)
+
+    def _current(self, h: int) -> float:
+        recent = self.rates[h][-self.cfg.degraded_windows:]
+        return sum(recent) / len(recent) if recent else 0.0
 
     def consolidated(self, h: int) -> None:
         self.consecutive[h] = 0

@@ -11,7 +11,7 @@ import torch
 from specroll_mcore.config import ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig, tiny_llama
 from specroll_mcore.heads import DraftVocab
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
-from specroll_mcore.slow_path import AcceptanceMonitor, RecordBuffer, Records, RecordStreams, SlowPath
+from specroll_mcore.slow_path import AcceptanceMonitor, RecordBuffer, Records, RecordStreams, SlowPath, chain_tokens
 
 from tests.unit.test_speculative import PROMPTS, policy_with_heads
 
@@ -43,13 +43,41 @@ def test_trigger_needs_the_drop_to_exceed_the_tolerance():
     assert feed(m, 0.38, 3)[-1] == 0  # -24%
 
 
-def test_most_degraded_head_is_chosen():
+def degrade(m, rates, windows=3):
+    for _ in range(windows):
+        for h, rate in enumerate(rates):
+            m.observe(h, [rate] * 64)
+
+
+def chain(a):  # independent of chain_tokens: the sum over depths of the chance of reaching them
+    return 1 + sum(torch.tensor(a[:d + 1]).prod().item() for d in range(len(a)))
+
+
+def test_the_head_worth_most_tokens_per_step_is_chosen():
+    """Head 2 dropped most (-80% against -30%), but head 0's loss also costs every draft below it:
+    restoring head 0 adds more tokens per step to a chain of drafts."""
     m = AcceptanceMonitor(3, SlowPathConfig())
     feed(m, 0.5, 3)
-    for _ in range(3):
-        for h, rate in enumerate([20 / 64, 5 / 64, 30 / 64]):
-            m.observe(h, [rate] * 64)
-    assert m.most_degraded() == 1
+    degrade(m, [0.35, 0.5, 0.1])
+    assert m.degraded() == [0, 2]
+    now = chain([0.35, 0.5, 0.1])
+    assert chain([0.5, 0.5, 0.1]) - now > chain([0.35, 0.5, 0.5]) - now
+    assert m.most_degraded() == 0
+
+
+def test_a_deep_head_is_chosen_when_the_heads_above_it_hold():
+    m = AcceptanceMonitor(3, SlowPathConfig())
+    feed(m, 0.5, 3)
+    degrade(m, [0.44, 0.5, 0.02])  # head 0: -12% (degraded), head 2: -96%
+    assert m.degraded() == [0, 2]
+    now = chain([0.44, 0.5, 0.02])
+    assert chain([0.44, 0.5, 0.5]) - now > chain([0.5, 0.5, 0.02]) - now
+    assert m.most_degraded() == 2
+
+
+def test_chain_tokens():
+    assert chain_tokens([]) == 1.0
+    assert chain_tokens([0.5, 0.5, 0.1]) == pytest.approx(chain([0.5, 0.5, 0.1])) == pytest.approx(1.775)
 
 
 def test_monitor_state_of_an_older_checkpoint_starts_afresh():
