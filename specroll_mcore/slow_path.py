@@ -529,13 +529,14 @@ class SlowPath:
         l_raw = self._logits_on(heads.forward_one(head, hidden, None, root, path), support)
         kl_raw = kl(l_raw)
         loss_raw = kl_raw.mean()
-        loss_cor = torch.zeros((), device=hidden.device)
-        # q_corrected is q_raw wherever no correction was applied: only the corrected records need
-        # another forward (under a mostly closed gate, a few of them)
+        # q_corrected is q_raw wherever no correction was applied (the term is then KL_raw again):
+        # only the corrected records need another forward (under a mostly closed gate, a few of them)
+        kl_cor = kl_raw
         i = (rec.delta[:, head] != 0).any(-1).nonzero().flatten()
         if cfg.corrected_weight > 0 and i.numel():
             z_cor = heads.forward_one(head, hidden[i], rec.delta[i, head].to(dtype), root[i], None if path is None else path[i])
-            loss_cor = kl_raw.index_copy(0, i, kl(self._logits_on(z_cor, support), i)).mean()
+            kl_cor = kl_raw.index_copy(0, i, kl(self._logits_on(z_cor, support), i))
+        loss_cor = kl_cor.mean()
         # ranking: the head's logit gap between the policy's most likely token and every other support
         # entry should reach the policy's own log-prob gap, capped at the margin.
         top = torch.searchsorted(support, rec.target_ids[:, head, :1].contiguous())  # [N, 1]
