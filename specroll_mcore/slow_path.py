@@ -335,6 +335,24 @@ class AcceptanceMonitor:
 
 
 @dataclass
+class EventBatch:
+    """A consolidation's fixed quantities, shared by its steps (none depends on the head's weights):
+    the head's inputs, this rank's vocabulary rows of the support S, the targets on S."""
+
+    hidden: torch.Tensor  # [N, h] the policy's hidden states
+    root: torch.Tensor  # [N, h] root token features
+    path: Optional[torch.Tensor]  # [N, head, h] draft path features (None for head 0)
+    rows: torch.Tensor  # [u, h] this rank's vocabulary rows of S (zero where another rank owns the id)
+    p: torch.Tensor  # [N, u] the policy's top-K distribution on S, renormalised
+    logp: torch.Tensor  # [N, u] its log (floored)
+    top: torch.Tensor  # [N, 1] column of the policy's most likely token
+    want: torch.Tensor  # [N, u] the log-prob gaps the ranking term asks for (capped at the margin)
+    others: torch.Tensor  # [N, u] bool: every column but ``top``
+    corrected: torch.Tensor  # [c] records whose proposal used a Reflex correction
+    delta: torch.Tensor  # [c, h] those corrections
+
+
+@dataclass
 class SlowPathStats:
     events: list[dict] = field(default_factory=list)
     slow_seconds: float = 0.0  # consolidations (the time cap's account)
@@ -472,11 +490,11 @@ class SlowPath:
         with torch.inference_mode(False), torch.enable_grad():
             for p in params:
                 p.requires_grad_(True)
-            opt = torch.optim.Adam(params, lr=cfg.lr)
-            inputs = self._inputs(train, head)  # frozen features: gathered once, not per step
+            opt = torch.optim.Adam(params, lr=cfg.lr, foreach=True)
+            batch = self.event_batch(train, head, support)  # frozen inputs and targets: built once, not per step
             for _ in range(cfg.steps):
                 opt.zero_grad(set_to_none=True)
-                loss, parts = self.loss(train, head, prev, support, inputs)
+                loss, parts = self.loss(batch, head, prev)
                 loss.backward()
                 if dp > 1:  # the same update on every data-parallel replica
                     for p in params:
@@ -498,52 +516,59 @@ class SlowPath:
                 "loss_last": losses[-1]["loss"] if losses else None}
 
     # -- the consolidation objective ------------------------------------------------------------
-    def _logits_on(self, z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Differentiable ``z W_S^T`` [N, u] for shared ids [u] under TP: z enters each rank's partial
-        product through megatron's copy-to-TP region (its backward all-reduces dz) and the partials
-        are summed by the reduce-from-TP region."""
-        policy = self.policy
-        rows = vocab_rows(policy.output_weight().detach(), ids, policy.vocab_start).to(z.dtype)  # [u, h]
-        if policy.ctx.tp_size > 1:
+    def event_batch(self, rec: Records, head: int, support: torch.Tensor) -> "EventBatch":
+        """What every step of a consolidation of ``head`` on ``rec`` shares (:class:`EventBatch`),
+        on a shared, sorted support ``support`` [u] that holds every record's target top-K and
+        realised token and the head's own candidates (the target mass of an id outside a record's
+        top-K is zero)."""
+        policy, dtype = self.policy, self.policy.dtype
+        N, u = len(rec), support.numel()
+        p = torch.zeros(N, u, device=support.device)
+        p.scatter_add_(1, torch.searchsorted(support, rec.target_ids[:, head].contiguous()), rec.target_probs[:, head])
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+        logp = torch.log(p.clamp(min=1e-12))
+        top = torch.searchsorted(support, rec.target_ids[:, head, :1].contiguous())  # [N, 1]
+        corrected = (rec.delta[:, head] != 0).any(-1).nonzero().flatten()
+        hidden, root, path = self._inputs(rec, head)
+        return EventBatch(
+            hidden=hidden, root=root, path=path,
+            rows=vocab_rows(policy.output_weight().detach(), support, policy.vocab_start).to(dtype),
+            p=p, logp=logp, top=top, want=(logp.gather(1, top) - logp).clamp(min=0, max=self.cfg.rank_margin),
+            others=torch.ones(N, u, dtype=torch.bool, device=support.device).scatter_(1, top, False),
+            corrected=corrected, delta=rec.delta[corrected, head].to(dtype))
+
+    def _logits_on(self, z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Differentiable ``z W_S^T`` [N, u] for this rank's vocabulary rows ``rows`` [u, h] of a
+        shared support (zero where another rank owns the id): z enters each rank's partial product
+        through megatron's copy-to-TP region (its backward all-reduces dz) and the partials are
+        summed by the reduce-from-TP region."""
+        if self.policy.ctx.tp_size > 1:
             from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                                 reduce_from_tensor_model_parallel_region)
             return reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(z) @ rows.t())
         return z @ rows.t()
 
-    def loss(self, rec: Records, head: int, prev: list[torch.Tensor], support: torch.Tensor,
-             inputs: tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]) -> tuple[torch.Tensor, dict[str, float]]:
-        """The consolidation objective for ``head`` on a shared, sorted support ``support`` [u] that
-        holds every record's target top-K and realised token and the head's own candidates (the
-        target mass of an id outside a record's top-K is zero); ``inputs``: :meth:`_inputs` of ``rec``."""
-        cfg, heads, dtype = self.cfg, self.policy.heads, self.policy.dtype
-        N, u = len(rec), support.numel()
-        p = torch.zeros(N, u, device=support.device)
-        p.scatter_add_(1, torch.searchsorted(support, rec.target_ids[:, head].contiguous()), rec.target_probs[:, head])
-        p_s = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
-        logp = torch.log(p_s.clamp(min=1e-12))
+    def loss(self, batch: "EventBatch", head: int, prev: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The consolidation objective for ``head`` on an :meth:`event_batch`."""
+        cfg, heads, b = self.cfg, self.policy.heads, batch
 
         def kl(logits: torch.Tensor, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:  # per record
-            return (p_s[rows] * (logp[rows] - torch.log_softmax(logits.float(), -1))).sum(-1)
+            return (b.p[rows] * (b.logp[rows] - torch.log_softmax(logits.float(), -1))).sum(-1)
 
-        hidden, root, path = inputs
-        l_raw = self._logits_on(heads.forward_one(head, hidden, None, root, path), support)
+        l_raw = self._logits_on(heads.forward_one(head, b.hidden, None, b.root, b.path), b.rows)
         kl_raw = kl(l_raw)
         loss_raw = kl_raw.mean()
         # q_corrected is q_raw wherever no correction was applied (the term is then KL_raw again):
         # only the corrected records need another forward (under a mostly closed gate, a few of them)
-        kl_cor = kl_raw
-        i = (rec.delta[:, head] != 0).any(-1).nonzero().flatten()
+        kl_cor, i = kl_raw, b.corrected
         if cfg.corrected_weight > 0 and i.numel():
-            z_cor = heads.forward_one(head, hidden[i], rec.delta[i, head].to(dtype), root[i], None if path is None else path[i])
-            kl_cor = kl_raw.index_copy(0, i, kl(self._logits_on(z_cor, support), i))
+            z_cor = heads.forward_one(head, b.hidden[i], b.delta, b.root[i], None if b.path is None else b.path[i])
+            kl_cor = kl_raw.index_copy(0, i, kl(self._logits_on(z_cor, b.rows), i))
         loss_cor = kl_cor.mean()
         # ranking: the head's logit gap between the policy's most likely token and every other support
         # entry should reach the policy's own log-prob gap, capped at the margin.
-        top = torch.searchsorted(support, rec.target_ids[:, head, :1].contiguous())  # [N, 1]
-        want = (logp.gather(1, top) - logp).clamp(min=0, max=cfg.rank_margin)
-        gap = l_raw.float().gather(1, top) - l_raw.float()
-        others = torch.ones(N, u, dtype=torch.bool, device=support.device).scatter_(1, top, False)
-        rank = (torch.relu(want - gap) * others).sum(-1).div(others.sum(-1).clamp(min=1)).mean()
+        gap = l_raw.float().gather(1, b.top) - l_raw.float()
+        rank = (torch.relu(b.want - gap) * b.others).sum(-1).div(b.others.sum(-1).clamp(min=1)).mean()
         prox = sum(((w - w0) ** 2).sum() for w, w0 in zip(heads.head_parameters(head), prev))
         loss = loss_raw + cfg.corrected_weight * loss_cor + cfg.rank_weight * rank + cfg.proximal * prox
         return loss, {"loss": float(loss.detach()), "kl_raw": float(loss_raw.detach()), "kl_corrected": float(loss_cor.detach()),

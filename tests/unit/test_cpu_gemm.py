@@ -73,6 +73,27 @@ def test_training_and_float64_keep_megatron_products(ctx, monkeypatch):
     assert not calls
 
 
+def test_frozen_input_products_give_megatron_weight_gradients(ctx):
+    """A product whose input needs no gradient (the heads' layers on the policy's hidden states)
+    skips megatron's autograd function, whose backward also computes the input's gradient, and
+    gives the same output and weight gradient as megatron's."""
+    model = make_policy(tiny_llama(), ctx)
+    layer = model.gpt.decoder.layers[0].mlp.linear_fc1
+    x = torch.randn(5, layer.weight.shape[1])
+    out = layer(x)[0]
+    out.pow(2).sum().backward()
+    ours = layer.weight.grad.clone()
+    layer.weight.grad = None
+    x_grad = x.clone().requires_grad_(True)  # an input with a gradient: megatron's function
+    ref = layer(x_grad)[0]
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(ours, layer.weight.grad)
+    assert x_grad.grad is not None
+    assert "LinearWithGradAccumulation" in type(ref.grad_fn).__name__
+    assert "LinearWithGradAccumulation" not in type(out.grad_fn).__name__
+
+
 def test_draft_vocab_projection_on_packed_rows():
     """The draft vocabulary's rows are packed once, when it is built (every rollout)."""
     from specroll_mcore.heads import DraftVocab

@@ -300,18 +300,18 @@ def test_corrected_term_equals_a_forward_of_every_record_with_its_correction(ctx
     assert 0 < int((rec.delta[:, head] != 0).any(-1).sum()) < len(rec)
     support = torch.unique(torch.cat([rec.target_ids[:, head].flatten(), rec.realised[:, head]]))
     prev = [p.detach().clone() for p in model.heads.head_parameters(head)]
-    inputs = sp._inputs(rec, head)
-    _, parts = sp.loss(rec, head, prev, support, inputs)
-    hidden, root, path = inputs
+    _, parts = sp.loss(sp.event_batch(rec, head, support), head, prev)
+    hidden, root, path = sp._inputs(rec, head)
     with torch.no_grad():
-        logits = sp._logits_on(model.heads.forward_one(head, hidden, rec.delta[:, head], root, path), support)
+        z = model.heads.forward_one(head, hidden, rec.delta[:, head], root, path)
+    logits = z @ model.output_weight()[support].t()
     p = torch.zeros(len(rec), support.numel(), dtype=torch.float32)
     p.scatter_add_(1, torch.searchsorted(support, rec.target_ids[:, head].contiguous()), rec.target_probs[:, head])
     p = p / p.sum(-1, keepdim=True)
     want = (p * (torch.log(p.clamp(min=1e-12)) - torch.log_softmax(logits.float(), -1))).sum(-1).mean()
     assert parts["kl_corrected"] == pytest.approx(float(want), rel=1e-6)
     rec.delta.zero_()  # no correction anywhere: q_corrected is q_raw
-    parts = sp.loss(rec, head, prev, support, inputs)[1]
+    parts = sp.loss(sp.event_batch(rec, head, support), head, prev)[1]
     assert parts["kl_corrected"] == parts["kl_raw"] > 0
 
 
