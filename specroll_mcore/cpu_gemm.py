@@ -29,8 +29,7 @@ what all-reduces; the output all-reduce and gather at TP=1) and call them where 
 Only inference takes these paths; with gradients enabled, a CPU product whose input needs no
 gradient (the heads' layers on the policy's frozen hidden states: head training and slow-path
 consolidations) is ``F.linear`` as well, so its backward computes the weight's gradient only
-(megatron's computes the input's too, and discards it: about 9% of a consolidation). On GPU
-nothing changes.
+(megatron's computes the input's too, and discards it). On GPU nothing changes.
 """
 
 from __future__ import annotations
