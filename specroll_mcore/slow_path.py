@@ -346,8 +346,7 @@ class EventBatch:
     p: torch.Tensor  # [N, u] the policy's top-K distribution on S, renormalised
     logp: torch.Tensor  # [N, u] its log (floored)
     top: torch.Tensor  # [N, 1] column of the policy's most likely token
-    want: torch.Tensor  # [N, u] the log-prob gaps the ranking term asks for (capped at the margin)
-    others: torch.Tensor  # [N, u] bool: every column but ``top``
+    want: torch.Tensor  # [N, u] the log-prob gaps the ranking term asks for (capped at the margin; 0 at ``top``)
     corrected: torch.Tensor  # [c] records whose proposal used a Reflex correction
     delta: torch.Tensor  # [c, h] those corrections
 
@@ -516,7 +515,7 @@ class SlowPath:
                 "loss_last": losses[-1]["loss"] if losses else None}
 
     # -- the consolidation objective ------------------------------------------------------------
-    def event_batch(self, rec: Records, head: int, support: torch.Tensor) -> "EventBatch":
+    def event_batch(self, rec: Records, head: int, support: torch.Tensor) -> EventBatch:
         """What every step of a consolidation of ``head`` on ``rec`` shares (:class:`EventBatch`),
         on a shared, sorted support ``support`` [u] that holds every record's target top-K and
         realised token and the head's own candidates (the target mass of an id outside a record's
@@ -534,7 +533,6 @@ class SlowPath:
             hidden=hidden, root=root, path=path,
             rows=vocab_rows(policy.output_weight().detach(), support, policy.vocab_start).to(dtype),
             p=p, logp=logp, top=top, want=(logp.gather(1, top) - logp).clamp(min=0, max=self.cfg.rank_margin),
-            others=torch.ones(N, u, dtype=torch.bool, device=support.device).scatter_(1, top, False),
             corrected=corrected, delta=rec.delta[corrected, head].to(dtype))
 
     def _logits_on(self, z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -548,7 +546,7 @@ class SlowPath:
             return reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(z) @ rows.t())
         return z @ rows.t()
 
-    def loss(self, batch: "EventBatch", head: int, prev: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: EventBatch, head: int, prev: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """The consolidation objective for ``head`` on an :meth:`event_batch`."""
         cfg, heads, b = self.cfg, self.policy.heads, batch
 
@@ -566,9 +564,10 @@ class SlowPath:
             kl_cor = kl_raw.index_copy(0, i, kl(self._logits_on(z_cor, b.rows), i))
         loss_cor = kl_cor.mean()
         # ranking: the head's logit gap between the policy's most likely token and every other support
-        # entry should reach the policy's own log-prob gap, capped at the margin.
-        gap = l_raw.float().gather(1, b.top) - l_raw.float()
-        rank = (torch.relu(b.want - gap) * b.others).sum(-1).div(b.others.sum(-1).clamp(min=1)).mean()
+        # entry should reach the policy's own log-prob gap, capped at the margin (the top column's own
+        # term is relu(0 - 0): the mean is over the u - 1 others).
+        lf = l_raw.float()
+        rank = torch.relu(b.want - (lf.gather(1, b.top) - lf)).sum(-1).mean() / max(lf.shape[1] - 1, 1)
         prox = sum(((w - w0) ** 2).sum() for w, w0 in zip(heads.head_parameters(head), prev))
         loss = loss_raw + cfg.corrected_weight * loss_cor + cfg.rank_weight * rank + cfg.proximal * prox
         return loss, {"loss": float(loss.detach()), "kl_raw": float(loss_raw.detach()), "kl_corrected": float(loss_cor.detach()),
