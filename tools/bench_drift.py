@@ -48,6 +48,8 @@ from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E40
 from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
 
 VARIANTS = {"static": (False, False), "reflex": (True, False), "slow": (False, True), "both": (True, True)}
+MEASURE_PROMPTS, ADAPT_PROMPTS = 10_000, 20_000  # problem seeds of the two prompt streams, plus the drift step
+SEED_STRIDE = 1_000_000  # --seed s offsets every problem and sampling seed by s * SEED_STRIDE
 
 
 def main() -> None:
@@ -77,11 +79,16 @@ def main() -> None:
                     help="between checkpoints, roll out one batch of fresh prompts every this many drift "
                          "steps with the slow-path variants (the rollouts an RL run makes as its policy "
                          "moves; they feed the slow path and are not timed); 0: checkpoints only")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="offsets the measured and adaptation prompts and their sampling seeds (the drift "
+                         "itself, the SFT steps, stays the same): independent repeats of a run")
     ap.add_argument("--out", default="bench_drift.json")
     ap.add_argument("--plot", default="bench_drift.png")
     args = ap.parse_args()
     if args.adapt_every < 0:
         ap.error(f"--adapt-every must be >= 0 (0: no rollouts between checkpoints), got {args.adapt_every}")
+    if args.seed < 0:
+        ap.error(f"--seed must be >= 0, got {args.seed}")
     try:
         slow_cfg = SlowPathConfig(**{k: v for k, v in (("cooldown_batches", args.cooldown_batches),
                                                        ("tolerance", args.tolerance)) if v is not None})
@@ -128,6 +135,15 @@ def main() -> None:
     print(report["summary"])
 
 
+def prompts_at(args, tok, step: int, n: int, stream: int) -> tuple[list[list[int]], SamplingConfig]:
+    """n fresh problems of one stream at this drift step, and their sampling config; --seed moves
+    both to values no other seed uses."""
+    offset = SEED_STRIDE * args.seed
+    prompts = [chat_prompt_ids(tok, q.question) for q in problems(n, seed=stream + step + offset)]
+    return prompts, SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                   seed=step + 1 + offset)
+
+
 def rollout(v, policy, engines, heads, prompts, sp, step, ids):
     """Variant ``v`` with its own head weights (what its slow path changed is kept): output, seconds."""
     policy.heads.load_state_dict(heads[v])
@@ -140,9 +156,7 @@ def rollout(v, policy, engines, heads, prompts, sp, step, ids):
 
 def measure(args, step, tok, policy, vanilla, engines, heads) -> dict:
     """All variants and vanilla on the same prompts, alternating batch by batch."""
-    qs = problems(args.batches * args.prompts_per_batch, seed=10_000 + step)
-    prompts = [chat_prompt_ids(tok, q.question) for q in qs]
-    sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=step + 1)
+    prompts, sp = prompts_at(args, tok, step, args.batches * args.prompts_per_batch, MEASURE_PROMPTS)
     names = list(engines)
     acc = {v: {"time": 0.0, "emitted": 0, "active": 0, "tried": [0] * policy.num_heads,
                "accepted": [0] * policy.num_heads, "gate": [], "events": []} for v in names}
@@ -184,9 +198,7 @@ def adapt(args, step, tok, policy, engines, heads) -> dict:
     """One rollout batch of fresh prompts per slow-path variant at this drift step (not timed).
 
     Static and Reflex-only variants are skipped: nothing they hold outlives a response."""
-    qs = problems(args.prompts_per_batch, seed=20_000 + step)
-    prompts = [chat_prompt_ids(tok, q.question) for q in qs]
-    sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=step + 1)
+    prompts, sp = prompts_at(args, tok, step, args.prompts_per_batch, ADAPT_PROMPTS)
     row = {"drift_step": step, "events": {}}
     for v, (_, slow) in VARIANTS.items():
         if not slow:

@@ -39,9 +39,9 @@ def test_bench_drift_smoke(tiny_ckpt, tmp_path):
     out = tmp_path / "d.json"
     run_tool("bench_drift.py", "--checkpoint", tiny_ckpt, "--drift-steps", 2, "--measure-every", 2, "--batches", 1,
              "--prompts-per-batch", 1, "--max-new-tokens", 8, "--c-hw", 16, "--sft-batch", 2, "--adapt-every", 1,
-             "--no-adaptive-nodes", "--out", out, "--plot", tmp_path / "d.png")
+             "--no-adaptive-nodes", "--seed", 1, "--out", out, "--plot", tmp_path / "d.png")
     report = json.loads(out.read_text())
-    assert report["args"]["adaptive_nodes"] is False
+    assert report["args"]["adaptive_nodes"] is False and report["args"]["seed"] == 1
     assert [c["drift_step"] for c in report["checkpoints"]] == [0, 2]
     assert set(report["summary"]) == {"static", "reflex", "slow", "both"}
     # a rollout between the checkpoints, for the variants whose slow path keeps what it sees
@@ -54,6 +54,9 @@ def test_bench_drift_smoke(tiny_ckpt, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_drift.py"), "--tolerance", "1.5"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "SlowPathConfig.tolerance must be in (0, 1)" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_drift.py"), "--seed", "-1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--seed must be >= 0" in proc.stderr
 
 
 def test_acceptance_ceiling_smoke(tiny_ckpt, tmp_path):
