@@ -302,15 +302,24 @@ def pipeline_layer_offset(model: ModelConfig, ctx: ParallelContext) -> int:
     return ctx.pp_rank * (model.num_layers // ctx.pp_size)
 
 
+def grad_of(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The gradient training reduces, clips and steps with: megatron's float32 ``main_grad`` where the
+    parameter has one (bfloat16 parameters under :class:`specroll_mcore.rl.optimizer.MainParamAdamW`),
+    else ``.grad``."""
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
 def grad_sq_norm(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
-    """Squared L2 norm of ``params``' gradients over the TP group (float64): megatron's TP-sharded
-    parameters (``tensor_model_parallel``) add up over the ranks, replicated ones count once."""
+    """Squared L2 norm of ``params``' gradients (:func:`grad_of`) over the TP group (float64):
+    megatron's TP-sharded parameters (``tensor_model_parallel``) add up over the ranks, replicated
+    ones count once."""
     sharded = torch.zeros((), dtype=torch.float64, device=ctx.device)
     replicated = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for p in params:
-        if p.grad is None:
+        g = grad_of(p)
+        if g is None:
             continue
-        sq = p.grad.double().pow(2).sum()
+        sq = g.double().pow(2).sum()
         if getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:

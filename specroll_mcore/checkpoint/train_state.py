@@ -47,7 +47,7 @@ def _write_atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: torch.optim.Optimizer,
+def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: Any,
                              trainer_state: dict[str, Any], heads: Optional[dict[str, torch.Tensor]],
                              heads_meta: dict[str, Any], keep_last: int,
                              engine_state: Optional[dict[str, Any]] = None) -> Path:
@@ -96,7 +96,7 @@ def latest_training_checkpoint(out_dir: Path) -> Optional[Path]:
     return d if (d / STATE_FILE).is_file() else None
 
 
-def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: torch.optim.Optimizer
+def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: Any
                              ) -> tuple[dict[str, Any], Optional[dict[str, torch.Tensor]], dict[str, Any],
                                         Optional[dict[str, Any]]]:
     """Restore this rank's model shard, optimizer and RNG; returns (trainer state, heads, heads meta,

@@ -17,7 +17,7 @@ import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from specroll_mcore.model import PolicyModel, causal_mask
-from specroll_mcore.parallel import grad_sq_norm
+from specroll_mcore.parallel import grad_of, grad_sq_norm
 
 
 @dataclass
@@ -109,13 +109,17 @@ def finalize_grads(policy: PolicyModel) -> None:
     last stage) so both take the same update."""
     ctx = policy.ctx
     for p in policy.gpt.parameters():
-        if p.grad is not None:
-            ctx.all_reduce_dp(p.grad)
+        g = grad_of(p)
+        if g is not None:
+            ctx.all_reduce_dp(g)
     if ctx.pp_size > 1 and policy.config.tie_word_embeddings and (ctx.is_first_stage or ctx.is_last_stage):
         w = policy.gpt.shared_embedding_or_output_weight()
-        if w.grad is None:
-            w.grad = torch.zeros_like(w)
-        ctx.all_reduce_embedding_group(w.grad)
+        if grad_of(w) is None:  # this stage's copy took no gradient: it still joins the sum
+            if hasattr(w, "main_grad"):
+                w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+            else:
+                w.grad = torch.zeros_like(w)
+        ctx.all_reduce_embedding_group(grad_of(w))
 
 
 def global_grad_norm(policy: PolicyModel) -> torch.Tensor:

@@ -34,6 +34,7 @@ from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.rl.data import Example, load_examples, render_prompt
 from specroll_mcore.rl.grpo import group_advantages, policy_loss
+from specroll_mcore.rl.optimizer import MainParamAdamW
 from specroll_mcore.rl.rewards import RewardConfig, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        global_grad_norm, pack_micro_batch)
@@ -84,8 +85,8 @@ class GRPOTrainer:
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer) \
             if cfg.compare_vanilla_every else None
         params = [p for p in self.policy.gpt.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = MainParamAdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                        weight_decay=cfg.weight_decay)
         self.ref_state = {k: v.detach().clone() for k, v in self.policy.gpt.state_dict().items()} \
             if cfg.kl_beta > 0 else None
         self.state: dict[str, Any] = {"step": 0, "policy_version": 0, "cursor": 0, "epoch": 0,
@@ -224,8 +225,8 @@ class GRPOTrainer:
         else:
             if norm > cfg.grad_clip:
                 for p in policy.gpt.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(cfg.grad_clip / (norm + 1e-6))
+                    if (g := parallel.grad_of(p)) is not None:
+                        g.mul_(cfg.grad_clip / (norm + 1e-6))
             self.optimizer.step()
             self.state["policy_version"] += 1  # the heads are tied to the new policy version
             skipped = False

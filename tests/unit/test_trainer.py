@@ -174,3 +174,25 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tiny_ckpt, tmp_path, ctx):
     run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1")
     with pytest.raises(FileExistsError, match="already holds a training checkpoint; pass --resume"):
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
+
+
+def test_a_bfloat16_policy_learns_at_grpo_learning_rates(tiny_ckpt, tmp_path, ctx):
+    """lr 1e-6 on bfloat16 weights: the float32 main weights take every update (plain AdamW on the
+    bfloat16 weights rounds nearly all of them away), the model weights are their rounding, and a
+    resumed run continues from the same float32 weights."""
+    from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
+
+    bf16 = convert_hf_to_mcore(tiny_ckpt.parent / "hf", tmp_path / "bf16", params_dtype="bfloat16")
+    args = overrides(bf16, tmp_path / "run", "engine=vanilla", "lr=1e-6", "steps=2")
+    trainer = GRPOTrainer(load_config(TrainConfig, None, args))
+    assert trainer.policy.dtype == torch.bfloat16
+    start = [m.detach().clone() for m in trainer.optimizer.main]
+    rows = trainer.run()
+    assert all(r["grad_norm"] > 0 and not r["skipped"] for r in rows)
+    moved = sum(int((m != s).sum()) for m, s in zip(trainer.optimizer.main, start))
+    assert moved > 0.5 * sum(s.numel() for s in start)
+    for p, m in zip(trainer.optimizer.params, trainer.optimizer.main):
+        assert m.dtype == torch.float32 and torch.equal(p.detach(), m.bfloat16())
+    resumed = GRPOTrainer(load_config(TrainConfig, None, args + ["resume=true"]))
+    for a, b in zip(resumed.optimizer.main, trainer.optimizer.main):
+        assert torch.equal(a, b)

@@ -1,0 +1,104 @@
+"""AdamW on float32 main parameters: the policy update for half-precision models.
+
+A bfloat16 weight cannot move by much less than 2**-9 of itself: at GRPO's learning rates (1e-6)
+plain AdamW on bfloat16 parameters rounds nearly every update back to the old value, and the policy
+does not learn. As megatron-core's mixed-precision optimizer does, each bfloat16 parameter gets a
+float32 main copy that AdamW updates; its gradient accumulates in float32 over the micro-batches of
+a step (``param.main_grad``, megatron's name for it: a hook moves each backward's ``.grad`` there),
+is reduced over data-parallel replicas and clipped in float32, and the model parameter is the main
+copy rounded after every step. float32 and float64 parameters are updated in place, exactly as by
+``torch.optim.AdamW``. float16 is refused: it needs loss scaling, which this trainer does not do.
+
+The main copies are part of :meth:`MainParamAdamW.state_dict`, so a resumed run continues from the
+same float32 weights, not from their rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+MAIN_PARAMS = "main_params"
+
+
+def _accumulate_main_grad(p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a bfloat16 parameter: add this backward's gradient to the float32
+    ``main_grad`` and free ``.grad``."""
+    if p.main_grad is None:
+        p.main_grad = p.grad.float()
+    else:
+        p.main_grad.add_(p.grad)
+    p.grad = None
+
+
+class MainParamAdamW:
+    """``torch.optim.AdamW`` over float32 main copies of bfloat16 parameters (others in place).
+
+    Gradients of every parameter, for reduction and clipping, are :func:`specroll_mcore.parallel.grad_of`."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], **adamw: Any) -> None:
+        self.params = list(params)
+        self.main: list[torch.Tensor] = []
+        self._hooks = []
+        for p in self.params:
+            if p.dtype == torch.float16:
+                raise ValueError("float16 training needs loss scaling, which the trainer does not do: convert the "
+                                 "checkpoint with --dtype bfloat16 (or float32)")
+            if p.dtype == torch.bfloat16:
+                p.main_grad = None
+                self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
+                self.main.append(p.detach().float().clone())
+            else:
+                self.main.append(p)
+        self.optimizer = torch.optim.AdamW(self.main, **adamw)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def _half(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return [(p, m) for p, m in zip(self.params, self.main) if m is not p]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        half = self._half()
+        for p, m in half:
+            m.grad = p.main_grad
+        self.optimizer.step()
+        for p, m in half:
+            p.copy_(m)
+            m.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's state dict (the format of ``torch.optim.AdamW``), plus the float32 main copies of
+        the bfloat16 parameters under ``main_params`` when there are any."""
+        state = self.optimizer.state_dict()
+        half = self._half()
+        if half:
+            state[MAIN_PARAMS] = [m.detach().clone() for _, m in half]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        main = state.pop(MAIN_PARAMS, None)
+        half = self._half()
+        with torch.no_grad():
+            if main is None:  # saved without main copies (a float32 run, or an older half-precision one)
+                for p, m in half:
+                    m.copy_(p)
+            elif len(main) != len(half) or any(a.shape != m.shape for a, (_, m) in zip(main, half)):
+                raise ValueError(f"the checkpoint's optimizer holds {len(main)} float32 main parameters; this model "
+                                 f"has {len(half)} bfloat16 ones of other shapes: it was saved by another model or "
+                                 "layout")
+            else:
+                for a, (p, m) in zip(main, half):
+                    m.copy_(a)
+                    p.copy_(m)
+        self.optimizer.load_state_dict(state)

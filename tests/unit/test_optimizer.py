@@ -1,0 +1,110 @@
+"""The policy optimizer: bfloat16 parameters take AdamW's float32 updates (torch.optim.AdamW on float32
+copies is the reference), gradients accumulate in float32, the main copies survive a checkpoint."""
+
+import copy
+
+import pytest
+import torch
+
+from specroll_mcore.parallel import grad_of
+from specroll_mcore.rl.optimizer import MainParamAdamW
+
+ADAMW = {"lr": 1e-6, "betas": (0.9, 0.99), "weight_decay": 0.01}
+
+
+def bf16_param(n: int = 4096, seed: int = 0) -> torch.nn.Parameter:
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter((0.02 * torch.randn(n, generator=g)).bfloat16())
+
+
+def backward(p: torch.Tensor, c: torch.Tensor) -> None:
+    """A loss whose gradient with respect to ``p`` is ``c`` (bfloat16-representable)."""
+    (p.float() * c).sum().backward()
+
+
+def test_bfloat16_parameters_take_the_float32_updates():
+    p = bf16_param()
+    c = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).bfloat16().float()
+    ref = torch.nn.Parameter(p.detach().float().clone())
+    ref_opt = torch.optim.AdamW([ref], **ADAMW)
+    plain = torch.nn.Parameter(p.detach().clone())
+    plain_opt = torch.optim.AdamW([plain], **ADAMW)
+    opt = MainParamAdamW([p], **ADAMW)
+    start = p.detach().clone()
+    for _ in range(200):  # 200 steps of 1e-6: a few bfloat16 spacings of a 0.02 weight
+        opt.zero_grad()
+        backward(p, c)
+        assert p.grad is None and p.main_grad.dtype == torch.float32
+        opt.step()
+        ref.grad = c.clone()
+        ref_opt.step()
+        plain.grad = c.bfloat16()
+        plain_opt.step()
+    assert torch.equal(opt.main[0], ref.detach())
+    assert torch.equal(p.detach(), ref.detach().bfloat16())
+    assert (p.detach() != start).float().mean() > 0.5
+    # plain AdamW on the bfloat16 weights rounds most updates away
+    assert (plain.detach() == ref.detach().bfloat16()).float().mean() < 0.5
+
+
+def test_micro_batch_gradients_accumulate_in_float32():
+    p = bf16_param(8)
+    opt = MainParamAdamW([p], **ADAMW)
+    c1 = torch.tensor([1.0, 2.0, 3.0, 4.0, 1e-3, 5e-3, 256.0, 3.0]).bfloat16().float()
+    c2 = torch.tensor([1e-3, 1e-3, 1e-3, 1e-3, 1.0, 1.0, 1.0, 1.0]).bfloat16().float()
+    backward(p, c1)
+    backward(p, c2)
+    assert p.grad is None and torch.equal(grad_of(p), c1 + c2)
+    assert not torch.equal((c1.bfloat16() + c2.bfloat16()).float(), c1 + c2)  # what bfloat16 accumulation loses
+    opt.zero_grad()
+    assert grad_of(p) is None
+
+
+def test_float32_parameters_step_exactly_as_adamw():
+    w = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(2)))
+    ref = torch.nn.Parameter(w.detach().clone())
+    opt, ref_opt = MainParamAdamW([w], lr=1e-2), torch.optim.AdamW([ref], lr=1e-2)
+    for k in range(3):
+        for q, o in ((w, opt), (ref, ref_opt)):
+            o.zero_grad()
+            (q * (k + 1)).pow(2).sum().backward()
+            o.step()
+    assert torch.equal(w.detach(), ref.detach())
+    assert opt.main[0] is w and not hasattr(w, "main_grad")
+    assert set(opt.state_dict()) == set(ref_opt.state_dict())  # same format as before: old checkpoints load
+
+
+def test_a_checkpoint_resumes_the_float32_main_weights():
+    c = torch.randn(4096, generator=torch.Generator().manual_seed(3)).bfloat16().float()
+    p = bf16_param()
+    opt = MainParamAdamW([p], **ADAMW)
+
+    def steps(q, o, n):
+        for _ in range(n):
+            o.zero_grad()
+            backward(q, c)
+            o.step()
+
+    steps(p, opt, 5)
+    saved_model, saved_opt = p.detach().clone(), copy.deepcopy(opt.state_dict())  # as torch.save would keep them
+    assert torch.equal(saved_opt["main_params"][0], opt.main[0])
+    q = torch.nn.Parameter(saved_model)  # the model shard as saved: bfloat16
+    resumed = MainParamAdamW([q], **ADAMW)
+    resumed.load_state_dict(saved_opt)
+    steps(p, opt, 5)
+    steps(q, resumed, 5)
+    assert torch.equal(resumed.main[0], opt.main[0]) and torch.equal(q.detach(), p.detach())
+    # without main copies (an older half-precision checkpoint) the model weights seed them
+    old = {k: v for k, v in saved_opt.items() if k != "main_params"}
+    r = MainParamAdamW([torch.nn.Parameter(saved_model.clone())], **ADAMW)
+    r.load_state_dict(old)
+    assert torch.equal(r.main[0], saved_model.float())
+
+
+def test_optimizer_errors():
+    with pytest.raises(ValueError, match="float16 training needs loss scaling.*--dtype bfloat16"):
+        MainParamAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))], lr=1e-6)
+    opt = MainParamAdamW([bf16_param(8)], **ADAMW)
+    other = MainParamAdamW([bf16_param(16)], **ADAMW)
+    with pytest.raises(ValueError, match="saved by another model or layout"):
+        other.load_state_dict(opt.state_dict())
