@@ -527,6 +527,9 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
     grad_clip: float = 1.0
+    shard_optimizer: bool = False
+    """Split AdamW's moment buffers over the data-parallel replicas (ZeRO stage 1; each replica
+    saves its shard, and a run resumes with the data-parallel size it was saved with)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2

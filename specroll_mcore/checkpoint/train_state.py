@@ -5,6 +5,7 @@ Layout (a Megatron-LM checkpoint directory, so `specroll convert mcore-to-hf` re
     OUT/specroll_config.json, tokenizer files
     OUT/latest_checkpointed_iteration.txt           N (written last, atomically)
     OUT/iter_000000N/mp_rank_TT[_PPP]/model_optim_rng.pt   model shard, optimizer state, RNG
+    OUT/iter_000000N/mp_rank_TT[_PPP]/optim_dpR.pt  optimizer state of DP replica R > 0 (sharded only)
     OUT/iter_000000N/trainer_state.json             step, data position, policy version, counters
     OUT/iter_000000N/heads.pt                       unsharded heads + what they are tied to
     OUT/iter_000000N/engine_state_dpR.pt            SpecRoll engine: slow-path records, monitor, time
@@ -31,6 +32,7 @@ from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, 
 
 STATE_FILE = "trainer_state.json"
 ENGINE_STATE_FILE = "engine_state_dp{dp}.pt"
+OPTIMIZER_SHARD_FILE = "optim_dp{dp}.pt"  # a sharded optimizer's state on data-parallel replica dp > 0
 OLD_ENGINE_STATE_FILE = "slow_path_dp{dp}.pt"  # checkpoints written before the tree-size calibration
 
 
@@ -62,12 +64,15 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     ctx.barrier()
-    if ctx.dp_rank == 0:  # data-parallel replicas hold identical weights and optimizer states
-        d = tmp / shard_dir_name(ctx.tp_rank, ctx.pp_rank, ctx.pp_size)
+    d = tmp / shard_dir_name(ctx.tp_rank, ctx.pp_rank, ctx.pp_size)
+    if ctx.dp_rank == 0:  # data-parallel replicas hold identical weights (and optimizer states, unless sharded)
         d.mkdir(parents=True, exist_ok=True)
         model = {k: v.detach().cpu() for k, v in policy.gpt.state_dict().items() if not k.endswith("_extra_state")}
         torch.save({"model": model, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
                     "iteration": step, "checkpoint_version": CHECKPOINT_VERSION}, d / "model_optim_rng.pt")
+    elif getattr(optimizer, "shard", None) is not None:  # this replica's shard of the optimizer state
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({"optimizer": optimizer.state_dict()}, d / OPTIMIZER_SHARD_FILE.format(dp=ctx.dp_rank))
     if heads is not None and ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0:
         torch.save({"heads": heads, "meta": heads_meta}, tmp / HEADS_FILE)
     if engine_state is not None and ctx.is_last_stage and ctx.tp_rank == 0:  # one per data-parallel replica
@@ -107,7 +112,14 @@ def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: Any
         raise FileNotFoundError(f"{path} is missing: resume with the TP/PP layout the checkpoint was saved with")
     blob = torch.load(path, map_location="cpu", weights_only=False)
     policy.load_local_state_dict(blob["model"])
-    optimizer.load_state_dict(blob["optimizer"])
+    optim = blob["optimizer"]
+    if ctx.dp_rank > 0 and getattr(optimizer, "shard", None) is not None:
+        shard = path.parent / OPTIMIZER_SHARD_FILE.format(dp=ctx.dp_rank)
+        if not shard.is_file():
+            raise FileNotFoundError(f"{shard} is missing: resume with the TrainConfig.shard_optimizer and "
+                                    "data-parallel size the checkpoint was saved with")
+        optim = torch.load(shard, map_location="cpu", weights_only=False)["optimizer"]
+    optimizer.load_state_dict(optim)
     torch.set_rng_state(blob["rng"])
     state = json.loads((iter_dir / STATE_FILE).read_text())
     heads, meta = None, {}

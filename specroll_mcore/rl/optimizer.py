@@ -11,15 +11,26 @@ copy rounded after every step. float32 and float64 parameters are updated in pla
 
 The main copies are part of :meth:`MainParamAdamW.state_dict`, so a resumed run continues from the
 same float32 weights, not from their rounding.
+
+With a data-parallel group to shard over (``TrainConfig.shard_optimizer``), AdamW's two moment
+buffers (8 bytes a parameter; the float32 main copy and gradient, 8 more, stay whole) are split
+over the replicas: ZeRO stage 1, through ``torch.distributed.optim.ZeroRedundancyOptimizer``. Each
+replica steps the parameters it owns (whole tensors, balanced by size) and broadcasts their new
+main values; every replica then rounds the main copies into its model. Each replica saves and
+loads its own shard of the state; a sharded run resumes with the data-parallel size it was saved
+with.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 MAIN_PARAMS = "main_params"
+SHARD = "zero_shard"  # (rank, replicas) of a sharded state
 
 
 def _accumulate_main_grad(p: torch.Tensor) -> None:
@@ -37,7 +48,8 @@ class MainParamAdamW:
 
     Gradients of every parameter, for reduction and clipping, are :func:`specroll_mcore.parallel.grad_of`."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], **adamw: Any) -> None:
+    def __init__(self, params: Iterable[torch.nn.Parameter], shard_group: Optional[dist.ProcessGroup] = None,
+                 **adamw: Any) -> None:
         self.params = list(params)
         self.main: list[torch.Tensor] = []
         self._hooks = []
@@ -51,7 +63,13 @@ class MainParamAdamW:
                 self.main.append(p.detach().float().clone())
             else:
                 self.main.append(p)
-        self.optimizer = torch.optim.AdamW(self.main, **adamw)
+        self.shard: Optional[tuple[int, int]] = None
+        if shard_group is not None and dist.get_world_size(shard_group) > 1:
+            self.shard = (dist.get_rank(shard_group), dist.get_world_size(shard_group))
+            self.optimizer: Any = ZeroRedundancyOptimizer(self.main, torch.optim.AdamW, process_group=shard_group,
+                                                          **adamw)
+        else:
+            self.optimizer = torch.optim.AdamW(self.main, **adamw)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -75,11 +93,22 @@ class MainParamAdamW:
         for p, m in half:
             p.copy_(m)
             m.grad = None
+        if self.shard is not None:
+            # Parameters another replica stepped arrive by a broadcast into ``.data``, which leaves the
+            # version counter as it was: bump it, so caches keyed by it (cpu_gemm's packed weights) see
+            # the change.
+            for p, m in zip(self.params, self.main):
+                if m is p:
+                    torch.autograd.graph.increment_version(p)
 
     def state_dict(self) -> dict[str, Any]:
-        """AdamW's state dict (the format of ``torch.optim.AdamW``), plus the float32 main copies of
-        the bfloat16 parameters under ``main_params`` when there are any."""
-        state = self.optimizer.state_dict()
+        """AdamW's state dict (the format of ``torch.optim.AdamW``; this replica's shard of it when
+        sharded, marked ``zero_shard``), plus the float32 main copies of the bfloat16 parameters under
+        ``main_params`` when there are any."""
+        if self.shard is None:
+            state = self.optimizer.state_dict()
+        else:
+            state = {**self.optimizer.optim.state_dict(), SHARD: list(self.shard)}
         half = self._half()
         if half:
             state[MAIN_PARAMS] = [m.detach().clone() for _, m in half]
@@ -88,6 +117,12 @@ class MainParamAdamW:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         main = state.pop(MAIN_PARAMS, None)
+        shard = state.pop(SHARD, None)
+        if (tuple(shard) if shard is not None else None) != self.shard:
+            def layout(s: Any) -> str:
+                return "unsharded" if s is None else f"shard {s[0]} of {s[1]} data-parallel replicas"
+            raise ValueError(f"the checkpoint's optimizer state is {layout(shard)}, this run's is {layout(self.shard)}: "
+                             "resume with the TrainConfig.shard_optimizer and data-parallel size it was saved with")
         half = self._half()
         with torch.no_grad():
             if main is None:  # saved without main copies (a float32 run, or an older half-precision one)
@@ -101,4 +136,4 @@ class MainParamAdamW:
                 for a, (p, m) in zip(main, half):
                     m.copy_(a)
                     p.copy_(m)
-        self.optimizer.load_state_dict(state)
+        (self.optimizer if self.shard is None else self.optimizer.optim).load_state_dict(state)

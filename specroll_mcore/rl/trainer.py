@@ -85,7 +85,8 @@ class GRPOTrainer:
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer) \
             if cfg.compare_vanilla_every else None
         params = [p for p in self.policy.gpt.parameters() if p.requires_grad]
-        self.optimizer = MainParamAdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+        self.optimizer = MainParamAdamW(params, shard_group=self.ctx.dp_group if cfg.shard_optimizer else None,
+                                        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                         weight_decay=cfg.weight_decay)
         self.ref_state = {k: v.detach().clone() for k, v in self.policy.gpt.state_dict().items()} \
             if cfg.kl_beta > 0 else None

@@ -36,9 +36,10 @@ if __name__ == "__main__":
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--specroll", action="store_true")
+    ap.add_argument("--set", action="append", default=[], help="more TrainConfig overrides")
     a = ap.parse_args()
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(a.ckpt, a.out, a.tp, a.pp) +
-                                      (BUSY_SLOW_PATH if a.specroll else [])))
+                                      (BUSY_SLOW_PATH if a.specroll else []) + a.set))
     trainer.run()
     ctx = trainer.ctx
     if a.specroll and ctx.is_last_stage:

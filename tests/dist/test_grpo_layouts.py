@@ -21,11 +21,15 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.dist
 
 
-def run(ckpt, out, tp, pp, nproc, *extra):
+def launch(ckpt, out, tp, pp, nproc, *extra):
     env = dict(os.environ, PYTHONPATH=f"{HERE.parent.parent}{os.pathsep}{HERE.parent}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(HERE / "grpo_worker.py"), f"--ckpt={ckpt}", f"--out={out}", f"--tp={tp}", f"--pp={pp}", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def run(ckpt, out, tp, pp, nproc, *extra):
+    proc = launch(ckpt, out, tp, pp, nproc, *extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -55,3 +59,35 @@ def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
     rows = run(ckpt, tmp_path / "run", tp, 1, 2, "--specroll")
     assert rows[-1]["slow_path_events"] >= 2, rows
     assert json.loads((tmp_path / "run" / "heads_check.json").read_text())["dp_spread"] == 0.0
+
+
+def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
+    """DP=2 with AdamW's states split over the replicas (ZeRO-1): two steps give the weights of the
+    replicated optimizer, each replica saves a disjoint part of the states, and a run resumed from
+    the step-1 checkpoint (each replica loading its own part) ends with the same weights."""
+    import torch
+
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
+    two = ["--set=steps=2"]
+    run(ckpt, tmp_path / "replicated", 1, 1, 2, *two)
+    sharded = ["--set=shard_optimizer=true", "--set=save_every=1", "--set=keep_last=2"]
+    run(ckpt, tmp_path / "sharded", 1, 1, 2, *two, *sharded)
+    run(ckpt, tmp_path / "resumed", 1, 1, 2, "--set=steps=1", *sharded)
+    run(ckpt, tmp_path / "resumed", 1, 1, 2, *two, *sharded, "--set=resume=true")
+    ref = load_full_state_dict(tmp_path / "replicated")
+    start = load_full_state_dict(ckpt)
+    assert any((ref[k] != start[k]).any() for k in ref)
+    for name in ("sharded", "resumed"):
+        w = load_full_state_dict(tmp_path / name)
+        diff = max((w[k] - ref[k]).abs().max().item() for k in ref)
+        assert diff < 1e-6, (name, diff)
+    shard_dir = tmp_path / "sharded" / "iter_0000002" / "mp_rank_00"
+    parts = [torch.load(shard_dir / "model_optim_rng.pt", weights_only=False)["optimizer"],
+             torch.load(shard_dir / "optim_dp1.pt", weights_only=False)["optimizer"]]
+    assert [p["zero_shard"] for p in parts] == [[0, 2], [1, 2]]
+    counts = [len(p["state"]) for p in parts]
+    assert min(counts) > 0 and sum(counts) == len([k for k in ref if not k.endswith("_extra_state")]), counts
+    # a replicated checkpoint does not resume sharded (replica 1 has no part of its own to load)
+    proc = launch(ckpt, tmp_path / "replicated", 1, 1, 2, "--set=steps=3", *sharded, "--set=resume=true")
+    assert proc.returncode != 0 and "optim_dp1.pt is missing: resume with the TrainConfig.shard_optimizer" in (
+        proc.stdout + proc.stderr)

@@ -108,3 +108,10 @@ def test_optimizer_errors():
     other = MainParamAdamW([bf16_param(16)], **ADAMW)
     with pytest.raises(ValueError, match="saved by another model or layout"):
         other.load_state_dict(opt.state_dict())
+
+
+def test_a_sharded_state_does_not_load_into_an_unsharded_optimizer():
+    opt = MainParamAdamW([bf16_param(8)], **ADAMW)
+    state = {**opt.state_dict(), "zero_shard": [1, 2]}
+    with pytest.raises(ValueError, match="shard 1 of 2 data-parallel replicas, this run's is unsharded: resume with"):
+        opt.load_state_dict(state)
