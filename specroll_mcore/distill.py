@@ -25,7 +25,8 @@ import torch
 from specroll_mcore.checkpoint.shard import unshard_tensor
 from specroll_mcore.heads import vocab_parallel_log_probs, vocab_parallel_topk
 from specroll_mcore.model import PolicyModel
-from specroll_mcore.parallel import grad_sq_norm
+from specroll_mcore.optimizer import MainParamAdamW
+from specroll_mcore.parallel import grad_of, grad_sq_norm
 from specroll_mcore.sampling import upcast
 
 
@@ -125,7 +126,7 @@ def head_accuracy(policy: PolicyModel, rec: DistillRecords, k: int = 5, batch: i
     return {"top1": (hit1 / c).tolist(), f"top{k}": (hitk / c).tolist(), "agree_policy_top1": (agree / c).tolist()}
 
 
-def train_heads_step(policy: PolicyModel, optimizer: torch.optim.Optimizer, rec: DistillRecords,
+def train_heads_step(policy: PolicyModel, optimizer: MainParamAdamW | torch.optim.Optimizer, rec: DistillRecords,
                      grad_clip: float = 1.0) -> dict[str, float]:
     """One optimizer step of the heads on ``rec`` (this replica's share of the batch). Gradients are
     averaged over the data-parallel replicas and clipped by their global norm over the TP shards,
@@ -135,14 +136,14 @@ def train_heads_step(policy: PolicyModel, optimizer: torch.optim.Optimizer, rec:
     optimizer.zero_grad(set_to_none=True)
     loss, parts = head_loss(policy, rec)
     loss.backward()
-    params = [p for p in policy.heads.parameters() if p.grad is not None]
+    params = [p for p in policy.heads.parameters() if grad_of(p) is not None]
     if ctx.dp_size > 1:
         for p in params:
-            ctx.all_reduce_dp(p.grad).div_(ctx.dp_size)
+            ctx.all_reduce_dp(grad_of(p)).div_(ctx.dp_size)
     norm = float(grad_sq_norm(params, ctx).sqrt())
     if norm > grad_clip:
         for p in params:
-            p.grad.mul_(grad_clip / (norm + 1e-6))
+            grad_of(p).mul_(grad_clip / (norm + 1e-6))
     optimizer.step()
     policy.heads.eval()
     stats = torch.tensor([float(loss.detach()), parts["soft_ce"], parts["nll"]], dtype=torch.float64)

@@ -304,7 +304,7 @@ def pipeline_layer_offset(model: ModelConfig, ctx: ParallelContext) -> int:
 
 def grad_of(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The gradient training reduces, clips and steps with: megatron's float32 ``main_grad`` where the
-    parameter has one (bfloat16 parameters under :class:`specroll_mcore.rl.optimizer.MainParamAdamW`),
+    parameter has one (bfloat16 parameters under :class:`specroll_mcore.optimizer.MainParamAdamW`),
     else ``.grad``."""
     return p.main_grad if hasattr(p, "main_grad") else p.grad
 

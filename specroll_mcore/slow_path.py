@@ -56,6 +56,8 @@ import torch
 from specroll_mcore.config import SlowPathConfig
 from specroll_mcore.distill import draft_path
 from specroll_mcore.heads import DraftVocab, vocab_parallel_topk, vocab_rows
+from specroll_mcore.optimizer import MainParamAdamW
+from specroll_mcore.parallel import grad_of
 
 
 @dataclass
@@ -489,7 +491,8 @@ class SlowPath:
         with torch.inference_mode(False), torch.enable_grad():
             for p in params:
                 p.requires_grad_(True)
-            opt = torch.optim.Adam(params, lr=cfg.lr, foreach=True)
+            # Adam (AdamW without decay), on float32 main copies of bfloat16 heads
+            opt = MainParamAdamW(params, lr=cfg.lr, weight_decay=0.0, foreach=True)
             batch = self.event_batch(train, head, support)  # frozen inputs and targets: built once, not per step
             for _ in range(cfg.steps):
                 opt.zero_grad(set_to_none=True)
@@ -497,10 +500,11 @@ class SlowPath:
                 loss.backward()
                 if dp > 1:  # the same update on every data-parallel replica
                     for p in params:
-                        policy.ctx.all_reduce_dp(p.grad).div_(dp)
+                        policy.ctx.all_reduce_dp(grad_of(p)).div_(dp)
                 opt.step()
                 steps += 1
                 losses.append(parts)
+            opt.close()
             for p, f in zip(params, flags):
                 p.requires_grad_(f)
                 p.grad = None

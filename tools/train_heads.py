@@ -40,6 +40,7 @@ from specroll_mcore.checkpoint.megatron import load_policy, save_atomic, save_he
 from specroll_mcore.config import ParallelConfig, SamplingConfig  # noqa: E402
 from specroll_mcore.distill import (DistillRecords, freeze_all_but_heads, full_head_state, head_accuracy,  # noqa: E402
                                     records_from_features, train_heads_step)
+from specroll_mcore.optimizer import MainParamAdamW  # noqa: E402
 from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
@@ -164,8 +165,8 @@ def main() -> int:
     counts = torch.bincount(train.root.cpu(), minlength=policy.config.vocab_size)
     policy.heads.token_counts.copy_(ctx.all_reduce_dp(counts.to(ctx.device)))
     params = freeze_all_but_heads(policy)
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
+    opt = MainParamAdamW(params, lr=args.lr, weight_decay=0.0)  # float32 main copies of bfloat16 heads
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt.optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + ctx.dp_rank)
     bar = tqdm(range(args.steps), desc="training heads", disable=not report)
     history = []

@@ -215,6 +215,25 @@ def test_consolidation_changes_one_head_only(ctx):
     assert [p.requires_grad for p in model.heads.parameters()] == flags  # as the caller had them
 
 
+def test_bfloat16_heads_consolidate_on_float32_main_copies(ctx):
+    """The event's Adam steps run on float32 copies of a bfloat16 head (its gradients land in a
+    float32 ``main_grad``); nothing of them outlives the event, so the next one starts clean."""
+    model = policy_with_heads(tiny_llama(params_dtype="bfloat16"), ctx, head_std=0.3)
+    cfg = SlowPathConfig(window=4, min_records=8, cooldown_batches=0, time_cap=1.0, max_records=64,
+                         buffer_size=256, steps=5)
+    eng = SpeculativeEngine(model, SpecConfig(c_hw=64, reflex=ReflexConfig(enabled=False), slow_path=cfg))
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
+    sp = eng.slow_path
+    sp.expected_acceptance = lambda rec, head, dv=None: 0.0  # never worse: the update is kept
+    before = params_of(model.heads)
+    for _ in range(2):
+        assert sp.consolidate(1)["kept"]
+        for p in model.heads.parameters():
+            assert p.dtype == torch.bfloat16 and p.grad is None and not hasattr(p, "main_grad")
+            assert not p._post_accumulate_grad_hooks
+    assert not torch.equal(params_of(model.heads)["layers.1.weight"], before["layers.1.weight"])
+
+
 def test_consolidation_rolls_back_when_heldout_acceptance_drops(ctx):
     model, eng = tiny_engine(ctx)
     eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))

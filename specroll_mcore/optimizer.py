@@ -1,4 +1,4 @@
-"""AdamW on float32 main parameters: the policy update for half-precision models.
+"""AdamW on float32 main parameters: the policy update (and the heads') for half-precision models.
 
 A bfloat16 weight cannot move by much less than 2**-9 of itself: at GRPO's learning rates (1e-6)
 plain AdamW on bfloat16 parameters rounds nearly every update back to the old value, and the policy
@@ -23,7 +23,7 @@ with.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,10 @@ def _accumulate_main_grad(p: torch.Tensor) -> None:
     else:
         p.main_grad.add_(p.grad)
     p.grad = None
+
+
+def _layout(shard: Optional[Sequence[int]]) -> str:
+    return "unsharded" if shard is None else f"shard {shard[0]} of {shard[1]} data-parallel replicas"
 
 
 class MainParamAdamW:
@@ -101,6 +105,15 @@ class MainParamAdamW:
                 if m is p:
                     torch.autograd.graph.increment_version(p)
 
+    def close(self) -> None:
+        """Detach from the parameters (their gradient hooks and ``main_grad``), for an optimizer that
+        lives for one job while the parameters live on (a slow-path consolidation)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for p, _ in self._half():
+            del p.main_grad
+
     def state_dict(self) -> dict[str, Any]:
         """AdamW's state dict (the format of ``torch.optim.AdamW``; this replica's shard of it when
         sharded, marked ``zero_shard``), plus the float32 main copies of the bfloat16 parameters under
@@ -119,10 +132,9 @@ class MainParamAdamW:
         main = state.pop(MAIN_PARAMS, None)
         shard = state.pop(SHARD, None)
         if (tuple(shard) if shard is not None else None) != self.shard:
-            def layout(s: Any) -> str:
-                return "unsharded" if s is None else f"shard {s[0]} of {s[1]} data-parallel replicas"
-            raise ValueError(f"the checkpoint's optimizer state is {layout(shard)}, this run's is {layout(self.shard)}: "
-                             "resume with the TrainConfig.shard_optimizer and data-parallel size it was saved with")
+            raise ValueError(f"the checkpoint's optimizer state is {_layout(shard)}, this run's is "
+                             f"{_layout(self.shard)}: resume with the TrainConfig.shard_optimizer and data-parallel "
+                             "size it was saved with")
         half = self._half()
         with torch.no_grad():
             if main is None:  # saved without main copies (a float32 run, or an older half-precision one)
