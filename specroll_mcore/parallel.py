@@ -127,6 +127,27 @@ class ParallelContext:
         dist.recv(buf, src=self.pp_ranks[self.pp_rank + 1])
         return buf
 
+    def send_forward_recv_backward(self, tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """Send this stage's output on and receive the gradient of an earlier output (of ``shape``),
+        both posted at once (the next stage does :meth:`send_backward_recv_forward`; two blocking
+        sends would wait on each other)."""
+        grad = torch.empty(tuple(shape), dtype=tensor.dtype, device=self.device)
+        nxt = self.pp_ranks[self.pp_rank + 1]
+        self._exchange([dist.P2POp(dist.isend, tensor.contiguous(), nxt), dist.P2POp(dist.irecv, grad, nxt)])
+        return grad
+
+    def send_backward_recv_forward(self, grad: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Send the gradient of this stage's input back and receive the next input, both at once."""
+        buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        prev = self.pp_ranks[self.pp_rank - 1]
+        self._exchange([dist.P2POp(dist.isend, grad.contiguous(), prev), dist.P2POp(dist.irecv, buf, prev)])
+        return buf
+
+    @staticmethod
+    def _exchange(ops: list) -> None:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
     def broadcast_object_from_last_stage(self, obj: object) -> object:
         """A picklable object from the last stage to every stage of this pipeline."""
         if self.pp_size == 1:

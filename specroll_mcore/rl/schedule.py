@@ -4,12 +4,13 @@ megatron-core's pipeline schedules allocate on ``device="cuda"`` literally, so t
 our own with the same contract: every stage runs the same list of micro-batches; a non-first stage
 receives its input activations from the previous stage (and sends their gradient back), a non-last
 stage sends its output on (and receives the gradient of it); the last stage computes the loss.
-Micro-batches run one after another (GPipe order without overlap): simple and exact; bubbles cost
-time with many stages, which a 1F1B interleaving would recover.
+Micro-batches run in megatron's 1F1B order (see :func:`forward_backward`), so the stages work on
+different micro-batches at once; gradients are the same as running them one after another.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -79,28 +80,65 @@ LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_fn: LossFn,
                      temperature: float) -> list[dict]:
     """Accumulate gradients of ``loss_fn`` over the micro-batches; returns the last stage's metrics
-    per micro-batch (shared with every stage)."""
+    per micro-batch (shared with every stage).
+
+    One forward, one backward (1F1B, megatron's non-interleaved order): stage s runs the forwards of
+    ``pp - s - 1`` micro-batches ahead, then alternates the forward of the next micro-batch with the
+    backward of the oldest one, then drains the backwards; a stage holds at most ``pp - s``
+    micro-batches' activations. Every stage runs its backwards in micro-batch order, so gradients
+    accumulate in the same order at any pipeline size."""
     ctx = policy.ctx
+    first, last = ctx.is_first_stage, ctx.is_last_stage
     metrics: list[dict] = []
-    for mb in micro_batches:
+
+    def input_shape(mb: MicroBatch) -> tuple[int, int, int]:
+        b, L = mb.input_ids.shape
+        return L, b, policy.config.hidden_size
+
+    def recv_forward(mb: MicroBatch) -> Optional[torch.Tensor]:
+        return None if first else ctx.recv_forward(input_shape(mb), policy.dtype).requires_grad_()
+
+    def forward(mb: MicroBatch, hidden_in: Optional[torch.Tensor]) -> torch.Tensor:
+        """The stage's output: the loss on the last stage, hidden states [L, b, h] on the others."""
         b, L = mb.input_ids.shape
         positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
-        meta = policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths))
-        hidden_in = None
-        if not ctx.is_first_stage:
-            hidden_in = ctx.recv_forward((L, b, policy.config.hidden_size), policy.dtype).requires_grad_()
-        out = policy.stage_forward(mb.input_ids, meta, hidden_in)
-        if ctx.is_last_stage:
-            logits, _ = out
-            logp = token_logprobs(policy, logits, mb.labels, temperature)
-            loss, m = loss_fn(mb, logp)
-            loss.backward()
-            metrics.append(m)
+        out = policy.stage_forward(mb.input_ids, policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths)),
+                                   hidden_in)
+        if not last:
+            return out
+        loss, m = loss_fn(mb, token_logprobs(policy, out[0], mb.labels, temperature))
+        metrics.append(m)
+        return loss
+
+    def backward(hidden_in: Optional[torch.Tensor], out: torch.Tensor, grad: Optional[torch.Tensor]):
+        out.backward(grad)  # grad is None for the loss
+        return None if hidden_in is None else hidden_in.grad
+
+    M = len(micro_batches)
+    warmup = min(ctx.pp_size - ctx.pp_rank - 1, M)
+    in_flight: deque = deque()  # (input, output) of micro-batches whose backward is still to run
+    for i in range(warmup):
+        x = recv_forward(micro_batches[i])
+        out = forward(micro_batches[i], x)
+        ctx.send_forward(out.detach())  # never the last stage: warmup is 0 there
+        in_flight.append((x, out))
+    x = recv_forward(micro_batches[warmup]) if warmup < M else None
+    for i in range(warmup, M):
+        out = forward(micro_batches[i], x)
+        in_flight.append((x, out))
+        grad = None if last else ctx.send_forward_recv_backward(out.detach(), in_flight[0][1].shape)
+        g_in = backward(*in_flight.popleft(), grad)
+        if first:
+            x = None
+        elif i == M - 1:
+            ctx.send_backward(g_in)
         else:
-            ctx.send_forward(out.detach())
-            out.backward(ctx.recv_backward(out.shape, out.dtype))
-        if hidden_in is not None:
-            ctx.send_backward(hidden_in.grad)
+            x = ctx.send_backward_recv_forward(g_in, input_shape(micro_batches[i + 1]), policy.dtype).requires_grad_()
+    while in_flight:
+        x, out = in_flight.popleft()
+        g_in = backward(x, out, ctx.recv_backward(out.shape, out.dtype))
+        if not first:
+            ctx.send_backward(g_in)
     return ctx.broadcast_object_from_last_stage(metrics)  # type: ignore[return-value]
 
 

@@ -8,6 +8,7 @@ changes updates by O(lr) = 1e-3 on many weights."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,15 +39,17 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
     ref_w = load_full_state_dict(tmp_path / "tp1")
-    for tp, pp in [(2, 1), (1, 2)]:
-        got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2)
+    # PP=2 also with one sequence per micro-batch: 6 micro-batches of different lengths through 1F1B
+    for tp, pp, extra in [(2, 1, ()), (1, 2, ()), (1, 2, ("--set=micro_batch_size=1",))]:
+        got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, *extra)
         for k in ("reward_mean", "response_len"):
             assert got[0][k] == ref[0][k], (tp, pp, k)
         for k in ("loss", "grad_norm"):
             assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), (tp, pp, k)
         w = load_full_state_dict(tmp_path / f"tp{tp}pp{pp}")
+        shutil.rmtree(tmp_path / f"tp{tp}pp{pp}")
         diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
-        print(f"TP={tp} PP={pp}: max |weight diff| after one step = {diff:.2e}")
+        print(f"TP={tp} PP={pp} {extra}: max |weight diff| after one step = {diff:.2e}")
         assert diff < 1e-4
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
 
