@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_fixtures import tiny_policy_checkpoint
 from specroll_mcore.checkpoint.megatron import load_full_state_dict
@@ -68,8 +69,6 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
     """DP=2 with AdamW's states split over the replicas (ZeRO-1): two steps give the weights of the
     replicated optimizer, each replica saves a disjoint part of the states, and a run resumed from
     the step-1 checkpoint (each replica loading its own part) ends with the same weights."""
-    import torch
-
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     two = ["--set=steps=2"]
     run(ckpt, tmp_path / "replicated", 1, 1, 2, *two)
@@ -94,3 +93,23 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
     proc = launch(ckpt, tmp_path / "replicated", 1, 1, 2, "--set=steps=3", *sharded, "--set=resume=true")
     assert proc.returncode != 0 and "optim_dp1.pt is missing: resume with the TrainConfig.shard_optimizer" in (
         proc.stdout + proc.stderr)
+
+
+def test_bfloat16_policy_pp2_equals_pp1(tmp_path):
+    """A bfloat16 policy at PP=2 (float32 main weights and gradients; the tied embedding's two copies
+    summed in float32) takes the PP=1 steps: the same gradient norms (rel 1e-4), and the rounded
+    weights differ only where float32 sums in another order land on another bfloat16 value."""
+    from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
+
+    tiny_policy_checkpoint(tmp_path, with_heads=False)
+    ckpt = convert_hf_to_mcore(tmp_path / "hf", tmp_path / "bf16", params_dtype="bfloat16")
+    extra = ("--set=steps=2", "--set=micro_batch_size=1")
+    ref = run(ckpt, tmp_path / "pp1", 1, 1, 1, *extra)
+    got = run(ckpt, tmp_path / "pp2", 1, 2, 2, *extra)
+    for ra, rb in zip(ref, got):
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+    start, a, b = (load_full_state_dict(tmp_path / d) for d in ("bf16", "pp1", "pp2"))
+    for k in a:
+        assert a[k].dtype == torch.bfloat16
+        assert (a[k] != b[k]).float().mean() < 0.1, k
+    assert all((a[k] != start[k]).float().mean() > 0.5 for k in a if k.endswith("linear_qkv.weight"))
