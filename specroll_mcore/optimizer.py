@@ -50,7 +50,8 @@ def _layout(shard: Optional[Sequence[int]]) -> str:
 class MainParamAdamW:
     """``torch.optim.AdamW`` over float32 main copies of bfloat16 parameters (others in place).
 
-    Gradients of every parameter, for reduction and clipping, are :func:`specroll_mcore.parallel.grad_of`."""
+    Reduce and clip the gradients :func:`specroll_mcore.parallel.grad_of` returns (``main_grad`` or
+    ``.grad``) between the backward passes and :meth:`step`."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], shard_group: Optional[dist.ProcessGroup] = None,
                  **adamw: Any) -> None:
@@ -74,10 +75,6 @@ class MainParamAdamW:
                                                           **adamw)
         else:
             self.optimizer = torch.optim.AdamW(self.main, **adamw)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
 
     def _half(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         return [(p, m) for p, m in zip(self.params, self.main) if m is not p]
@@ -124,7 +121,7 @@ class MainParamAdamW:
             state = {**self.optimizer.optim.state_dict(), SHARD: list(self.shard)}
         half = self._half()
         if half:
-            state[MAIN_PARAMS] = [m.detach().clone() for _, m in half]
+            state[MAIN_PARAMS] = [m.detach() for _, m in half]  # saved as they are (torch.save copies)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -129,8 +129,8 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         grad = None if last else ctx.send_forward_recv_backward(out.detach(), in_flight[0][1].shape)
         g_in = backward(*in_flight.popleft(), grad)
         if first:
-            x = None
-        elif i == M - 1:
+            continue
+        if i == M - 1:
             ctx.send_backward(g_in)
         else:
             x = ctx.send_backward_recv_forward(g_in, input_shape(micro_batches[i + 1]), policy.dtype).requires_grad_()
