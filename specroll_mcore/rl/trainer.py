@@ -32,9 +32,9 @@ from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, l
                                                    save_training_checkpoint)
 from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
+from specroll_mcore.optimizer import MainParamAdamW
 from specroll_mcore.rl.data import Example, load_examples, render_prompt
 from specroll_mcore.rl.grpo import group_advantages, policy_loss
-from specroll_mcore.optimizer import MainParamAdamW
 from specroll_mcore.rl.rewards import RewardConfig, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        global_grad_norm, pack_micro_batch)
