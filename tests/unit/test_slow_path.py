@@ -323,7 +323,7 @@ def test_corrected_term_equals_a_forward_of_every_record_with_its_correction(ctx
     hidden, root, path = sp._inputs(rec, head)
     with torch.no_grad():
         z = model.heads.forward_one(head, hidden, rec.delta[:, head], root, path)
-    logits = z @ model.output_weight()[support].t()
+        logits = z @ model.output_weight()[support].t()
     p = torch.zeros(len(rec), support.numel(), dtype=torch.float32)
     p.scatter_add_(1, torch.searchsorted(support, rec.target_ids[:, head].contiguous()), rec.target_probs[:, head])
     p = p / p.sum(-1, keepdim=True)
