@@ -522,6 +522,10 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Responses per forward-backward micro-batch (gradient accumulation over the rest)."""
 
+    recompute_activations: bool = False
+    """Keep only each transformer layer's input in the policy update and rerun the layer's forward
+    in the backward (activation memory of one layer instead of all, for one more forward)."""
+
     lr: float = 1e-6
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

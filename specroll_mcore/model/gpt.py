@@ -13,6 +13,7 @@ from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -78,6 +79,10 @@ def layer_spec() -> ModuleSpec:
                                                                    mlp=new_mlp))
 
 
+def _layer_output(layer: torch.nn.Module, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    return layer(hidden_states=hidden, attention_mask=meta)[0]  # a TransformerLayer returns (output, context)
+
+
 class PolicyModel(torch.nn.Module):
     """One pipeline stage of the policy, with the point-to-point glue for inference.
 
@@ -126,7 +131,8 @@ class PolicyModel(torch.nn.Module):
                                        self.config.rope_theta, self.dtype, cache, slots)
 
     def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                      hidden_in: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None):
+                      hidden_in: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
+                      recompute: bool = False):
         """This stage's computation, no communication: embedding (first stage) or ``hidden_in``
         [s, b, h] (other stages) -> decoder (final norm included) -> output layer (last stage).
 
@@ -134,7 +140,8 @@ class PolicyModel(torch.nn.Module):
         where logits are wanted: ``logits_index`` [b] picks one position per row (the last prompt
         token in prefill), else all positions. Returns (vocab-parallel logits [b, s|1, V/tp], final
         hidden states at those positions [s|1, b, h]) on the last stage, the output hidden states
-        [s, b, h] elsewhere. Differentiable (the training schedule uses it)."""
+        [s, b, h] elsewhere. Differentiable (the training schedule uses it); with ``recompute`` and
+        gradients enabled, each layer keeps only its input and reruns its forward in the backward."""
         b = input_ids.shape[0]
         gpt = self.gpt
         if self.ctx.is_first_stage:
@@ -142,12 +149,29 @@ class PolicyModel(torch.nn.Module):
         else:
             gpt.decoder.set_input_tensor(hidden_in)
             hidden = None
-        hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta)
+        if recompute and torch.is_grad_enabled():
+            hidden = self._recomputed_decoder(hidden, meta)
+        else:
+            hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta)
         if not self.ctx.is_last_stage:
             return hidden
         selected = hidden if logits_index is None else \
             hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
         return self.vocab_projection(selected).transpose(0, 1), selected  # [b, s, V/tp], [s, b, h]
+
+    def _recomputed_decoder(self, hidden: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """What megatron's ``TransformerBlock.forward`` computes (layers, then the final norm on the
+        last stage), with activation recomputation per layer: ``torch.utils.checkpoint``
+        (non-reentrant, so the attention metadata passes as it is; megatron's own recompute saves
+        its arguments with ``save_for_backward``, which takes tensors only)."""
+        decoder = self.gpt.decoder
+        if hidden is None:
+            hidden = decoder.input_tensor  # set_input_tensor: the previous stage's output
+        for layer in decoder.layers:
+            hidden = checkpoint(_layer_output, layer, hidden, meta, use_reentrant=False)
+        if decoder.final_layernorm is not None:
+            hidden = decoder.final_layernorm(hidden)
+        return hidden
 
     def output_weight(self) -> torch.Tensor:
         """This rank's rows of the vocab projection, [V/tp, h] (the tied embedding when shared)."""

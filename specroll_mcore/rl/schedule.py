@@ -78,9 +78,10 @@ LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
 def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_fn: LossFn,
-                     temperature: float) -> list[dict]:
+                     temperature: float, recompute: bool = False) -> list[dict]:
     """Accumulate gradients of ``loss_fn`` over the micro-batches; returns the last stage's metrics
-    per micro-batch (shared with every stage).
+    per micro-batch (shared with every stage). ``recompute``: activation recomputation per layer
+    (:meth:`PolicyModel.stage_forward`).
 
     One forward, one backward (1F1B, megatron's non-interleaved order): stage s runs the forwards of
     ``pp - s - 1`` micro-batches ahead, then alternates the forward of the next micro-batch with the
@@ -103,7 +104,7 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         b, L = mb.input_ids.shape
         positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
         out = policy.stage_forward(mb.input_ids, policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths)),
-                                   hidden_in)
+                                   hidden_in, recompute=recompute)
         if not last:
             return out
         loss, m = loss_fn(mb, token_logprobs(policy, out[0], mb.labels, temperature))

@@ -215,7 +215,7 @@ class GRPOTrainer:
                               "ratio": out.ratio_mean, "kl": out.kl}
 
         self.optimizer.zero_grad(set_to_none=True)
-        parts = forward_backward(policy, mbs, loss_fn, self._train_temperature())
+        parts = forward_backward(policy, mbs, loss_fn, self._train_temperature(), cfg.recompute_activations)
         finalize_grads(policy)
         norm = float(global_grad_norm(policy))
         loss = float(ctx.all_reduce_dp(torch.tensor(sum(p["loss"] for p in parts))))

@@ -40,8 +40,9 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
     ref_w = load_full_state_dict(tmp_path / "tp1")
-    # PP=2 also with one sequence per micro-batch: 6 micro-batches of different lengths through 1F1B
-    for tp, pp, extra in [(2, 1, ()), (1, 2, ()), (1, 2, ("--set=micro_batch_size=1",))]:
+    # PP=2 also with one sequence per micro-batch (6 micro-batches of different lengths through
+    # 1F1B) and activation recomputation
+    for tp, pp, extra in [(2, 1, ()), (1, 2, ()), (1, 2, ("--set=micro_batch_size=1", "--set=recompute_activations=true"))]:
         got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, *extra)
         for k in ("reward_mean", "response_len"):
             assert got[0][k] == ref[0][k], (tp, pp, k)
