@@ -26,7 +26,7 @@ from specroll_mcore.checkpoint.shard import unshard_tensor
 from specroll_mcore.heads import vocab_parallel_log_probs, vocab_parallel_topk
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.optimizer import MainParamAdamW
-from specroll_mcore.parallel import grad_of, grad_sq_norm
+from specroll_mcore.parallel import average_grads_dp, clip_grads, grad_sq_norm
 from specroll_mcore.sampling import upcast
 
 
@@ -136,14 +136,10 @@ def train_heads_step(policy: PolicyModel, optimizer: MainParamAdamW | torch.opti
     optimizer.zero_grad(set_to_none=True)
     loss, parts = head_loss(policy, rec)
     loss.backward()
-    params = [p for p in policy.heads.parameters() if grad_of(p) is not None]
-    if ctx.dp_size > 1:
-        for p in params:
-            ctx.all_reduce_dp(grad_of(p)).div_(ctx.dp_size)
+    params = list(policy.heads.parameters())
+    average_grads_dp(params, ctx)
     norm = float(grad_sq_norm(params, ctx).sqrt())
-    if norm > grad_clip:
-        for p in params:
-            grad_of(p).mul_(grad_clip / (norm + 1e-6))
+    clip_grads(params, norm, grad_clip)
     optimizer.step()
     policy.heads.eval()
     stats = torch.tensor([float(loss.detach()), parts["soft_ce"], parts["nll"]], dtype=torch.float64)

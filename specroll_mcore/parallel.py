@@ -349,6 +349,22 @@ def grad_sq_norm(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> 
     return ctx.all_reduce_tp(sharded) + replicated
 
 
+def average_grads_dp(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> None:
+    """Replace each parameter's gradient (:func:`grad_of`) by its mean over the data-parallel replicas."""
+    if ctx.dp_size > 1:
+        for p in params:
+            if (g := grad_of(p)) is not None:
+                ctx.all_reduce_dp(g).div_(ctx.dp_size)
+
+
+def clip_grads(params: Sequence[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    """Scale the gradients (:func:`grad_of`) whose global norm is ``norm`` down to ``max_norm``."""
+    if norm > max_norm:
+        for p in params:
+            if (g := grad_of(p)) is not None:
+                g.mul_(max_norm / (norm + 1e-6))
+
+
 def destroy() -> None:
     """Tear down megatron's parallel state and the default process group."""
     from megatron.core import parallel_state as ps

@@ -57,7 +57,7 @@ from specroll_mcore.config import SlowPathConfig
 from specroll_mcore.distill import draft_path
 from specroll_mcore.heads import DraftVocab, vocab_parallel_topk, vocab_rows
 from specroll_mcore.optimizer import MainParamAdamW
-from specroll_mcore.parallel import grad_of
+from specroll_mcore.parallel import average_grads_dp
 
 
 @dataclass
@@ -486,7 +486,6 @@ class SlowPath:
         prev = [p.detach().clone() for p in params]
         before = self.expected_acceptance(hold, head, dv)
         steps, losses = 0, []
-        dp = policy.ctx.dp_size
         flags = [p.requires_grad for p in params]
         with torch.inference_mode(False), torch.enable_grad():
             for p in params:
@@ -498,9 +497,7 @@ class SlowPath:
                 opt.zero_grad(set_to_none=True)
                 loss, parts = self.loss(batch, head, prev)
                 loss.backward()
-                if dp > 1:  # the same update on every data-parallel replica
-                    for p in params:
-                        policy.ctx.all_reduce_dp(grad_of(p)).div_(dp)
+                average_grads_dp(params, policy.ctx)  # the same update on every data-parallel replica
                 opt.step()
                 steps += 1
                 losses.append(parts)

@@ -224,10 +224,7 @@ class GRPOTrainer:
             self.state["skipped_steps"] += 1
             skipped = True
         else:
-            if norm > cfg.grad_clip:
-                for p in policy.gpt.parameters():
-                    if (g := parallel.grad_of(p)) is not None:
-                        g.mul_(cfg.grad_clip / (norm + 1e-6))
+            parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
             self.optimizer.step()
             self.state["policy_version"] += 1  # the heads are tied to the new policy version
             skipped = False

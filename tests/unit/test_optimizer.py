@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from specroll_mcore.parallel import grad_of
 from specroll_mcore.optimizer import MainParamAdamW
+from specroll_mcore.parallel import grad_of
 
 ADAMW = {"lr": 1e-6, "betas": (0.9, 0.99), "weight_decay": 0.01}
 
