@@ -79,7 +79,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if src.suffix == ".gguf":
             hf_dir = Path(args.out).with_name(Path(args.out).name + "-hf")
             src = convert.gguf_to_hf(src, hf_dir, overwrite=args.overwrite)
-        out = convert.convert_hf_to_mcore(src, Path(args.out), args.tp, args.pp, args.dtype, args.overwrite)
+        out = convert.convert_hf_to_mcore(src, Path(args.out), args.tp, args.pp, args.dtype, args.overwrite,
+                                          args.first_stage_layers, args.last_stage_layers)
     elif args.direction == "mcore-to-hf":
         out = convert.convert_mcore_to_hf(Path(args.src), Path(args.out), args.overwrite)
     else:  # smollm2
@@ -123,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", nargs="?", help="output directory")
     c.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output")
     c.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output")
+    c.add_argument("--first-stage-layers", type=int, help="layers on the first pipeline stage (uneven split; "
+                   "ParallelConfig.num_layers_in_first_pipeline_stage)")
+    c.add_argument("--last-stage-layers", type=int, help="layers on the last pipeline stage (uneven split; "
+                   "ParallelConfig.num_layers_in_last_pipeline_stage)")
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], help="output dtype")
     c.add_argument("--cache", help="cache directory for `smollm2` (default $SPECROLL_CACHE or ~/.cache/specroll_mcore)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing output directory")

@@ -132,6 +132,14 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """PP: layers are split into this many consecutive stages."""
 
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven pipeline split (megatron-core's fields of the same names): the first / last stage holds
+    this many layers, the other stages share the rest evenly; None: an even share. The first stage
+    also embeds the tokens and the last one also projects onto the vocabulary, samples and drafts,
+    which for a small model or a large vocabulary is worth several layers: giving the last stage
+    fewer layers balances the stages (see pipeline_split)."""
+
     backend: Optional[str] = None
     """torch.distributed backend; None picks nccl when CUDA is available, else gloo."""
 
@@ -140,6 +148,8 @@ class ParallelConfig:
                f"ParallelConfig.tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
         _check(self.pipeline_model_parallel_size >= 1,
                f"ParallelConfig.pipeline_model_parallel_size must be >= 1, got {self.pipeline_model_parallel_size}")
+        _check_stage_counts(self.pipeline_model_parallel_size, self.num_layers_in_first_pipeline_stage,
+                            self.num_layers_in_last_pipeline_stage)
         _check(self.backend in (None, "gloo", "nccl"),
                f"ParallelConfig.backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
 
@@ -158,10 +168,46 @@ class ParallelConfig:
         _check(model.ffn_hidden_size % tp == 0,
                f"ModelConfig.ffn_hidden_size ({model.ffn_hidden_size}) is not divisible by "
                f"ParallelConfig.tensor_model_parallel_size ({tp})")
-        _check(model.num_layers % pp == 0,
-               f"ModelConfig.num_layers ({model.num_layers}) is not divisible by "
-               f"ParallelConfig.pipeline_model_parallel_size ({pp})")
+        self.stage_layers(model.num_layers)
         return world_size // (tp * pp)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers per pipeline stage, first stage first (see :func:`pipeline_split`)."""
+        return pipeline_split(num_layers, self.pipeline_model_parallel_size, self.num_layers_in_first_pipeline_stage,
+                              self.num_layers_in_last_pipeline_stage)
+
+
+def _check_stage_counts(pp: int, first: Optional[int], last: Optional[int]) -> None:
+    for name, value in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
+        if value is None:
+            continue
+        _check(pp > 1, f"ParallelConfig.{name} is set ({value}) but pipeline_model_parallel_size is 1; "
+                       "leave it unset or use pipeline parallelism")
+        _check(value >= 1, f"ParallelConfig.{name} must be >= 1 (every stage holds a layer), got {value}")
+
+
+def pipeline_split(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None) -> list[int]:
+    """Layers per stage for ``num_layers`` over ``pp`` stages: ``first`` / ``last`` layers on the
+    first / last stage where given, the rest evenly over the other stages (megatron-core's uneven
+    pipeline split). Clear errors for splits that do not add up."""
+    _check_stage_counts(pp, first, last)
+    fixed = [c for c in (first, last) if c is not None]
+    middle = pp - len(fixed)
+    rest = num_layers - sum(fixed)
+    if fixed:
+        _check(rest >= middle and (middle == 0 and rest == 0 or middle > 0 and rest % middle == 0),
+               f"ParallelConfig.num_layers_in_first/last_pipeline_stage ({first}, {last}) leave {rest} of "
+               f"ModelConfig.num_layers ({num_layers}) for the other {middle} stage(s): they must share them "
+               f"evenly, at least one each" + (f" (the first and last counts must add up to {num_layers})"
+                                               if middle == 0 else ""))
+    else:
+        _check(num_layers % pp == 0,
+               f"ModelConfig.num_layers ({num_layers}) is not divisible by "
+               f"ParallelConfig.pipeline_model_parallel_size ({pp}); set num_layers_in_first_pipeline_stage / "
+               f"num_layers_in_last_pipeline_stage for an uneven split")
+    per = rest // middle if middle else 0
+    return [first if i == 0 and first is not None else last if i == pp - 1 and last is not None else per
+            for i in range(pp)]
 
 
 @dataclass

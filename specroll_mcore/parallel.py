@@ -19,13 +19,13 @@ import contextlib
 import datetime
 import os
 import socket
-from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from specroll_mcore.config import ModelConfig, ParallelConfig
+from specroll_mcore.config import ModelConfig, ParallelConfig, pipeline_split
 
 _CPU_COMPAT_APPLIED = False
 
@@ -98,6 +98,14 @@ class ParallelContext:
     dp_group: Optional[dist.ProcessGroup]
     pp_ranks: Sequence[int]
     """Global ranks of this rank's pipeline, first stage first."""
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    """ParallelConfig.num_layers_in_first/last_pipeline_stage (None: an even split)."""
+    _send_in_flight: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers per pipeline stage for a model of ``num_layers``, first stage first."""
+        return pipeline_split(num_layers, self.pp_size, self.first_stage_layers, self.last_stage_layers)
 
     @property
     def is_first_stage(self) -> bool:
@@ -111,6 +119,24 @@ class ParallelContext:
     def send_forward(self, tensor: torch.Tensor) -> None:
         """Send this stage's output hidden states [s, b, h] to the next stage."""
         dist.send(tensor.contiguous(), dst=self.pp_ranks[self.pp_rank + 1])
+
+    def post_forward(self, tensor: torch.Tensor) -> None:
+        """Send this stage's output on without waiting for the next stage to take it (inference).
+
+        Rollouts interleave groups of responses over the stages (rollout/base.run_groups): a stage
+        sends one group's output, runs the next group's forward and then meets the other stages in
+        the first group's broadcast, while the next stage is still busy; a blocking send would wait
+        for a receive that comes only after that broadcast. At most one send is in flight: the
+        previous one is waited for first (the next stage has long received it), and
+        :meth:`flush_sends` waits for the last one."""
+        self.flush_sends()
+        self._send_in_flight = (dist.isend(tensor.contiguous(), dst=self.pp_ranks[self.pp_rank + 1]), tensor)
+
+    def flush_sends(self) -> None:
+        """Wait for the send :meth:`post_forward` left in flight, if any."""
+        if self._send_in_flight is not None:
+            self._send_in_flight[0].wait()
+            self._send_in_flight = None
 
     def recv_forward(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Receive the previous stage's hidden states."""
@@ -255,12 +281,11 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
     # Validate before any process group exists, so a bad layout fails fast and cleanly.
     if model is not None:
         parallel.validate(model, world_size)
-    else:
-        if world_size % (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size):
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor_model_parallel_size "
-                f"({parallel.tensor_model_parallel_size}) x pipeline_model_parallel_size "
-                f"({parallel.pipeline_model_parallel_size})")
+    elif world_size % (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size "
+            f"({parallel.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({parallel.pipeline_model_parallel_size})")
 
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -294,11 +319,12 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    return context_from_parallel_state(device)
+    return context_from_parallel_state(device, parallel)
 
 
-def context_from_parallel_state(device: torch.device) -> ParallelContext:
-    """Read megatron's parallel state into a ParallelContext."""
+def context_from_parallel_state(device: torch.device, parallel: Optional[ParallelConfig] = None) -> ParallelContext:
+    """Read megatron's parallel state into a ParallelContext (``parallel``: the uneven pipeline split,
+    if any)."""
     from megatron.core import parallel_state as ps
 
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -316,12 +342,9 @@ def context_from_parallel_state(device: torch.device) -> ParallelContext:
         pp_group=pp_group,
         dp_group=ps.get_data_parallel_group(),
         pp_ranks=list(dist.get_process_group_ranks(pp_group)),
+        first_stage_layers=parallel.num_layers_in_first_pipeline_stage if parallel is not None else None,
+        last_stage_layers=parallel.num_layers_in_last_pipeline_stage if parallel is not None else None,
     )
-
-
-def pipeline_layer_offset(model: ModelConfig, ctx: ParallelContext) -> int:
-    """Global index of this stage's first layer (layers split evenly over stages)."""
-    return ctx.pp_rank * (model.num_layers // ctx.pp_size)
 
 
 def grad_of(p: torch.nn.Parameter) -> Optional[torch.Tensor]:

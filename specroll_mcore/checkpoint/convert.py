@@ -107,23 +107,29 @@ def gguf_to_hf(gguf_file: Path, out_dir: Path, overwrite: bool = False) -> Path:
 
 
 def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                        params_dtype: Optional[str] = None, overwrite: bool = False) -> Path:
-    """Convert a HF directory into a Megatron checkpoint sharded for TP x PP (see checkpoint/megatron.py)."""
+                        params_dtype: Optional[str] = None, overwrite: bool = False,
+                        first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> Path:
+    """Convert a HF directory into a Megatron checkpoint sharded for TP x PP (see checkpoint/megatron.py);
+    ``first_stage_layers`` / ``last_stage_layers``: an uneven pipeline split
+    (ParallelConfig.num_layers_in_first/last_pipeline_stage)."""
     reader = HFCheckpointReader(Path(src))
     hf_config = reader.config()
     first = reader[next(iter(reader))]
     dtype = params_dtype or {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                              torch.float64: "float64"}[first.dtype]
     model = model_config_from_hf(hf_config, dtype)
-    ParallelConfig(tensor_model_parallel_size=tensor_parallel_size,
-                   pipeline_model_parallel_size=pipeline_parallel_size).validate(
-        model, tensor_parallel_size * pipeline_parallel_size)
+    layout = ParallelConfig(tensor_model_parallel_size=tensor_parallel_size,
+                            pipeline_model_parallel_size=pipeline_parallel_size,
+                            num_layers_in_first_pipeline_stage=first_stage_layers,
+                            num_layers_in_last_pipeline_stage=last_stage_layers)
+    layout.validate(model, tensor_parallel_size * pipeline_parallel_size)
     _check_hf_shapes(reader, model)
     full = _CastMapping(HFToFull(reader, model), model.torch_dtype)
 
     def write(tmp: Path) -> None:
         write_checkpoint_files(tmp, full, model, tensor_parallel_size, pipeline_parallel_size,
-                               extra_config={"hf_config": hf_config, "source": str(Path(src).resolve())})
+                               extra_config={"hf_config": hf_config, "source": str(Path(src).resolve())},
+                               stage_layers=layout.stage_layers(model.num_layers))
         for name in TOKENIZER_FILES:
             if (Path(src) / name).is_file():
                 shutil.copy2(Path(src) / name, tmp / name)

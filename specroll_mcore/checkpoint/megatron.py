@@ -18,13 +18,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from specroll_mcore.checkpoint.shard import (_LAYER, expected_full_shapes, local_state_dict,
                                              unshard_tensor)
-from specroll_mcore.config import ModelConfig
+from specroll_mcore.config import ModelConfig, pipeline_split
 
 CONFIG_FILE = "specroll_config.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -76,15 +76,18 @@ def atomic_directory(out_dir: Path, write: Callable[[Path], None], overwrite: bo
 
 
 def write_checkpoint_files(root: Path, full: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int,
-                           pp_size: int, extra_config: Optional[dict[str, Any]] = None) -> None:
-    """Write every TP/PP shard of ``full`` (a mapping that may compute tensors lazily) into ``root``.
+                           pp_size: int, extra_config: Optional[dict[str, Any]] = None,
+                           stage_layers: Optional[Sequence[int]] = None) -> None:
+    """Write every TP/PP shard of ``full`` (a mapping that may compute tensors lazily) into ``root``
+    (``stage_layers``: layers per pipeline stage; None: an even split).
 
     One shard is built and saved at a time: peak memory is about one shard plus one full tensor.
     """
     release = root / "release"
+    split = list(stage_layers) if stage_layers is not None else pipeline_split(model.num_layers, pp_size)
     for pp_rank in range(pp_size):
         for tp_rank in range(tp_size):
-            shard = local_state_dict(full, model, tp_size, tp_rank, pp_size, pp_rank)
+            shard = local_state_dict(full, model, tp_size, tp_rank, pp_size, pp_rank, split)
             d = release / shard_dir_name(tp_rank, pp_rank, pp_size)
             d.mkdir(parents=True)
             torch.save({"model": {k: v.contiguous() for k, v in shard.items()},
@@ -93,7 +96,8 @@ def write_checkpoint_files(root: Path, full: Mapping[str, torch.Tensor], model: 
             del shard
     (root / TRACKER_FILE).write_text("release")
     meta = {"model": model.to_dict(), "tensor_model_parallel_size": tp_size,
-            "pipeline_model_parallel_size": pp_size, "policy_fingerprint": fingerprint(full),
+            "pipeline_model_parallel_size": pp_size, "pipeline_stage_layers": split,
+            "policy_fingerprint": fingerprint(full),
             **(extra_config or {})}
     (root / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
 
@@ -197,14 +201,14 @@ def load_full_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     meta = read_checkpoint_config(ckpt_dir)
     model = ModelConfig.from_dict(meta["model"])
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
-    per_stage = model.num_layers // pp
+    split = stage_layers_of(meta, model)
     full: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp):
         shards = [_load_shard(ckpt_dir, t, pp_rank, pp) for t in range(tp)]
         for local_name in shards[0]:
             m = _LAYER.match(local_name)
             if m:
-                name = f"decoder.layers.{int(m.group(1)) + pp_rank * per_stage}.{m.group(2)}"
+                name = f"decoder.layers.{int(m.group(1)) + sum(split[:pp_rank])}.{m.group(2)}"
                 key = m.group(2)
             else:
                 name = key = local_name
@@ -217,11 +221,20 @@ def load_full_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return full
 
 
+def stage_layers_of(meta: dict[str, Any], model: ModelConfig) -> list[int]:
+    """Layers per pipeline stage of a checkpoint (one written before uneven splits: even)."""
+    return meta.get("pipeline_stage_layers") or pipeline_split(model.num_layers, meta["pipeline_model_parallel_size"])
+
+
 def load_local_state_dict(ckpt_dir: Path, model: ModelConfig, tp_size: int, tp_rank: int, pp_size: int,
-                          pp_rank: int) -> Optional[dict[str, torch.Tensor]]:
-    """This rank's shard read directly when the layouts match, else None (reshard from the full form)."""
+                          pp_rank: int, stage_layers: Optional[Sequence[int]] = None
+                          ) -> Optional[dict[str, torch.Tensor]]:
+    """This rank's shard read directly when the layouts (TP, PP and the layers per stage; None: an
+    even split) match, else None (reshard from the full form)."""
     meta = read_checkpoint_config(ckpt_dir)
     if (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]) != (tp_size, pp_size):
+        return None
+    if stage_layers_of(meta, model) != list(stage_layers or pipeline_split(model.num_layers, pp_size)):
         return None
     if model.padded_vocab_size(tp_size) != ModelConfig.from_dict(meta["model"]).padded_vocab_size(tp_size):
         return None
@@ -243,7 +256,8 @@ def load_policy(ckpt_dir: Path, ctx: Any, params_dtype: Optional[str] = None, nu
     policy = PolicyModel(model, ctx, num_heads=num_heads).eval()
     if heads is not None:
         policy.load_full_heads(heads)
-    local = load_local_state_dict(ckpt_dir, model, ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank)
+    local = load_local_state_dict(ckpt_dir, model, ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank,
+                                  ctx.stage_layers(model.num_layers))
     if local is None:
         policy.load_full_state_dict({k: v.to(model.torch_dtype) for k, v in load_full_state_dict(ckpt_dir).items()})
     else:

@@ -16,11 +16,11 @@ Layer numbers are global in the full form and local to the stage in the shard.
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Mapping, Optional, Sequence
 
 import torch
 
-from specroll_mcore.config import ModelConfig
+from specroll_mcore.config import ModelConfig, pipeline_split
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
@@ -75,20 +75,24 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int, tp_rank: int,
-                     pp_size: int, pp_rank: int) -> dict[str, torch.Tensor]:
+                     pp_size: int, pp_rank: int, stage_layers: Optional[Sequence[int]] = None
+                     ) -> dict[str, torch.Tensor]:
     """The state dict one (tp_rank, pp_rank) GPTModel holds, from the full form.
 
+    ``stage_layers``: layers per pipeline stage (ParallelConfig.stage_layers; None: an even split).
     ``full`` may compute its tensors lazily (see checkpoint/hf.py): only the tensors this stage
     needs are read, one at a time."""
-    per_stage = model.num_layers // pp_size
+    split = list(stage_layers) if stage_layers is not None else pipeline_split(model.num_layers, pp_size)
+    lo = sum(split[:pp_rank])
+    hi = lo + split[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     out: dict[str, torch.Tensor] = {}
     for name in full.keys():
         m = _LAYER.match(name)
         if m:
             layer = int(m.group(1))
-            if pp_rank * per_stage <= layer < (pp_rank + 1) * per_stage:
-                local = f"decoder.layers.{layer - pp_rank * per_stage}.{m.group(2)}"
+            if lo <= layer < hi:
+                local = f"decoder.layers.{layer - lo}.{m.group(2)}"
                 out[local] = _own_storage(shard_tensor(m.group(2), full[name], model, tp_size, tp_rank))
         elif name == "embedding.word_embeddings.weight":
             if first or (model.tie_word_embeddings and last):

@@ -31,6 +31,7 @@ from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
 def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerConfig:
     """megatron-core TransformerConfig for a Llama/Qwen2 architecture under this layout."""
+    ctx.stage_layers(model.num_layers)  # a split that does not add up fails here, naming the fields
     dtype = model.torch_dtype
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -50,6 +51,8 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerC
         init_method_std=model.init_method_std,
         tensor_model_parallel_size=ctx.tp_size,
         pipeline_model_parallel_size=ctx.pp_size,
+        num_layers_in_first_pipeline_stage=ctx.first_stage_layers,
+        num_layers_in_last_pipeline_stage=ctx.last_stage_layers,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -206,7 +209,7 @@ class PolicyModel(torch.nn.Module):
             hidden_in = self.ctx.recv_forward((s, b, self.config.hidden_size), self.dtype)
         out = self.stage_forward(input_ids, meta, hidden_in, logits_index)
         if not self.ctx.is_last_stage:
-            self.ctx.send_forward(out)
+            self.ctx.post_forward(out)
             return None
         logits, hidden = out
         return (logits, hidden) if return_hidden else logits
@@ -215,7 +218,8 @@ class PolicyModel(torch.nn.Module):
         """Load weights given in the full form (see checkpoint/shard.py), sharding for this rank."""
         check_full_state_dict(full, self.config)
         self.load_local_state_dict(local_state_dict(full, self.config, self.ctx.tp_size, self.ctx.tp_rank,
-                                                    self.ctx.pp_size, self.ctx.pp_rank))
+                                                    self.ctx.pp_size, self.ctx.pp_rank,
+                                                    self.ctx.stage_layers(self.config.num_layers)))
 
     def load_local_state_dict(self, local: Mapping[str, torch.Tensor]) -> None:
         """Load this rank's shard (megatron names, local layer numbers); every parameter must be given."""

@@ -27,7 +27,7 @@ import torch
 from specroll_mcore import parallel
 from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
 from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
-from specroll_mcore.checkpoint.megatron import CONFIG_FILE, load_policy, read_checkpoint_config
+from specroll_mcore.checkpoint.megatron import CONFIG_FILE, load_policy, read_checkpoint_config, stage_layers_of
 from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
                                                    save_training_checkpoint)
 from specroll_mcore.config import TrainConfig
@@ -104,13 +104,22 @@ class GRPOTrainer:
         if not self.cfg.resume and latest_training_checkpoint(self.out) is not None:
             raise FileExistsError(f"{self.out} already holds a training checkpoint; pass --resume to continue it "
                                   f"or choose another TrainConfig.output_dir")
+        layout = {"tensor_model_parallel_size": self.ctx.tp_size, "pipeline_model_parallel_size": self.ctx.pp_size,
+                  "pipeline_stage_layers": self.ctx.stage_layers(self.policy.config.num_layers)}
+        if self.cfg.resume and latest_training_checkpoint(self.out) is not None:
+            meta = read_checkpoint_config(self.out)
+            saved = {k: meta.get(k) for k in layout}
+            saved["pipeline_stage_layers"] = stage_layers_of(meta, self.policy.config)  # (older runs: even)
+            if saved != layout:
+                raise ValueError(f"{self.out} was trained with the layout {saved}, this run has {layout}: resume "
+                                 "with the parallel config the checkpoint was saved with (ParallelConfig)")
         if self.ctx.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             if not self.cfg.resume and (self.out / "metrics.jsonl").is_file():
                 (self.out / "metrics.jsonl").unlink()  # a fresh run: no rows from an earlier, unsaved one
             meta = read_checkpoint_config(self.source)
-            meta.update(tensor_model_parallel_size=self.ctx.tp_size, pipeline_model_parallel_size=self.ctx.pp_size,
-                        trained_from=str(self.source), train_config=json.loads(json.dumps(self.cfg, default=vars)))
+            meta.update(**layout, trained_from=str(self.source),
+                        train_config=json.loads(json.dumps(self.cfg, default=vars)))
             (self.out / CONFIG_FILE).write_text(json.dumps(meta, indent=2, default=str))
             for name in TOKENIZER_FILES:
                 if (self.source / name).is_file():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -148,6 +148,52 @@ def sample_rows(model: PolicyModel, logits: Optional[torch.Tensor], keys: Sample
         logp = torch.empty(n, dtype=torch.float32, device=keys.prompt.device)
     tokens, logp = model.ctx.broadcast_from_last_stage([tokens, logp])
     return tokens, logp
+
+
+def num_groups(requested: Optional[int], pp_size: int) -> int:
+    """Groups a rollout interleaves over the pipeline stages: ``requested`` or one per stage."""
+    if requested is None:
+        return pp_size
+    if requested < 1:
+        raise ValueError(f"pipeline_groups must be at least 1 (or None: one per pipeline stage), got {requested}")
+    return requested
+
+
+def split_groups(slots: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Slots -> k groups, slot s to group s % k: a prompt's G samples spread over the groups, so
+    groups of similar lengths finish together."""
+    return [slots[slots % k == g] for g in range(k)]
+
+
+def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable[[int], None],
+               advance: Callable[[int], None]) -> None:
+    """Drive a rollout whose responses are split into ``k`` groups through the pipeline stages.
+
+    Group-step j belongs to group j % k and has two parts: ``forward(g)``, this stage's share of the
+    group's policy forward (receive from the stage before, compute, send on), and ``advance(g)``,
+    what needs the last stage's verdict (sample or accept, broadcast to every stage, commit, record,
+    prepare the group's next input). Every stage runs the same sequence of group-steps, but a
+    stage ``lead`` places ahead of the last one runs forward(j + lead) before advance(j): while
+    the last stage finishes group A, the first one already computes group B, and with one group per
+    stage no stage waits on another once the pipeline is full (PP = 1, or one group: forward(j),
+    advance(j), one after the other). Group g's forward j needs its advance j - k, which every stage
+    has run by then because lead < k; the broadcasts happen in the same order on every stage, and a
+    forward's send does not block (ParallelContext.post_forward). ``alive(g)`` changes only in
+    advance(g), identically on every stage, so every stage skips the same steps of finished groups
+    and stops after the same advance."""
+    lead = max(0, min(k, ctx.pp_size) - 1 - ctx.pp_rank)
+    forwarded, j = 0, 0
+    try:
+        while any(alive(g) for g in range(k)):
+            while forwarded <= j + lead:
+                if alive(forwarded % k):
+                    forward(forwarded % k)
+                forwarded += 1
+            if alive(j % k):
+                advance(j % k)
+            j += 1
+    finally:
+        ctx.flush_sends()
 
 
 class RolloutState:

@@ -18,7 +18,9 @@ One round, for all unfinished responses at once:
 Between rollout batches the slow path may consolidate one head (outside the timed loop's
 inference mode; its time is part of the batch's total).
 With pipeline parallelism the forward runs stage by stage; proposals, trees and acceptance happen
-on the last stage and are broadcast, so every stage commits the same path.
+on the last stage and are broadcast, so every stage commits the same path. The responses go in
+groups, one per stage, whose rounds interleave over the stages (rollout/base.run_groups); each
+group sizes its trees by its own unfinished responses.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vo
                                   vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         validate_prompts)
+                                         num_groups, run_groups, split_groups, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, LatencyCurve, TreeBatch, expansion, expected_tokens,
@@ -68,13 +70,16 @@ class SpeculativeEngine:
 
     def __init__(self, model: PolicyModel, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
                  tokenizer: Any = None, max_prefill_tokens: int = 4096, seed: int = 0,
-                 sync_timers: bool = False, latency: Optional[LatencyCurve] = None) -> None:
+                 sync_timers: bool = False, latency: Optional[LatencyCurve] = None,
+                 pipeline_groups: Optional[int] = None) -> None:
         """``sync_timers``: on a GPU, wait for the device at every stage boundary so that
         ``time_split_s`` charges each stage its own kernels (slower: a profiling run, not a rollout);
         without it a stage's time is its host work plus whatever earlier GPU work it waits on.
         ``latency``: the profiled forward latency of this policy, hardware and layout
         (rollout/profile.ensure_capacity), with which each step keeps only the nodes that pay for
         themselves (``SpecConfig.adaptive_nodes``); None: every step uses its whole budget.
+        ``pipeline_groups``: groups of responses interleaved over the pipeline stages, each verifying
+        under its own node budget (as :class:`VanillaEngine`; None: one per stage).
         :meth:`state_dict` holds what a resumed run needs to repeat the same rollout statistics."""
         if model.num_heads != spec.num_heads:
             raise ValueError(f"SpecConfig.num_heads ({spec.num_heads}) != heads of the policy ({model.num_heads}); "
@@ -93,6 +98,7 @@ class SpeculativeEngine:
         self._draft_vocab: Optional[DraftVocab] = None
         self.latency = latency if spec.adaptive_nodes else None
         self.calibration = DepthCalibration(spec.num_heads)  # how far the drafts' beliefs hold, per depth
+        self.groups = num_groups(pipeline_groups, model.ctx.pp_size)
 
     def state_dict(self) -> dict[str, Any]:
         """Speed-only state that outlives a rollout: the tree-size calibration and the slow path's."""
@@ -342,149 +348,16 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int,
                   prompt_ids: Optional[Sequence[int]]) -> RolloutOutput:
-        model, cfg, ctx, spec = self.model, self.model.config, self.model.ctx, self.spec
+        cfg = self.model.config
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
-        device, H = ctx.device, spec.num_heads
-        timers = dict(prefill=0.0, propose=0.0, build=0.0, verify=0.0, accept=0.0, commit=0.0, feedback=0.0)
-        sync = self.sync_timers and device.type == "cuda"
-
-        def clock() -> float:
-            if sync:
-                torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        t_start = clock()
+        rollout = _Rollout(self, sampling)
         self._draft_vocab = self.draft_vocab()  # the output layer may have changed since the last rollout
-
-        state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=spec.n_max)
-        roots, logp, hidden, _ = state.start(prompts, self.max_prefill_tokens)
-        keep = [state.append(s, [roots[s]], [logp[s]]) for s in range(state.num)]
-        keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
-        active, roots = state.slots[keep_t], roots[keep_t]
-        hidden = hidden[keep_t] if hidden is not None else None
-        rstate = (reflex.ReflexState.new(state.num, H, cfg.hidden_size, device)
-                  if self.reflex_cfg is not None and ctx.is_last_stage else None)
-        gate_open, gate_total = 0, 0
-        row_steps = torch.zeros(state.num, dtype=torch.long, device=device)
-        row_emitted = torch.zeros(state.num, dtype=torch.long, device=device)
-        timers["prefill"] = clock() - t_start
-
-        def sample_fn(logits_rows: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
-            tok, lp = sample(logits_rows, state.keys(active[rows], positions), sampling.temperature,
-                             sampling.top_p, sampling.top_k)
-            return tok, lp.float()
-
-        steps, per_step = 0, []
-        roots_only = 0  # consecutive drafted steps whose weighing kept only the roots
-        tried_total = torch.zeros(H, dtype=torch.long)
-        accepted_total = torch.zeros(H, dtype=torch.long)
-        while active.numel() > 0:
-            b, active_l = active.numel(), active.tolist()
-            # response index of the token sampled at each root (head i drafts position + i)
-            position = torch.tensor([len(state.responses[s]) for s in active_l], device=device)
-            n = node_budget(b, self.c_hw, spec.n_min, spec.n_max)
-            probe = spec.probe_every > 0 and steps % spec.probe_every == spec.probe_every - 1
-            t0 = clock()
-            # 1-2. propose and build the trees on the last stage; every stage gets them.
-            proposal = pool_index = believed = None
-            if n == 1 or not probe and (roots_only >= IDLE_AFTER or not self.drafts_can_pay(b, n)):
-                # a full batch, or drafts that do not pay: plain decoding, no proposal
-                t1 = clock()
-                tree = TreeBatch(roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
-                                 torch.zeros(b, 1, dtype=torch.long, device=device), torch.ones(b, dtype=torch.long,
-                                                                                                device=device))
-            elif ctx.is_last_stage:
-                delta = None
-                if rstate is not None:
-                    r = self.reflex_cfg
-                    delta, open_ = reflex.correction(rstate, active, hidden, r.alpha, r.z_delta, r.min_observations,
-                                                      r.gate)
-                    gate_open, gate_total = gate_open + int(open_.sum()), gate_total + open_.numel()
-                    if self.slow_path is not None:
-                        self.slow_path.proposal_delta(active_l, delta)
-                keys = None
-                if spec.coupled and sampling.temperature > 0:  # the noise of the positions the heads draft
-                    drafted = position[None] + torch.arange(H, device=device)[:, None]  # [H, b] head-major
-                    keys = state.keys(active.repeat(H), drafted.flatten())
-                proposal = self.propose(hidden, roots, sampling, n, keys, delta)
-                t1 = clock()
-                tree, pool_index = select_tree(roots, proposal.levels, n)
-                if self.latency is not None:
-                    tree, pool_index, believed, weighed = self.trim(tree, pool_index, proposal, probe)
-                    roots_only = roots_only + 1 if weighed == 1 else 0
-            else:
-                t1, tree = clock(), None
-            tree = self._share_tree(tree, b, n)
-            t2 = clock()
-            # 3. verify
-            logits, hidden_all = self.verify(state, active, tree)
-            t3 = clock()
-            # 4. accept (last stage), shared with every stage
-            if logits is not None:
-                acc = accept(tree, logits, sample_fn, position, max_depth=H)
-                tried_total += acc.tried
-                accepted_total += acc.accepted
-                if believed is not None:
-                    self.calibration.update(believed.tolist(), acc.accepted.tolist())
-                packed = [acc.tokens, acc.logprobs, acc.path, acc.counts]
-                next_hidden = hidden_all[acc.last_node, torch.arange(b, device=device)]  # [b, h]
-            else:
-                packed = self._empty_pack(b, H, device)
-                next_hidden = None
-            emitted, emitted_lp, path, counts = ctx.broadcast_from_last_stage(packed)
-            t4 = clock()
-            # 5. commit the root and the accepted drafts; record tokens; retire finished responses.
-            path_len = (path >= 0).sum(-1)  # (plain decoding: the one new token is already in place)
-            state.cache.commit(active, path_len, path.clamp(min=0) if tree.shape[1] > 1 else None)
-            keep, recorded = [], 0
-            emitted_l, counts_l = emitted.tolist(), counts.tolist()
-            for r, slot in enumerate(active_l):
-                c, before = counts_l[r], len(state.responses[slot])
-                keep.append(state.append(slot, emitted_l[r][:c], emitted_lp[r, :c]))
-                recorded += len(state.responses[slot]) - before
-            keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
-            row_steps[active] += 1
-            row_emitted[active] += counts
-            last = emitted[torch.arange(b, device=device), counts - 1]
-            t5 = clock()
-            # 6. feedback (last stage): Reflex memory, slow-path records; finished rows are released.
-            if logits is not None and (rstate is not None or self.slow_path is not None):
-                self.feedback(active, active_l, counts_l, acc, logits, hidden_all, proposal, pool_index,
-                              sampling.temperature, rstate, full_batch=n == 1)
-                if rstate is not None:
-                    rstate.release(active[~keep_t])
-                if self.slow_path is not None:
-                    self.slow_path.finished([s for s, k in zip(active_l, keep) if not k])
-            t6 = clock()
-            timers["feedback"] += t6 - t5
-            per_step.append({"active": b, "nodes_per_row": int(tree.shape[1]), "emitted": sum(counts_l),
-                             "tokens": recorded, "seconds": t6 - t0})
-            active, roots = active[keep_t], last[keep_t]
-            hidden = next_hidden[keep_t] if next_hidden is not None else None
-            timers["propose"] += t1 - t0
-            timers["build"] += t2 - t1
-            timers["verify"] += t3 - t2
-            timers["accept"] += t4 - t3
-            timers["commit"] += t5 - t4
-            steps += 1
-
-        elapsed = time.perf_counter() - t_start
-        num_tokens = sum(len(r) for r in state.responses)
-        return state.output({
-            "engine": "specroll", "forwards": steps + 1, "tokens": num_tokens, "steps": steps,
-            "total_s": elapsed, "tokens_per_s": num_tokens / max(elapsed, 1e-9),
-            # tau: tokens one verification step confirms per response (before EOS / length truncation)
-            "tau": sum(p["emitted"] for p in per_step) / max(1, sum(p["active"] for p in per_step)),
-            "tau_per_row": (row_emitted.double() / row_steps.clamp(min=1).double()).tolist(),
-            "acceptance_per_depth": (accepted_total.double() / tried_total.clamp(min=1).double()).tolist(),
-            "tried_per_depth": tried_total.tolist(), "c_hw": self.c_hw, "time_split_s": timers,
-            "reflex_gate_open": gate_open / gate_total if gate_total else 0.0,
-            # mean cosine between each horizon's memory and the feedback that followed it: the gate opens
-            # only where its lower confidence bound is positive (None: no alignment observed)
-            "reflex_alignment_per_depth": rstate.mean_alignment() if rstate is not None else [None] * H,
-            "per_step": per_step,
-        })
+        state = RolloutState(self.model, prompts, ids, sampling, step, rules, extra_capacity=self.spec.n_max)
+        groups = rollout.start(state, prompts)
+        run_groups(lambda i: groups[i].slots.numel() > 0, len(groups), self.model.ctx,
+                   lambda i: rollout.forward(groups[i]), lambda i: rollout.advance(groups[i]))
+        return state.output(rollout.stats())
 
     # -- helpers: moving trees and acceptance results between pipeline stages --------------------------
     def _share_tree(self, tree: Optional[TreeBatch], b: int, n: int) -> TreeBatch:
@@ -508,3 +381,213 @@ class SpeculativeEngine:
                 torch.zeros(b, H + 1, dtype=torch.float32, device=device),
                 torch.zeros(b, H + 1, dtype=torch.long, device=device),
                 torch.zeros(b, dtype=torch.long, device=device)]
+
+
+@dataclass
+class _VerifyGroup:
+    """A group of responses that verify together (rollout/base.run_groups), and its step in flight."""
+
+    slots: torch.Tensor  # unfinished responses
+    roots: torch.Tensor  # each one's last sampled token: the root of its next tree
+    hidden: Optional[torch.Tensor]  # [b, h] the hidden states the roots were sampled from (last stage)
+    steps: int = 0
+    roots_only: int = 0  # consecutive drafted steps whose weighing kept only the roots
+    # the step in flight: prepared trees, then the verification forward's output
+    position: Optional[torch.Tensor] = None  # [b] response index of the token sampled at each root
+    nodes: int = 1  # the node budget N_t
+    tree: Optional[TreeBatch] = None
+    proposal: Optional[Proposal] = None
+    pool_index: Optional[torch.Tensor] = None
+    believed: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    hidden_all: Optional[torch.Tensor] = None
+    seconds: float = 0.0
+
+
+class _Rollout:
+    """One :meth:`SpeculativeEngine.generate` call: its groups' steps and the statistics over them.
+
+    A step of a group: 1-2 :meth:`prepare` (propose and build its trees on the last stage, share them
+    with every stage), 3 :meth:`forward` (verify), 4-6 :meth:`advance` (accept on the last stage,
+    share the verdict, commit, record tokens, feedback; then prepare the next step)."""
+
+    def __init__(self, engine: SpeculativeEngine, sampling: SamplingConfig) -> None:
+        self.engine, self.sampling = engine, sampling
+        self.model, self.spec = engine.model, engine.spec
+        self.device, H = engine.model.ctx.device, engine.spec.num_heads
+        self.sync = engine.sync_timers and self.device.type == "cuda"
+        self.t_start = self.clock()
+        self.timers = dict(prefill=0.0, propose=0.0, build=0.0, verify=0.0, accept=0.0, commit=0.0, feedback=0.0)
+        self.gate_open = self.gate_total = self.steps = 0
+        self.tried = torch.zeros(H, dtype=torch.long)
+        self.accepted = torch.zeros(H, dtype=torch.long)
+        self.per_step: list[dict[str, Any]] = []
+        self.state: Optional[RolloutState] = None
+        self.rstate: Optional[reflex.ReflexState] = None
+
+    def clock(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self, state: RolloutState, prompts: Sequence[Sequence[int]]) -> list[_VerifyGroup]:
+        """Prefill, record the first tokens, split the unfinished responses into groups and prepare
+        each group's first step."""
+        model, H = self.model, self.spec.num_heads
+        self.state = state
+        roots, logp, hidden, _ = state.start(prompts, self.engine.max_prefill_tokens)
+        keep = torch.tensor([state.append(s, [roots[s]], [logp[s]]) for s in range(state.num)], dtype=torch.bool,
+                            device=self.device)
+        self.row_steps = torch.zeros(state.num, dtype=torch.long, device=self.device)
+        self.row_emitted = torch.zeros(state.num, dtype=torch.long, device=self.device)
+        if self.engine.reflex_cfg is not None and model.ctx.is_last_stage:
+            self.rstate = reflex.ReflexState.new(state.num, H, model.config.hidden_size, self.device)
+        self.timers["prefill"] = self.clock() - self.t_start
+        k = self.engine.groups
+        groups = []
+        for slots in split_groups(state.slots[keep], k):
+            groups.append(_VerifyGroup(slots, roots[slots], hidden[slots] if hidden is not None else None))
+            if slots.numel() > 0:
+                self.prepare(groups[-1])
+        return groups
+
+    # -- 1-2. propose and build ------------------------------------------------------------------------
+    def prepare(self, g: _VerifyGroup) -> None:
+        """The group's next trees, built on the last stage and shared with every stage."""
+        engine, spec, state, device = self.engine, self.spec, self.state, self.device
+        t0 = self.clock()
+        b = g.slots.numel()
+        g.position = torch.tensor([len(state.responses[s]) for s in g.slots.tolist()], device=device)
+        g.nodes = n = node_budget(b, engine.c_hw, spec.n_min, spec.n_max)
+        probe = spec.probe_every > 0 and g.steps % spec.probe_every == spec.probe_every - 1
+        g.proposal = g.pool_index = g.believed = None
+        if n == 1 or not probe and (g.roots_only >= IDLE_AFTER or not engine.drafts_can_pay(b, n)):
+            # a full batch, or drafts that do not pay: plain decoding, no proposal
+            t1 = self.clock()
+            tree = TreeBatch(g.roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
+                             torch.zeros(b, 1, dtype=torch.long, device=device),
+                             torch.ones(b, dtype=torch.long, device=device))
+        elif self.model.ctx.is_last_stage:
+            g.proposal = engine.propose(g.hidden, g.roots, self.sampling, n, self.draft_keys(g), self.correction(g))
+            t1 = self.clock()
+            tree, g.pool_index = select_tree(g.roots, g.proposal.levels, n)
+            if engine.latency is not None:
+                tree, g.pool_index, g.believed, weighed = engine.trim(tree, g.pool_index, g.proposal, probe)
+                g.roots_only = g.roots_only + 1 if weighed == 1 else 0
+        else:
+            t1, tree = self.clock(), None
+        g.tree = engine._share_tree(tree, b, n)
+        t2 = self.clock()
+        self.timers["propose"] += t1 - t0
+        self.timers["build"] += t2 - t1
+        g.seconds = t2 - t0
+
+    def draft_keys(self, g: _VerifyGroup) -> Optional[SampleKeys]:
+        """The sampling keys of the positions the heads draft [H * b], head-major (coupled drafts)."""
+        if not self.spec.coupled or self.sampling.temperature == 0:
+            return None
+        H = self.spec.num_heads
+        drafted = g.position[None] + torch.arange(H, device=self.device)[:, None]  # [H, b]
+        return self.state.keys(g.slots.repeat(H), drafted.flatten())
+
+    def correction(self, g: _VerifyGroup) -> Optional[torch.Tensor]:
+        """Reflex's correction of the group's heads' input [H, b, h] (None: Reflex off)."""
+        if self.rstate is None:
+            return None
+        r = self.engine.reflex_cfg
+        delta, open_ = reflex.correction(self.rstate, g.slots, g.hidden, r.alpha, r.z_delta, r.min_observations,
+                                         r.gate)
+        self.gate_open, self.gate_total = self.gate_open + int(open_.sum()), self.gate_total + open_.numel()
+        if self.engine.slow_path is not None:
+            self.engine.slow_path.proposal_delta(g.slots.tolist(), delta)
+        return delta
+
+    # -- 3. verify -------------------------------------------------------------------------------------
+    def forward(self, g: _VerifyGroup) -> None:
+        t = self.clock()
+        g.logits, g.hidden_all = self.engine.verify(self.state, g.slots, g.tree)
+        t = self.clock() - t
+        self.timers["verify"] += t
+        g.seconds += t
+
+    # -- 4-6. accept, commit, feedback ---------------------------------------------------------------------
+    def advance(self, g: _VerifyGroup) -> None:
+        engine, state, device, H = self.engine, self.state, self.device, self.spec.num_heads
+        ctx, tree, slots = self.model.ctx, g.tree, g.slots
+        b, slots_l = slots.numel(), slots.tolist()
+        t3 = self.clock()
+        # 4. accept (last stage), shared with every stage
+        acc = next_hidden = None
+        if g.logits is not None:
+            acc = accept(tree, g.logits, lambda logits, rows, positions: self.sample(slots, logits, rows, positions),
+                         g.position, max_depth=H)
+            self.tried += acc.tried
+            self.accepted += acc.accepted
+            if g.believed is not None:
+                engine.calibration.update(g.believed.tolist(), acc.accepted.tolist())
+            packed = [acc.tokens, acc.logprobs, acc.path, acc.counts]
+            next_hidden = g.hidden_all[acc.last_node, torch.arange(b, device=device)]  # [b, h]
+        else:
+            packed = engine._empty_pack(b, H, device)
+        emitted, emitted_lp, path, counts = ctx.broadcast_from_last_stage(packed)
+        t4 = self.clock()
+        # 5. commit the root and the accepted drafts; record tokens; retire finished responses.
+        path_len = (path >= 0).sum(-1)  # (plain decoding: the one new token is already in place)
+        state.cache.commit(slots, path_len, path.clamp(min=0) if tree.shape[1] > 1 else None)
+        keep, recorded = [], 0
+        emitted_l, counts_l = emitted.tolist(), counts.tolist()
+        for r, slot in enumerate(slots_l):
+            c, before = counts_l[r], len(state.responses[slot])
+            keep.append(state.append(slot, emitted_l[r][:c], emitted_lp[r, :c]))
+            recorded += len(state.responses[slot]) - before
+        keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
+        self.row_steps[slots] += 1
+        self.row_emitted[slots] += counts
+        last = emitted[torch.arange(b, device=device), counts - 1]
+        t5 = self.clock()
+        # 6. feedback (last stage): Reflex memory, slow-path records; finished rows are released.
+        if acc is not None and (self.rstate is not None or engine.slow_path is not None):
+            engine.feedback(slots, slots_l, counts_l, acc, g.logits, g.hidden_all, g.proposal, g.pool_index,
+                            self.sampling.temperature, self.rstate, full_batch=g.nodes == 1)
+            if self.rstate is not None:
+                self.rstate.release(slots[~keep_t])
+            if engine.slow_path is not None:
+                engine.slow_path.finished([s for s, k in zip(slots_l, keep) if not k])
+        t6 = self.clock()
+        self.timers["accept"] += t4 - t3
+        self.timers["commit"] += t5 - t4
+        self.timers["feedback"] += t6 - t5
+        self.per_step.append({"active": b, "nodes_per_row": int(tree.shape[1]), "emitted": sum(counts_l),
+                              "tokens": recorded, "seconds": g.seconds + t6 - t3})
+        self.steps += 1
+        g.steps += 1
+        g.slots, g.roots = slots[keep_t], last[keep_t]
+        g.hidden = next_hidden[keep_t] if next_hidden is not None else None
+        g.logits = g.hidden_all = None
+        if g.slots.numel() > 0:
+            self.prepare(g)
+
+    def sample(self, slots: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
+        """The policy's own samples at tree nodes of rows ``rows`` of a group (verify.accept)."""
+        tok, lp = sample(logits, self.state.keys(slots[rows], positions), self.sampling.temperature,
+                         self.sampling.top_p, self.sampling.top_k)
+        return tok, lp.float()
+
+    def stats(self) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self.t_start
+        state, H, per_step = self.state, self.spec.num_heads, self.per_step
+        num_tokens = sum(len(r) for r in state.responses)
+        return {
+            "engine": "specroll", "forwards": self.steps + 1, "tokens": num_tokens, "steps": self.steps,
+            "groups": self.engine.groups, "total_s": elapsed, "tokens_per_s": num_tokens / max(elapsed, 1e-9),
+            # tau: tokens one verification step confirms per response (before EOS / length truncation)
+            "tau": sum(p["emitted"] for p in per_step) / max(1, sum(p["active"] for p in per_step)),
+            "tau_per_row": (self.row_emitted.double() / self.row_steps.clamp(min=1).double()).tolist(),
+            "acceptance_per_depth": (self.accepted.double() / self.tried.clamp(min=1).double()).tolist(),
+            "tried_per_depth": self.tried.tolist(), "c_hw": self.engine.c_hw, "time_split_s": self.timers,
+            "reflex_gate_open": self.gate_open / self.gate_total if self.gate_total else 0.0,
+            # mean cosine between each horizon's memory and the feedback that followed it: the gate opens
+            # only where its lower confidence bound is positive (None: no alignment observed)
+            "reflex_alignment_per_depth": self.rstate.mean_alignment() if self.rstate is not None else [None] * H,
+            "per_step": per_step,
+        }

@@ -2,12 +2,14 @@
 
 It is the reference the speculative engine must match token for token, and the baseline it is
 measured against. Every pipeline stage runs this same loop; the last stage samples and the tokens
-are broadcast, so all stages agree on what was committed.
+are broadcast, so all stages agree on what was committed. Under pipeline parallelism the responses
+go in groups, one per stage, whose forwards interleave over the stages (base.run_groups).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -16,21 +18,36 @@ from specroll_mcore.config import SamplingConfig
 from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         sample_rows, validate_prompts)
+                                         num_groups, run_groups, sample_rows, split_groups, validate_prompts)
 from specroll_mcore.sampling import top_distribution, upcast
 
 
+@dataclass
+class _DecodeGroup:
+    """One group of responses decoded together (see :func:`run_groups`)."""
+
+    slots: torch.Tensor  # the group's unfinished responses
+    last: torch.Tensor  # their last tokens, fed next
+    out: Any = None  # the forward's output, until the group advances
+    seconds: float = 0.0  # the forward's time
+
+
 class VanillaEngine:
-    """Autoregressive sampling of P prompts x G samples with a KV cache and per-row finish."""
+    """Autoregressive sampling of P prompts x G samples with a KV cache and per-row finish.
+
+    ``pipeline_groups``: how many groups of responses a rollout interleaves over the pipeline
+    stages (:func:`run_groups`; None: one per stage, which keeps every stage busy; 1: the whole
+    batch per forward, stages one after another). Tokens do not depend on it."""
 
     def __init__(self, model: PolicyModel, eos_token_ids: Sequence[int] = (), tokenizer: Any = None,
-                 max_prefill_tokens: int = 4096) -> None:
+                 max_prefill_tokens: int = 4096, pipeline_groups: Optional[int] = None) -> None:
         if tokenizer is not None:
             check_tokenizer_fits(tokenizer, model.config.vocab_size)
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_prefill_tokens = max_prefill_tokens
+        self.groups = num_groups(pipeline_groups, model.ctx.pp_size)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int = 0,
@@ -57,41 +74,53 @@ class VanillaEngine:
         state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=0)
         tokens, logp, hidden, logits = state.start(prompts, self.max_prefill_tokens)
         t_prefill = time.perf_counter() - t0
-        active = state.slots
         collect = features_topk > 0 and logits is not None
         steps: list[tuple[torch.Tensor, ...]] = []  # per step: (slots, hidden, top ids, top probs) of its tokens
-        forwards, per_step, t_step = 1, [], time.perf_counter()
-        while True:
-            # 2. Record the new tokens; finished responses leave the batch.
+        per_step: list[dict[str, Any]] = []
+        forwards = 1  # (prefill)
+
+        def record(slots: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, hidden: Optional[torch.Tensor],
+                   logits: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            """Record one new token per row; returns the rows that go on and their tokens."""
             if collect:  # what each new token was sampled from
-                steps.append((active, upcast(hidden), *top_distribution(logits, features_topk)))
-            keep = [state.append(slot, [tokens[r]], [logp[r]]) for r, slot in enumerate(active.tolist())]
-            if forwards > 1:
-                per_step.append({"active": active.numel(), "tokens": active.numel(),
-                                 "seconds": time.perf_counter() - t_step})
-            t_step = time.perf_counter()
+                steps.append((slots, upcast(hidden), *top_distribution(logits, features_topk)))
+            keep = [state.append(slot, [tokens[r]], [logp[r]]) for r, slot in enumerate(slots.tolist())]
             keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
-            active, tokens = active[keep_t], tokens[keep_t]
-            if active.numel() == 0:
-                break
-            # 3. Decode: feed each active response's last token at its committed length.
-            b = active.numel()
-            meta = model.metadata(state.cache.lengths[active][:, None],
-                                  torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, active)
-            out = model(tokens[:, None], meta, return_hidden=collect)
-            state.cache.commit(active, torch.ones(b, dtype=torch.long, device=device))
-            forwards += 1
-            if collect:
-                out, hidden = out[0], out[1][0]
+            return slots[keep_t], tokens[keep_t]
+
+        # 2. Decode in groups: feed each unfinished response's last token at its committed length.
+        active, tokens = record(state.slots, tokens, logp, hidden, logits)
+        groups = [_DecodeGroup(slots, tokens[active % self.groups == i])
+                  for i, slots in enumerate(split_groups(active, self.groups))]
+
+        def forward(i: int) -> None:
+            g, t = groups[i], time.perf_counter()
+            b = g.slots.numel()
+            meta = model.metadata(state.cache.lengths[g.slots][:, None],
+                                  torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, g.slots)
+            g.out = model(g.last[:, None], meta, return_hidden=collect)
+            state.cache.commit(g.slots, torch.ones(b, dtype=torch.long, device=device))
+            g.seconds = time.perf_counter() - t
+
+        def advance(i: int) -> None:
+            nonlocal forwards
+            g, t = groups[i], time.perf_counter()
+            out, hidden = (g.out[0], g.out[1][0]) if collect else (g.out, None)
             logits = model.full_logits(out[:, 0]) if out is not None else None
-            positions = torch.tensor([len(state.responses[s]) for s in active.tolist()], device=device)
-            tokens, logp = sample_rows(model, logits, state.keys(active, positions), sampling)
+            positions = torch.tensor([len(state.responses[s]) for s in g.slots.tolist()], device=device)
+            tokens, logp = sample_rows(model, logits, state.keys(g.slots, positions), sampling)
+            per_step.append({"active": g.slots.numel(), "tokens": g.slots.numel(),
+                             "seconds": g.seconds + time.perf_counter() - t})
+            g.slots, g.last = record(g.slots, tokens, logp, hidden, logits)
+            g.out, forwards = None, forwards + 1
+
+        run_groups(lambda i: groups[i].slots.numel() > 0, self.groups, model.ctx, forward, advance)
 
         elapsed = time.perf_counter() - t0
         num_tokens = sum(len(r) for r in state.responses)
         feats = self._features(steps, state.num) if collect else None
         return state.output({"engine": "vanilla", "forwards": forwards, "tokens": num_tokens,
-                             "prefill_s": t_prefill, "total_s": elapsed,
+                             "prefill_s": t_prefill, "total_s": elapsed, "groups": self.groups,
                              "tokens_per_s": num_tokens / max(elapsed, 1e-9), "per_step": per_step}, feats)
 
     @staticmethod

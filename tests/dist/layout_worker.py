@@ -82,6 +82,12 @@ def run(arch: str, dtype: str, ctx) -> dict:
         r = SpeculativeEngine(model, SpecConfig(c_hw=24, probe_every=3), eos_token_ids=[3],
                               latency=STEEP_LATENCY).generate(PROMPTS, sp, step=1)
         out["spec-idle-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        # the whole batch in one group (stages one after another), and more groups than stages
+        r = VanillaEngine(model, eos_token_ids=[3], pipeline_groups=1).generate(PROMPTS, sp, step=1)
+        out["groups1-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], pipeline_groups=3).generate(
+            PROMPTS, sp, step=1)
+        out["spec-groups3-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     out["adapt"] = adapt(model, ctx)
     out["draft_vocab"] = draft_vocab(model)
     return out
@@ -98,7 +104,8 @@ def draft_vocab(model) -> dict:
             counts[torch.arange(37) * 4] = 100 + torch.arange(37)
             counts[torch.tensor(high)] = 50
             model.heads.token_counts.copy_(counts)
-        engine = SpeculativeEngine(model, SpecConfig(c_hw=24, shortlist=8, draft_vocab=40), eos_token_ids=[3])
+        engine = SpeculativeEngine(model, SpecConfig(c_hw=24, shortlist=8, draft_vocab=40), eos_token_ids=[3],
+                                   pipeline_groups=2)
         r = engine.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=16, num_samples=2, seed=9),
                             step=3)
         out[name] = {"tokens": r.tokens, "tau_per_row": r.stats["tau_per_row"]}
@@ -111,10 +118,11 @@ def draft_vocab(model) -> dict:
 
 def adapt(model, ctx) -> dict:
     """Reflex with its gate forced open and one slow-path consolidation of head 1 (kept): the
-    per-response speculation and the updated head weights are layout independent."""
+    per-response speculation and the updated head weights are layout independent (in two groups
+    of responses at every layout: a group's size sets its trees' budget)."""
     spec = SpecConfig(c_hw=24, reflex=ReflexConfig(alpha=0.5, z_delta=0.0, min_observations=2),
                       slow_path=SlowPathConfig(min_records=4, max_records=32, buffer_size=64, steps=3, lr=1e-3))
-    engine = SpeculativeEngine(model, spec, eos_token_ids=[3])
+    engine = SpeculativeEngine(model, spec, eos_token_ids=[3], pipeline_groups=2)
     r = engine.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=16, num_samples=2, seed=9), step=2)
     res = {"tokens": r.tokens, "tau_per_row": r.stats["tau_per_row"], "gate": r.stats["reflex_gate_open"]}
     if ctx.is_last_stage:
@@ -129,9 +137,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--last-stage-layers", type=int, default=None, help="an uneven pipeline split")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                             num_layers_in_last_pipeline_stage=args.last_stage_layers))
     results = {f"{arch}-{dtype}": run(arch, dtype, ctx) for arch in models() for dtype in ("float32", "float64")}
     if ctx.is_last_stage and ctx.tp_rank == 0:
         torch.save(results, args.out)

@@ -28,20 +28,23 @@ def reference(ctx):
     return {f"{a}-{d}": layout_worker.run(a, d, ctx) for a in layout_worker.models() for d in ("float32", "float64")}
 
 
-def run_layout(tmp_path, tp, pp):
+def run_layout(tmp_path, tp, pp, last_stage_layers=None):
     out = tmp_path / f"tp{tp}pp{pp}.pt"
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(HERE / "layout_worker.py"), f"--tp={tp}", f"--pp={pp}", f"--out={out}"]
+    if last_stage_layers is not None:
+        cmd.append(f"--last-stage-layers={last_stage_layers}")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_layout_matches_single_process(tmp_path, reference, tp, pp):
-    got = run_layout(tmp_path, tp, pp)
+@pytest.mark.parametrize("tp, pp, last_stage_layers", [(2, 1, None), (1, 2, None), (1, 2, 1)])
+def test_layout_matches_single_process(tmp_path, reference, tp, pp, last_stage_layers):
+    """(1, 2, 1): an uneven pipeline split, one layer on the last stage and the rest on the first."""
+    got = run_layout(tmp_path, tp, pp, last_stage_layers)
     for name, ref in reference.items():
         tol = 1e-9 if name.endswith("float64") else 1e-4
         for key in ("causal", "tree"):
@@ -58,8 +61,9 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp):
         assert torch.equal(got[name]["heads_coupled"], coupled.topk(4, dim=-1).indices), name
         assert torch.equal(got[name]["heads_filter_kept"], ref["heads_filter_kept"]), name
         for key in ("t1", "greedy", "spec-t1", "spec-greedy", "spec-adaptive-t1", "spec-adaptive-greedy",
-                    "spec-idle-t1", "spec-idle-greedy"):
-            if key.startswith("spec-"):  # the speculative engine equals the vanilla engine of TP=1/PP=1
+                    "spec-idle-t1", "spec-idle-greedy", "groups1-t1", "groups1-greedy", "spec-groups3-t1",
+                    "spec-groups3-greedy"):
+            if key.startswith(("spec-", "groups1-")):  # equals the vanilla engine of TP=1/PP=1
                 vanilla = ref[key.split("-")[-1]]
                 if name.endswith("float64") or key == "spec-greedy":
                     assert got[name][key]["tokens"] == vanilla["tokens"], (name, key)
@@ -68,7 +72,7 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp):
                 assert got[name][key]["finish"] == ref[key]["finish"]
                 for a, b in zip(got[name][key]["logprobs"], ref[key]["logprobs"]):
                     assert torch.allclose(a, b, atol=1e-5)
-            if not key.startswith("spec-") and name.endswith("float64"):  # distillation features
+            if key in ("t1", "greedy") and name.endswith("float64"):  # distillation features
                 for a, b in zip(got[name][key]["features"], ref[key]["features"]):
                     assert torch.equal(a.top_ids, b.top_ids), (name, key)
                     assert torch.allclose(a.hidden, b.hidden, atol=1e-9) and torch.allclose(a.top_probs, b.top_probs)

@@ -176,6 +176,19 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tiny_ckpt, tmp_path, ctx):
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
 
 
+def test_resume_refuses_another_layout(tiny_ckpt, tmp_path, ctx):
+    run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1")
+    meta_file = tmp_path / "run" / "specroll_config.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["pipeline_stage_layers"] == [2]  # the tiny policy's two layers on one stage
+    meta.update(pipeline_model_parallel_size=2, pipeline_stage_layers=[1, 1])  # as a run at PP=2
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"was trained with the layout .*'pipeline_stage_layers': \[1, 1\].* "
+                                         r"this run has .*'pipeline_stage_layers': \[2\]"):
+        GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla",
+                                                             "resume=true")))
+
+
 def test_a_bfloat16_policy_learns_at_grpo_learning_rates(tiny_ckpt, tmp_path, ctx):
     """lr 1e-6 on bfloat16 weights: the float32 main weights take every update (plain AdamW on the
     bfloat16 weights rounds nearly all of them away), the model weights are their rounding, and a

@@ -1,0 +1,203 @@
+"""Rollouts in groups interleaved over pipeline stages (rollout/base.run_groups) and uneven pipeline
+splits (ParallelConfig.num_layers_in_first/last_pipeline_stage).
+
+The schedule is checked on simulated stages (threads that pass activations through queues and meet
+in barriers for each broadcast, as the real stages do through gloo): no deadlock and the same
+broadcast order on every stage, whatever the stage count, group count and group lifetimes. The
+engines are checked against one group (tokens identical); the real PP=2 runs are in
+tests/dist/test_layouts.py."""
+
+import queue
+import random
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specroll_mcore.checkpoint import random_full_state_dict
+from specroll_mcore.checkpoint.megatron import (load_full_state_dict, load_local_state_dict,
+                                                read_checkpoint_config, write_checkpoint_files)
+from specroll_mcore.checkpoint.shard import local_state_dict
+from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig, pipeline_split, tiny_llama
+from specroll_mcore.model import PolicyModel
+from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
+from specroll_mcore.rollout.base import num_groups, run_groups, split_groups
+
+PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37], [5, 6]]
+
+
+def simulate(pp: int, k: int, lifetimes: list[int]) -> list[list[tuple[str, int]]]:
+    """Run run_groups on ``pp`` simulated stages; group g lives for lifetimes[g] steps. Returns each
+    stage's log of (event, group-step): 'F' forwards, 'B' broadcasts (advances)."""
+    barriers: dict[int, threading.Barrier] = {}
+    lock = threading.Lock()
+    links = [queue.Queue() for _ in range(pp)]  # links[s]: activations into stage s
+    logs: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
+    errors: list[BaseException] = []
+
+    def stage(s: int) -> None:
+        steps = [0] * k  # advances done per group
+        counter = {"f": 0, "b": 0}
+        ctx = SimpleNamespace(pp_size=pp, pp_rank=s, flush_sends=lambda: None)
+
+        def forward(g: int) -> None:
+            if s > 0:
+                got = links[s].get(timeout=5)  # blocks like recv_forward
+                assert got == (g, steps[g]), (s, got, (g, steps[g]))
+            if s < pp - 1:
+                links[s + 1].put((g, steps[g]))  # never blocks, like post_forward
+            logs[s].append(("F", g))
+            counter["f"] += 1
+
+        def advance(g: int) -> None:
+            n = counter["b"]
+            with lock:
+                barrier = barriers.setdefault(n, threading.Barrier(pp, timeout=5))
+            barrier.wait()  # the broadcast: every stage, same order
+            logs[s].append(("B", g))
+            counter["b"] += 1
+            steps[g] += 1
+
+        try:
+            run_groups(lambda g: steps[g] < lifetimes[g], k, ctx, forward, advance)
+        except BaseException as e:  # noqa: BLE001  (reported by the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=stage, args=(s,)) for s in range(pp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    return logs
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_interleaved_groups_never_deadlock_and_broadcast_in_one_order(pp, k):
+    rng = random.Random(pp * 10 + k)
+    for _ in range(3):
+        lifetimes = [rng.randint(0, 7) for _ in range(k)]
+        logs = simulate(pp, k, lifetimes)
+        orders = [[g for e, g in log if e == "B"] for log in logs]
+        assert all(o == orders[0] for o in orders)
+        assert sorted(orders[0]) == sorted(g for g in range(k) for _ in range(lifetimes[g]))
+        for log in logs:  # every forward is followed by its advance
+            assert sum(e == "F" for e, _ in log) == sum(lifetimes)
+
+
+def test_first_stage_runs_ahead_by_one_group_per_later_stage():
+    logs = simulate(2, 2, [3, 3])
+    assert logs[0][:4] == [("F", 0), ("F", 1), ("B", 0), ("F", 0)]  # group 1 computes while group 0 samples
+    assert logs[1][:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+
+
+def test_groups_and_their_errors():
+    assert num_groups(None, 4) == 4 and num_groups(1, 4) == 1
+    with pytest.raises(ValueError, match="pipeline_groups must be at least 1"):
+        num_groups(0, 2)
+    groups = split_groups(torch.arange(7), 3)
+    assert [g.tolist() for g in groups] == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+@pytest.fixture(scope="module")
+def policy(ctx):
+    cfg = tiny_llama(params_dtype="float64")
+    model = PolicyModel(cfg, ctx, num_heads=3).eval()
+    model.load_full_state_dict(random_full_state_dict(cfg, seed=7, std=0.08))
+    return model
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_groups_emit_the_tokens_of_one_group(policy, temperature):
+    sp = SamplingConfig(temperature=temperature, top_p=0.9, max_new_tokens=12, num_samples=3, seed=5)
+    ref = VanillaEngine(policy, eos_token_ids=[3], pipeline_groups=1).generate(PROMPTS, sp, features_topk=4)
+    got = VanillaEngine(policy, eos_token_ids=[3], pipeline_groups=3).generate(PROMPTS, sp, features_topk=4)
+    assert got.tokens == ref.tokens and got.finish_reason == ref.finish_reason
+    for a, b in zip(got.logprobs, ref.logprobs):  # (float64; smaller batches round products otherwise)
+        assert torch.allclose(a, b, atol=1e-9)
+    for a, b in zip(got.features, ref.features):
+        assert torch.equal(a.top_ids, b.top_ids) and torch.allclose(a.hidden, b.hidden, atol=1e-9)
+    assert got.stats["forwards"] > ref.stats["forwards"]  # 3 groups: 3 forwards per round
+    spec = SpeculativeEngine(policy, SpecConfig(c_hw=12), eos_token_ids=[3], pipeline_groups=2).generate(PROMPTS, sp)
+    assert spec.tokens == ref.tokens and spec.stats["groups"] == 2
+    for a, b in zip(spec.logprobs, ref.logprobs):
+        assert torch.allclose(a, b, atol=1e-9)
+
+
+def test_pipeline_split():
+    assert pipeline_split(30, 2) == [15, 15]
+    assert pipeline_split(30, 2, last=10) == [20, 10]
+    assert pipeline_split(30, 2, first=18) == [18, 12]
+    assert pipeline_split(10, 4, 1, 1) == [1, 4, 4, 1]
+    assert pipeline_split(9, 3, last=1) == [4, 4, 1]
+    assert ParallelConfig(pipeline_model_parallel_size=2, num_layers_in_last_pipeline_stage=1).stage_layers(4) == [3, 1]
+
+
+@pytest.mark.parametrize("pp, first, last, layers, match", [
+    (1, None, 2, 4, r"num_layers_in_last_pipeline_stage is set \(2\) but pipeline_model_parallel_size is 1"),
+    (2, 0, None, 4, r"num_layers_in_first_pipeline_stage must be >= 1"),
+    (2, 3, 3, 4, r"leave -2 of ModelConfig.num_layers \(4\) for the other 0 stage\(s\).*must add up to 4"),
+    (4, 1, 1, 9, r"leave 7 of ModelConfig.num_layers \(9\) for the other 2 stage\(s\): they must share them evenly"),
+    (2, None, 4, 4, r"leave 0 of ModelConfig.num_layers \(4\) for the other 1 stage\(s\)"),
+    (3, None, None, 4, r"num_layers \(4\) is not divisible by .*pipeline_model_parallel_size \(3\); set "
+                       r"num_layers_in_first_pipeline_stage"),
+])
+def test_pipeline_split_errors(pp, first, last, layers, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(pipeline_model_parallel_size=pp, num_layers_in_first_pipeline_stage=first,
+                       num_layers_in_last_pipeline_stage=last).validate(tiny_llama(num_layers=layers), pp)
+
+
+def test_uneven_checkpoint_shards_round_trip(tmp_path):
+    cfg = tiny_llama()
+    full = random_full_state_dict(cfg, seed=3)
+    write_checkpoint_files(tmp_path / "ckpt", full, cfg, 1, 2, stage_layers=[3, 1])
+    assert read_checkpoint_config(tmp_path / "ckpt")["pipeline_stage_layers"] == [3, 1]
+    back = load_full_state_dict(tmp_path / "ckpt")
+    assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)
+    last = load_local_state_dict(tmp_path / "ckpt", cfg, 1, 0, 2, 1, [3, 1])
+    assert torch.equal(last["decoder.layers.0.mlp.linear_fc1.weight"], full["decoder.layers.3.mlp.linear_fc1.weight"])
+    assert last.keys() == local_state_dict(full, cfg, 1, 0, 2, 1, [3, 1]).keys()
+    assert load_local_state_dict(tmp_path / "ckpt", cfg, 1, 0, 2, 1) is None  # an even split reshards
+
+
+def test_converter_writes_an_uneven_split(tmp_path, capsys):
+    import transformers
+
+    from specroll_mcore.cli import main
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf")
+    assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mc"), "--pp", "2",
+                 "--first-stage-layers", "1"]) == 0
+    assert read_checkpoint_config(tmp_path / "mc")["pipeline_stage_layers"] == [1, 3]
+    assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mc2"), "--pp", "2",
+                 "--first-stage-layers", "4"]) == 2
+    assert "leave 0 of ModelConfig.num_layers (4) for the other 1 stage(s)" in capsys.readouterr().err
+    assert not (tmp_path / "mc2").exists()
+
+
+@pytest.mark.parametrize("name, config, shape, world", [
+    ("demo_cpu.yaml", "generate", None, 1),
+    ("smollm2_gsm8k_cpu.yaml", "train", None, 1),
+    # Qwen2.5-7B-Instruct and Qwen2.5-14B shapes (their config.json), on 8 and 4 x 8 GPUs
+    ("qwen2.5_7b_gsm8k_1node.yaml", "train", dict(num_layers=28, hidden_size=3584, ffn_hidden_size=18944,
+                                                  num_attention_heads=28, num_query_groups=4), 8),
+    ("qwen2.5_14b_dapo_multinode.yaml", "train", dict(num_layers=48, hidden_size=5120, ffn_hidden_size=13824,
+                                                      num_attention_heads=40, num_query_groups=8), 32),
+])
+def test_example_configs_load_and_fit_their_models(name, config, shape, world):
+    from pathlib import Path
+
+    from specroll_mcore.config import GenerateConfig, TrainConfig, load_config
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "configs" / name
+    cfg = load_config(TrainConfig if config == "train" else GenerateConfig, str(path), [])
+    if shape is not None:
+        model = tiny_llama(**shape, vocab_size=152064, max_position_embeddings=32768)
+        assert cfg.parallel.validate(model, world) >= 1
+        if name.startswith("qwen2.5_14b"):
+            assert cfg.parallel.stage_layers(48) == [26, 22]
