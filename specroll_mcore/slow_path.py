@@ -492,19 +492,26 @@ class SlowPath:
                 p.requires_grad_(True)
             # Adam (AdamW without decay), on float32 main copies of bfloat16 heads
             opt = MainParamAdamW(params, lr=cfg.lr, weight_decay=0.0, foreach=True)
-            batch = self.event_batch(train, head, support)  # frozen inputs and targets: built once, not per step
-            for _ in range(cfg.steps):
-                opt.zero_grad(set_to_none=True)
-                loss, parts = self.loss(batch, head, prev)
-                loss.backward()
-                average_grads_dp(params, policy.ctx)  # the same update on every data-parallel replica
-                opt.step()
-                steps += 1
-                losses.append(parts)
-            opt.close()
-            for p, f in zip(params, flags):
-                p.requires_grad_(f)
-                p.grad = None
+            try:
+                batch = self.event_batch(train, head, support)  # frozen inputs and targets: built once
+                for _ in range(cfg.steps):
+                    opt.zero_grad(set_to_none=True)
+                    loss, parts = self.loss(batch, head, prev)
+                    loss.backward()
+                    average_grads_dp(params, policy.ctx)  # the same update on every data-parallel replica
+                    opt.step()
+                    steps += 1
+                    losses.append(parts)
+            except BaseException:  # an event that fails half-way leaves the head as it was
+                with torch.no_grad():
+                    for p, old in zip(params, prev):
+                        p.copy_(old)
+                raise
+            finally:
+                opt.close()
+                for p, f in zip(params, flags):
+                    p.requires_grad_(f)
+                    p.grad = None
         after = self.expected_acceptance(hold, head, dv)
         kept = after >= before
         if not kept:

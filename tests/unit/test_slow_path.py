@@ -247,6 +247,33 @@ def test_consolidation_rolls_back_when_heldout_acceptance_drops(ctx):
     assert all(torch.equal(v, params_of(model.heads)[k]) for k, v in weights.items())
 
 
+def test_a_consolidation_that_fails_half_way_leaves_the_heads_as_they_were(ctx):
+    model = policy_with_heads(tiny_llama(params_dtype="bfloat16"), ctx, head_std=0.3)
+    cfg = SlowPathConfig(window=4, min_records=8, cooldown_batches=0, time_cap=1.0, max_records=64,
+                         buffer_size=256, steps=5)
+    eng = SpeculativeEngine(model, SpecConfig(c_hw=64, reflex=ReflexConfig(enabled=False), slow_path=cfg))
+    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
+    sp = eng.slow_path
+    flags = [p.requires_grad for p in model.heads.parameters()]
+    heads = params_of(model.heads)
+    loss, calls = sp.loss, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("interrupted")
+        return loss(*args)
+
+    sp.loss = failing
+    with pytest.raises(RuntimeError, match="interrupted"):
+        sp.consolidate(1)
+    weights = {k: v for k, v in heads.items() if k != "token_counts"}
+    assert all(torch.equal(v, params_of(model.heads)[k]) for k, v in weights.items())  # two steps undone
+    assert [p.requires_grad for p in model.heads.parameters()] == flags
+    for p in model.heads.parameters():
+        assert p.grad is None and not hasattr(p, "main_grad") and not p._post_accumulate_grad_hooks
+
+
 def test_consolidation_ranks_candidates_over_the_draft_vocabulary(ctx):
     """The head's candidates in the support and the held-out test come from the ids the engine drafts
     from (after the event's tokens joined the counts), as a masked full-vocabulary top-k gives them."""
