@@ -215,15 +215,20 @@ def test_consolidation_changes_one_head_only(ctx):
     assert [p.requires_grad for p in model.heads.parameters()] == flags  # as the caller had them
 
 
-def test_bfloat16_heads_consolidate_on_float32_main_copies(ctx):
-    """The event's Adam steps run on float32 copies of a bfloat16 head (its gradients land in a
-    float32 ``main_grad``); nothing of them outlives the event, so the next one starts clean."""
+def bfloat16_slow_path(ctx):
+    """A bfloat16 policy whose slow path holds the records of one rollout (Reflex off)."""
     model = policy_with_heads(tiny_llama(params_dtype="bfloat16"), ctx, head_std=0.3)
     cfg = SlowPathConfig(window=4, min_records=8, cooldown_batches=0, time_cap=1.0, max_records=64,
                          buffer_size=256, steps=5)
     eng = SpeculativeEngine(model, SpecConfig(c_hw=64, reflex=ReflexConfig(enabled=False), slow_path=cfg))
     eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
-    sp = eng.slow_path
+    return model, eng.slow_path
+
+
+def test_bfloat16_heads_consolidate_on_float32_main_copies(ctx):
+    """The event's Adam steps run on float32 copies of a bfloat16 head (its gradients land in a
+    float32 ``main_grad``); nothing of them outlives the event, so the next one starts clean."""
+    model, sp = bfloat16_slow_path(ctx)
     sp.expected_acceptance = lambda rec, head, dv=None: 0.0  # never worse: the update is kept
     before = params_of(model.heads)
     for _ in range(2):
@@ -248,12 +253,7 @@ def test_consolidation_rolls_back_when_heldout_acceptance_drops(ctx):
 
 
 def test_a_consolidation_that_fails_half_way_leaves_the_heads_as_they_were(ctx):
-    model = policy_with_heads(tiny_llama(params_dtype="bfloat16"), ctx, head_std=0.3)
-    cfg = SlowPathConfig(window=4, min_records=8, cooldown_batches=0, time_cap=1.0, max_records=64,
-                         buffer_size=256, steps=5)
-    eng = SpeculativeEngine(model, SpecConfig(c_hw=64, reflex=ReflexConfig(enabled=False), slow_path=cfg))
-    eng.generate(PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, num_samples=2, seed=1))
-    sp = eng.slow_path
+    model, sp = bfloat16_slow_path(ctx)
     flags = [p.requires_grad for p in model.heads.parameters()]
     heads = params_of(model.heads)
     loss, calls = sp.loss, []
