@@ -359,29 +359,6 @@ class SpeculativeEngine:
                    lambda i: rollout.forward(groups[i]), lambda i: rollout.advance(groups[i]))
         return state.output(rollout.stats())
 
-    # -- helpers: moving trees and acceptance results between pipeline stages --------------------------
-    def _share_tree(self, tree: Optional[TreeBatch], b: int, n: int) -> TreeBatch:
-        ctx = self.model.ctx
-        if ctx.pp_size == 1 or n == 1:  # every stage builds the one-node trees itself
-            return tree
-        device = ctx.device
-        width = torch.tensor([tree.shape[1] if tree is not None else n], device=device)
-        (width,) = ctx.broadcast_from_last_stage([width])
-        w = int(width)
-        if tree is None or tree.shape[1] != w:
-            parts = [torch.zeros(b, w, dtype=torch.long, device=device) for _ in range(3)]
-        else:
-            parts = [tree.tokens, tree.parents, tree.depth]
-        tokens, parents, depth = ctx.broadcast_from_last_stage(parts)  # depths travel: no stage rederives them
-        return TreeBatch(tokens, parents, depth, (parents != -2).sum(-1))
-
-    @staticmethod
-    def _empty_pack(b: int, H: int, device: torch.device):
-        return [torch.zeros(b, H + 1, dtype=torch.long, device=device),
-                torch.zeros(b, H + 1, dtype=torch.float32, device=device),
-                torch.zeros(b, H + 1, dtype=torch.long, device=device),
-                torch.zeros(b, dtype=torch.long, device=device)]
-
 
 @dataclass
 class _VerifyGroup:
@@ -476,7 +453,7 @@ class _Rollout:
                 g.roots_only = g.roots_only + 1 if weighed == 1 else 0
         else:
             t1, tree = self.clock(), None
-        g.tree = engine._share_tree(tree, b, n)
+        g.tree = self.share_tree(tree, b, n)
         t2 = self.clock()
         self.timers["propose"] += t1 - t0
         self.timers["build"] += t2 - t1
@@ -528,7 +505,7 @@ class _Rollout:
             packed = [acc.tokens, acc.logprobs, acc.path, acc.counts]
             next_hidden = g.hidden_all[acc.last_node, torch.arange(b, device=device)]  # [b, h]
         else:
-            packed = engine._empty_pack(b, H, device)
+            packed = self.empty_pack(b, H, device)
         emitted, emitted_lp, path, counts = ctx.broadcast_from_last_stage(packed)
         t4 = self.clock()
         # 5. commit the root and the accepted drafts; record tokens; retire finished responses.
@@ -591,3 +568,28 @@ class _Rollout:
             "reflex_alignment_per_depth": self.rstate.mean_alignment() if self.rstate is not None else [None] * H,
             "per_step": per_step,
         }
+
+    # -- moving trees and acceptance results between pipeline stages ----------------------------------
+    def share_tree(self, tree: Optional[TreeBatch], b: int, n: int) -> TreeBatch:
+        """The last stage's trees on every stage (``tree`` None elsewhere)."""
+        ctx = self.model.ctx
+        if ctx.pp_size == 1 or n == 1:  # every stage builds the one-node trees itself
+            return tree
+        device = ctx.device
+        width = torch.tensor([tree.shape[1] if tree is not None else n], device=device)
+        (width,) = ctx.broadcast_from_last_stage([width])
+        w = int(width)
+        if tree is None or tree.shape[1] != w:
+            parts = [torch.zeros(b, w, dtype=torch.long, device=device) for _ in range(3)]
+        else:
+            parts = [tree.tokens, tree.parents, tree.depth]
+        tokens, parents, depth = ctx.broadcast_from_last_stage(parts)  # depths travel: no stage rederives them
+        return TreeBatch(tokens, parents, depth, (parents != -2).sum(-1))
+
+    @staticmethod
+    def empty_pack(b: int, H: int, device: torch.device) -> list[torch.Tensor]:
+        """Buffers for the acceptance results a stage other than the last receives."""
+        return [torch.zeros(b, H + 1, dtype=torch.long, device=device),
+                torch.zeros(b, H + 1, dtype=torch.float32, device=device),
+                torch.zeros(b, H + 1, dtype=torch.long, device=device),
+                torch.zeros(b, dtype=torch.long, device=device)]
