@@ -140,6 +140,11 @@ class ParallelConfig:
     which for a small model or a large vocabulary is worth several layers: giving the last stage
     fewer layers balances the stages (see pipeline_split)."""
 
+    rollout_groups: Optional[int] = None
+    """Groups of responses a rollout interleaves over the pipeline stages (rollout/base.run_groups):
+    None, one per stage (no stage waits once the pipeline is full); 1, the whole batch per forward
+    (stages one after another). Tokens do not depend on it."""
+
     backend: Optional[str] = None
     """torch.distributed backend; None picks nccl when CUDA is available, else gloo."""
 
@@ -150,6 +155,9 @@ class ParallelConfig:
                f"ParallelConfig.pipeline_model_parallel_size must be >= 1, got {self.pipeline_model_parallel_size}")
         _check_stage_counts(self.pipeline_model_parallel_size, self.num_layers_in_first_pipeline_stage,
                             self.num_layers_in_last_pipeline_stage)
+        _check(self.rollout_groups is None or self.rollout_groups >= 1,
+               f"ParallelConfig.rollout_groups must be >= 1 (or unset: one per pipeline stage), "
+               f"got {self.rollout_groups}")
         _check(self.backend in (None, "gloo", "nccl"),
                f"ParallelConfig.backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
 

@@ -80,10 +80,11 @@ class GRPOTrainer:
         spec = latency = None
         if cfg.engine == "specroll":
             spec, latency = speculative_setup(self.policy, cfg.spec, self.source)
+        groups = cfg.parallel.rollout_groups
         self.engine = make_engine(cfg.engine, self.policy, spec, latency, eos_token_ids=self.eos,
-                                  tokenizer=self.tokenizer)
-        self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer) \
-            if cfg.compare_vanilla_every else None
+                                  tokenizer=self.tokenizer, pipeline_groups=groups)
+        self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer,
+                                     pipeline_groups=groups) if cfg.compare_vanilla_every else None
         params = [p for p in self.policy.gpt.parameters() if p.requires_grad]
         self.optimizer = MainParamAdamW(params, shard_group=self.ctx.dp_group if cfg.shard_optimizer else None,
                                         lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),

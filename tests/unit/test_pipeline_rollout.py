@@ -93,6 +93,26 @@ def test_first_stage_runs_ahead_by_one_group_per_later_stage():
     assert logs[1][:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
 
 
+def test_rollout_groups_config(tiny_ckpt_for_groups, tmp_path, ctx):
+    from specroll_mcore.config import TrainConfig, load_config
+    from specroll_mcore.rl.trainer import GRPOTrainer
+
+    with pytest.raises(ValueError, match=r"ParallelConfig.rollout_groups must be >= 1 .*got 0"):
+        ParallelConfig(rollout_groups=0)
+    cfg = load_config(TrainConfig, None, [f"checkpoint={tiny_ckpt_for_groups}", f"output_dir={tmp_path / 'run'}",
+                                          "engine=vanilla", "compare_vanilla_every=1", "parallel.rollout_groups=3",
+                                          "data.limit=8", "prompts_per_step=2", "tensorboard=false"])
+    trainer = GRPOTrainer(cfg)
+    assert trainer.engine.groups == 3 and trainer.vanilla.groups == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt_for_groups(tmp_path_factory):
+    from grpo_fixtures import tiny_policy_checkpoint
+
+    return tiny_policy_checkpoint(tmp_path_factory.mktemp("groups"), with_heads=False)
+
+
 def test_groups_and_their_errors():
     assert num_groups(None, 4) == 4 and num_groups(1, 4) == 1
     with pytest.raises(ValueError, match="pipeline_groups must be at least 1"):
