@@ -487,6 +487,12 @@ class SlowPath:
         before = self.expected_acceptance(hold, head, dv)
         steps, losses = 0, []
         flags = [p.requires_grad for p in params]
+
+        def restore() -> None:
+            with torch.no_grad():
+                for p, old in zip(params, prev):
+                    p.copy_(old)
+
         with torch.inference_mode(False), torch.enable_grad():
             for p in params:
                 p.requires_grad_(True)
@@ -503,9 +509,7 @@ class SlowPath:
                     steps += 1
                     losses.append(parts)
             except BaseException:  # an event that fails half-way leaves the head as it was
-                with torch.no_grad():
-                    for p, old in zip(params, prev):
-                        p.copy_(old)
+                restore()
                 raise
             finally:
                 opt.close()
@@ -515,9 +519,7 @@ class SlowPath:
         after = self.expected_acceptance(hold, head, dv)
         kept = after >= before
         if not kept:
-            with torch.no_grad():
-                for p, old in zip(params, prev):
-                    p.copy_(old)
+            restore()
         return {"head": head, "records": len(rec), "steps": steps, "kept": kept, "heldout_before": before,
                 "heldout_after": after, "loss_first": losses[0]["loss"] if losses else None,
                 "loss_last": losses[-1]["loss"] if losses else None}

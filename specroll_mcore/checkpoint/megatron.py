@@ -22,9 +22,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from specroll_mcore.checkpoint.shard import (_LAYER, expected_full_shapes, local_state_dict,
+from specroll_mcore.checkpoint.shard import (_LAYER, expected_full_shapes, local_state_dict, stage_split,
                                              unshard_tensor)
-from specroll_mcore.config import ModelConfig, pipeline_split
+from specroll_mcore.config import ModelConfig
 
 CONFIG_FILE = "specroll_config.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -84,7 +84,7 @@ def write_checkpoint_files(root: Path, full: Mapping[str, torch.Tensor], model: 
     One shard is built and saved at a time: peak memory is about one shard plus one full tensor.
     """
     release = root / "release"
-    split = list(stage_layers) if stage_layers is not None else pipeline_split(model.num_layers, pp_size)
+    split = stage_split(model, pp_size, stage_layers)
     for pp_rank in range(pp_size):
         for tp_rank in range(tp_size):
             shard = local_state_dict(full, model, tp_size, tp_rank, pp_size, pp_rank, split)
@@ -205,10 +205,11 @@ def load_full_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp):
         shards = [_load_shard(ckpt_dir, t, pp_rank, pp) for t in range(tp)]
+        offset = sum(split[:pp_rank])  # global index of the stage's first layer
         for local_name in shards[0]:
             m = _LAYER.match(local_name)
             if m:
-                name = f"decoder.layers.{int(m.group(1)) + sum(split[:pp_rank])}.{m.group(2)}"
+                name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
                 key = m.group(2)
             else:
                 name = key = local_name
@@ -223,7 +224,7 @@ def load_full_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 def stage_layers_of(meta: dict[str, Any], model: ModelConfig) -> list[int]:
     """Layers per pipeline stage of a checkpoint (one written before uneven splits: even)."""
-    return meta.get("pipeline_stage_layers") or pipeline_split(model.num_layers, meta["pipeline_model_parallel_size"])
+    return stage_split(model, meta["pipeline_model_parallel_size"], meta.get("pipeline_stage_layers"))
 
 
 def load_local_state_dict(ckpt_dir: Path, model: ModelConfig, tp_size: int, tp_rank: int, pp_size: int,
@@ -234,7 +235,7 @@ def load_local_state_dict(ckpt_dir: Path, model: ModelConfig, tp_size: int, tp_r
     meta = read_checkpoint_config(ckpt_dir)
     if (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]) != (tp_size, pp_size):
         return None
-    if stage_layers_of(meta, model) != list(stage_layers or pipeline_split(model.num_layers, pp_size)):
+    if stage_layers_of(meta, model) != stage_split(model, pp_size, stage_layers):
         return None
     if model.padded_vocab_size(tp_size) != ModelConfig.from_dict(meta["model"]).padded_vocab_size(tp_size):
         return None

@@ -74,6 +74,12 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
+def stage_split(model: ModelConfig, pp_size: int, stage_layers: Optional[Sequence[int]] = None) -> list[int]:
+    """Layers per pipeline stage: ``stage_layers`` (ParallelConfig.stage_layers) or, when None, an
+    even split."""
+    return list(stage_layers) if stage_layers is not None else pipeline_split(model.num_layers, pp_size)
+
+
 def local_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int, tp_rank: int,
                      pp_size: int, pp_rank: int, stage_layers: Optional[Sequence[int]] = None
                      ) -> dict[str, torch.Tensor]:
@@ -82,7 +88,7 @@ def local_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig, tp_si
     ``stage_layers``: layers per pipeline stage (ParallelConfig.stage_layers; None: an even split).
     ``full`` may compute its tensors lazily (see checkpoint/hf.py): only the tensors this stage
     needs are read, one at a time."""
-    split = list(stage_layers) if stage_layers is not None else pipeline_split(model.num_layers, pp_size)
+    split = stage_split(model, pp_size, stage_layers)
     lo = sum(split[:pp_rank])
     hi = lo + split[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp_size - 1

@@ -102,12 +102,13 @@ class GRPOTrainer:
 
     # -- setup -------------------------------------------------------------------------------------------
     def _prepare_output(self) -> None:
-        if not self.cfg.resume and latest_training_checkpoint(self.out) is not None:
+        has_checkpoint = latest_training_checkpoint(self.out) is not None
+        if not self.cfg.resume and has_checkpoint:
             raise FileExistsError(f"{self.out} already holds a training checkpoint; pass --resume to continue it "
                                   f"or choose another TrainConfig.output_dir")
         layout = {"tensor_model_parallel_size": self.ctx.tp_size, "pipeline_model_parallel_size": self.ctx.pp_size,
                   "pipeline_stage_layers": self.ctx.stage_layers(self.policy.config.num_layers)}
-        if self.cfg.resume and latest_training_checkpoint(self.out) is not None:
+        if has_checkpoint:
             meta = read_checkpoint_config(self.out)
             saved = {k: meta.get(k) for k in layout}
             saved["pipeline_stage_layers"] = stage_layers_of(meta, self.policy.config)  # (older runs: even)
