@@ -48,8 +48,9 @@ def run(engine, prompts, sp):
     return time.perf_counter() - t0, out
 
 
-def hf_twin(name: str, ckpt: Path):
-    """The same weights as a ``transformers`` model: SmolLM2's HF form, or the checkpoint exported."""
+def hf_twin(name: str, ckpt: Path, dtype: torch.dtype):
+    """The same weights as a ``transformers`` model in ``dtype``: SmolLM2's HF form, or the checkpoint
+    exported."""
     import tempfile
 
     import transformers
@@ -58,10 +59,10 @@ def hf_twin(name: str, ckpt: Path):
     from specroll_mcore.checkpoint.smollm2 import MODEL_ALIAS, default_hf_dir
 
     if name == MODEL_ALIAS:
-        return transformers.AutoModelForCausalLM.from_pretrained(default_hf_dir(), dtype=torch.float32).eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(default_hf_dir(), dtype=dtype).eval()
     with tempfile.TemporaryDirectory() as tmp:
         path = convert_mcore_to_hf(ckpt, Path(tmp) / "hf")
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def wait(device: torch.device) -> None:
@@ -111,6 +112,11 @@ def synced_split(spec, runner, prompts, sp) -> dict:
         spec.sync_timers = False
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first position where two responses differ (the shorter one's length if one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def binned_speedup(vanilla_steps, spec_steps) -> list[dict]:
     rows = []
     for lo, hi in BINS:
@@ -154,7 +160,8 @@ def scenario(name, vanilla, spec, prompts, sp, reps):
         b, sb = run(spec, prompts, sp)
         if va.tokens != sb.tokens:
             diff = sum(x != y for x, y in zip(va.tokens, sb.tokens))
-            print(f"  WARNING {name}: {diff}/{len(va.tokens)} responses differ (float32 near-ties)")
+            print(f"  WARNING {name}: {diff}/{len(va.tokens)} responses differ (near-ties of the sampled argmax "
+                  "between a tree forward and a one-token forward)")
         ratios.append(a / b)
         tv.append(a)
         ts.append(b)
@@ -162,6 +169,8 @@ def scenario(name, vanilla, spec, prompts, sp, reps):
     va, sb = outs
     res = {"vanilla_s": tv, "specroll_s": ts, "speedup_median": statistics.median(ratios),
            "tokens": va.num_tokens, "identical_tokens": va.tokens == sb.tokens,
+           "identical_responses": sum(x == y for x, y in zip(va.tokens, sb.tokens)), "responses": len(va.tokens),
+           "first_divergence": [first_difference(x, y) for x, y in zip(va.tokens, sb.tokens) if x != y],
            "tau": sb.stats["tau"], "acceptance_per_depth": sb.stats["acceptance_per_depth"],
            "nodes_per_row_mean": statistics.mean(s["nodes_per_row"] for s in sb.stats["per_step"]),
            "time_split_s": sb.stats["time_split_s"], "c_hw": sb.stats["c_hw"],
@@ -169,13 +178,15 @@ def scenario(name, vanilla, spec, prompts, sp, reps):
            "binned": binned_speedup(va.stats["per_step"], sb.stats["per_step"])}
     print(f"{name}: speedup {res['speedup_median']:.2f}x (median of {reps} paired), tau {res['tau']:.2f}, "
           f"acceptance per depth {[round(a, 3) for a in res['acceptance_per_depth']]}, "
-          f"{res['tokens']} tokens, identical={res['identical_tokens']}", flush=True)
+          f"{res['tokens']} tokens, identical responses {res['identical_responses']}/{res['responses']}", flush=True)
     return res
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="smollm2")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
+                    help="load the checkpoint (policy and heads) in this dtype (default: its own)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -198,14 +209,14 @@ def main() -> int:
     ap.add_argument("--plot", default="bench_specroll.png")
     args = ap.parse_args()
     ctx = parallel.initialize(ParallelConfig())
-    ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx, args.c_hw)
+    ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx, args.c_hw, params_dtype=args.dtype)
     c_hw = cap.c_hw
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk,
                           coupled=args.coupled, draft_vocab=args.draft_vocab, adaptive_nodes=args.adaptive_nodes)
     eos = [tok.eos_token_id]
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
     spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=cap.latency)
-    report = {"checkpoint": str(ckpt), "hardware": hardware_name(), "spec": dataclasses.asdict(spec_cfg),
+    report = {"checkpoint": str(ckpt), "hardware": hardware_name(), "dtype": str(policy.dtype).removeprefix("torch."), "spec": dataclasses.asdict(spec_cfg),
               "latency_curve": dataclasses.asdict(cap.latency) if cap.latency is not None else None,
               "threads": torch.get_num_threads(),
               "temperature": args.temperature,
@@ -235,7 +246,7 @@ def main() -> int:
 
     hf = None
     if not args.skip_hf:
-        hf = hf_twin(args.checkpoint, ckpt).to(ctx.device)
+        hf = hf_twin(args.checkpoint, ckpt, policy.dtype).to(ctx.device)
     if not args.skip_batch1:
         report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps)
         if ctx.device.type == "cuda":

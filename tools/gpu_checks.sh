@@ -7,8 +7,9 @@
 # Stages, in order of value, each under its own time limit and skipped when the overall budget
 # (BUDGET_S seconds, default 540) would run out: tests/gpu, the capacity profile (C_hw on this GPU),
 # SpecRoll against the vanilla engine and transformers at T=1 on 32 prompts x 8 samples x 256
-# tokens, then at batch 1, batch 1 at T=0, and a short GRPO run that times the vanilla engine on the
-# same steps.
+# tokens, the same in bfloat16 (how many responses stay identical to the vanilla engine's: cuBLAS and
+# attention kernels are not batch-invariant, so near-ties are frequent there), then at batch 1, batch
+# 1 at T=0, and a short GRPO run that times the vanilla engine on the same steps.
 # Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
 # workload to a few tokens (a dry run of this script on any machine).
 set -uo pipefail
@@ -49,6 +50,9 @@ stage profile 120 $PY tools/profile_capacity.py --checkpoint "$CKPT" --tokens "$
 # shellcheck disable=SC2086
 stage bench_full 150 $PY tools/bench_specroll.py --checkpoint "$CKPT" $FULL --skip-batch1 \
   --out "$OUT/bench_specroll_full.json" --plot "$OUT/bench_specroll_full.png"
+# shellcheck disable=SC2086
+stage bench_full_bf16 90 $PY tools/bench_specroll.py --checkpoint "$CKPT" --dtype bfloat16 $FULL --reps 1 --skip-batch1 \
+  --skip-hf --out "$OUT/bench_specroll_full_bf16.json" --plot "$OUT/bench_specroll_full_bf16.png"
 # shellcheck disable=SC2086
 stage bench_batch1 180 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --skip-full --out "$OUT/bench_specroll_b1.json"
 # shellcheck disable=SC2086

@@ -8,7 +8,9 @@ Measures the latency of a verification forward against the number of tokens in i
 row holding an N-node tree on a 128-token context) and derives C_hw by the documented rule
 (specroll_mcore.tree.budget.capacity_from_latency): the largest N whose latency is at most
 ``tolerance`` x the one-token latency. The result is cached (``$SPECROLL_CACHE/capacity_profiles.json``)
-under a key of the policy fingerprint, the hardware and the TP/PP layout, with the whole curve; the
+under a key of the policy fingerprint, the dtype it computes in (``--dtype``: the checkpoint's, or
+the override a run loads it with, as ``params_dtype`` in a config), the hardware and the TP/PP
+layout, with the whole curve; the
 speculative engine reads C_hw from it when SpecConfig.c_hw is unset, and the curve to keep each
 step's trees to the nodes that pay for their latency (SpecConfig.adaptive_nodes).
 """
@@ -33,6 +35,8 @@ from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, profile_path  # noqa: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="smollm2")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
+                    help="load the checkpoint in this dtype (default: its own)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--tokens", default="1,2,4,8,12,16,24,32,48,64,96,128,192,256,384,512")
@@ -44,7 +48,7 @@ def main() -> int:
 
     ckpt = resolve_checkpoint(args.checkpoint)
     ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
-    policy = load_policy(ckpt, ctx)
+    policy = load_policy(ckpt, ctx, params_dtype=args.dtype)
     sizes = [int(x) for x in args.tokens.split(",")]
     fp = read_checkpoint_config(ckpt).get("policy_fingerprint")
     record = measure_capacity(policy, fp, sizes, args.reps, args.tolerance, verbose=True)

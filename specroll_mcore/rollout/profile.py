@@ -16,6 +16,11 @@ from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, LatencyCurve
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def dtype_name(policy: PolicyModel) -> str:
+    """The dtype the policy computes in, as a capacity profile's key holds it ("bfloat16")."""
+    return str(policy.dtype).removeprefix("torch.")
+
+
 class Capacity(NamedTuple):
     """What the speculative engine needs to know about this policy, hardware and layout."""
 
@@ -26,17 +31,17 @@ class Capacity(NamedTuple):
     cached profile); the engine keeps each step's trees to what pays for its latency with it."""
 
 
-def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None,
-                     with_heads: bool = True) -> tuple[Any, PolicyModel, Any, Capacity]:
+def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None, with_heads: bool = True,
+                     params_dtype: Optional[str] = None) -> tuple[Any, PolicyModel, Any, Capacity]:
     """``smollm2`` or a checkpoint directory -> (path, policy with heads, tokenizer, capacity): what
-    the rollout tools start from."""
+    the rollout tools start from. ``params_dtype`` loads the checkpoint in another dtype."""
     import transformers
 
     from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
     path = resolve_checkpoint(checkpoint)
-    policy = load_policy(path, ctx, with_heads=with_heads)
+    policy = load_policy(path, ctx, params_dtype, with_heads=with_heads)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     return path, policy, tokenizer, ensure_capacity(policy, c_hw, read_checkpoint_config(path).get("policy_fingerprint"))
 
@@ -50,7 +55,8 @@ def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_finge
     from specroll_mcore.tree.budget import capacity_from_latency, hardware_name, load_profile, profile_key
 
     ctx = policy.ctx
-    record = load_profile(profile_key(policy_fingerprint or "unknown", hardware_name(), ctx.tp_size, ctx.pp_size))
+    record = load_profile(profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size,
+                                      ctx.pp_size))
     if record is None and not configured:
         record = measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=3, tolerance=tolerance, quick=True)
     latency = LatencyCurve.from_profile(record) if record is not None else None
@@ -84,10 +90,11 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
         curve[name] = ctx.all_reduce_max(torch.tensor(curve[name], dtype=torch.float64)).tolist()
     c_hw = capacity_from_latency(list(sizes), curve["tree_row_s"], tolerance)
     record = {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {tolerance} x latency(1)",
-              "hardware": hardware_name(), "tp": ctx.tp_size, "pp": ctx.pp_size, "policy_fingerprint": fp,
+              "hardware": hardware_name(), "dtype": dtype_name(policy), "tp": ctx.tp_size, "pp": ctx.pp_size,
+              "policy_fingerprint": fp,
               "curve": curve, "quick": quick}
     if ctx.rank == 0:
-        save_capacity(profile_key(fp, hardware_name(), ctx.tp_size, ctx.pp_size), record)
+        save_capacity(profile_key(fp, dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size), record)
     return record
 
 

@@ -135,8 +135,10 @@ def tree_size(expected: Sequence[float], rows: int, latency: LatencyCurve) -> in
     return best
 
 
-def profile_key(model_fingerprint: str, hardware: str, tp: int, pp: int) -> str:
-    raw = json.dumps([model_fingerprint, hardware, tp, pp])
+def profile_key(model_fingerprint: str, dtype: str, hardware: str, tp: int, pp: int) -> str:
+    """The cache key of a capacity profile: the weights, the dtype the policy computes in (the same
+    checkpoint loaded in bfloat16 has another latency curve), the hardware and the layout."""
+    raw = json.dumps([model_fingerprint, dtype, hardware, tp, pp])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

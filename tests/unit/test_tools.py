@@ -99,11 +99,13 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     log = (out / "gpu_checks.log").read_text()
-    for stage in ("tests", "profile", "bench_full", "bench_batch1", "bench_batch1_t0", "grpo"):
+    for stage in ("tests", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "grpo"):
         assert f"== {stage} rc=0" in log, log[-3000:]
     full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
     assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
     assert json.loads((out / "bench_specroll_b1.json").read_text())["batch1"]["identical_tokens"]
+    bf16 = json.loads((out / "bench_specroll_full_bf16.json").read_text())
+    assert bf16["dtype"] == "bfloat16" and bf16["full"]["responses"] == 4
     assert (out / "grpo_metrics.jsonl").read_text().count("\n") == 2
 
 

@@ -1,5 +1,6 @@
 """Tree builder, node budget and the acceptance walk, as pure functions."""
 
+import json
 import math
 import random
 
@@ -227,3 +228,28 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     assert profile.ensure_capacity(model, 24, "fp") == (24, cap.latency)  # configured C_hw, the cached curve
     # C_hw comes from the cached curve by the rule in force
     assert profile.ensure_capacity(model, None, "fp", tolerance=0.5).c_hw == 1  # (nothing within 0.5x: the least)
+
+
+def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
+    """The same weights loaded in another dtype (TrainConfig / `specroll generate` params_dtype) have
+    another latency curve: a float32 profile is not taken for a bfloat16 policy."""
+    from conftest import make_policy
+    from specroll_mcore.config import tiny_llama
+    from specroll_mcore.rollout import profile
+
+    monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
+    measured = []
+
+    def fake_latency(policy, sizes, reps, **kw):
+        measured.append(policy.dtype)
+        return {"tokens": list(sizes), "context": 8, "tree_row_s": [1.0 + n / 16 for n in sizes],
+                "decode_rows_s": [1.0 + n / 16 for n in sizes]}
+
+    monkeypatch.setattr(profile, "forward_latency", fake_latency)
+    fp32 = profile.ensure_capacity(make_policy(tiny_llama(), ctx), None, "fp")
+    bf16 = profile.ensure_capacity(make_policy(tiny_llama(params_dtype="bfloat16"), ctx), None, "fp")
+    assert measured == [torch.float32, torch.bfloat16]  # the bfloat16 policy was profiled, not given float32's
+    assert profile.ensure_capacity(make_policy(tiny_llama(params_dtype="bfloat16"), ctx), None, "fp") == bf16
+    assert len(measured) == 2 and fp32.c_hw == bf16.c_hw
+    records = json.loads((tmp_path / "capacity_profiles.json").read_text()).values()
+    assert sorted(r["dtype"] for r in records) == ["bfloat16", "float32"]
