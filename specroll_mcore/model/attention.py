@@ -79,8 +79,8 @@ class AttentionMetadata:
     kv_len: int = 0
     positions: Optional[torch.Tensor] = None
     """[b, s] RoPE positions."""
-    slot_range: Optional[tuple[int, int]] = None
-    """(first, end) when ``slots`` is a contiguous range (the cache is then read without a copy)."""
+    rows: Optional[tuple[int, int]] = None
+    """(first, end): the cache rows holding ``slots``, in order (KVCache.rows; read as a view)."""
 
     @classmethod
     def build(cls, positions: torch.Tensor, new_token_mask: torch.Tensor, head_dim: int, theta: float,
@@ -100,10 +100,8 @@ class AttentionMetadata:
         cols = torch.arange(kv_len, device=positions.device)
         mask = (cols[None, :] < committed[:, None])[:, None, :].expand(b, s, kv_len).clone()
         mask.scatter_(2, write_index[:, None, :].expand(b, s, s), new_token_mask)
-        first = int(slots[0])
-        contiguous = bool(torch.equal(slots, torch.arange(first, first + b, device=slots.device)))
         return cls(cos=cos, sin=sin, mask=mask[:, None], cache=cache, slots=slots, write_index=write_index,
-                   kv_len=kv_len, positions=positions, slot_range=(first, first + b) if contiguous else None)
+                   kv_len=kv_len, positions=positions, rows=cache.rows(slots))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,7 +150,7 @@ class SpecRollSelfAttention(SelfAttention):
         query = apply_rope(query, meta.cos, meta.sin)
         key = apply_rope(key, meta.cos, meta.sin)
         if meta.cache is not None:
-            key, value = meta.cache.write_and_read(self.layer_number, meta.slots, meta.write_index,
-                                                   meta.kv_len, key, value, meta.slot_range)
+            key, value = meta.cache.write_and_read(self.layer_number, meta.rows, meta.write_index, meta.kv_len,
+                                                   key, value)
         context = self.core_attention(query, key, value, meta.mask)
         return self.linear_proj(context)

@@ -6,6 +6,15 @@ keys/values of its new tokens just past each slot's committed length (a scratch 
 then keeps a chosen subset of them (all of them for prefill and decode, the accepted path for tree
 verification), compacted to contiguous positions, and advances the committed length. What is not
 committed is overwritten by the next forward.
+
+A slot's keys and values live in one row of the buffers, not necessarily its own. A forward's slots
+occupy a contiguous range of rows in its order, so attention reads the cache as a view; otherwise,
+once some responses have finished, every layer of every forward would gather the unfinished rows'
+whole context into a copy (a pipeline stage's response groups, interleaved by slot, from the first
+step). When a group of responses changes, the engine asks :meth:`KVCache.pack` for the order to run
+it in: only the rows that must move do (unfinished responses beyond the range swap with finished ones
+inside it), and the forward takes the rows in the order they lie. :meth:`KVCache.rows` arranges any
+other request (in its own order) before the forward reads it.
 """
 
 from __future__ import annotations
@@ -25,6 +34,10 @@ class KVCache:
         self.dtype = dtype
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
         """Committed tokens per slot."""
+        self.row_of = torch.arange(num_slots, device=device)
+        """The buffers' row holding each slot."""
+        self._slot_at = torch.arange(num_slots, device=device)  # the inverse: the slot each row holds
+        self._extent = 0  # positions any forward has written: what a moved row carries
         self._k: dict[int, torch.Tensor] = {}  # layer_number -> [slots, capacity, groups, head_dim]
         self._v: dict[int, torch.Tensor] = {}
 
@@ -35,23 +48,71 @@ class KVCache:
             self._v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self._k[layer], self._v[layer]
 
-    def write_and_read(self, layer: int, slots: torch.Tensor, write_index: torch.Tensor, kv_len: int,
-                       key: torch.Tensor, value: torch.Tensor,
-                       slot_range: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def pack(self, slots: torch.Tensor) -> torch.Tensor:
+        """Make the rows holding ``slots`` [b] a contiguous range with as few moves as possible: the
+        slots beyond it swap rows with whatever holds its gaps (finished responses). Returns the
+        order ``perm`` they lie in (``slots[perm]`` in rows first, first + 1, ...): a forward of
+        ``slots[perm]`` reads the cache as it is. Engines call this when a group's responses change."""
+        if len(slots) == 0:
+            return torch.zeros(0, dtype=torch.long, device=slots.device)
+        rows = self.row_of[slots]
+        first = int(rows.min())
+        beyond = rows >= first + len(slots)
+        if bool(beyond.any()):
+            held = torch.zeros(len(slots), dtype=torch.bool, device=rows.device)
+            held[rows[~beyond] - first] = True
+            self._place(slots[beyond], first + (~held).nonzero().squeeze(1))
+            rows = self.row_of[slots]
+        return torch.argsort(rows)
+
+    def rows(self, slots: torch.Tensor) -> tuple[int, int]:
+        """The rows (first, end) holding ``slots`` [b], row ``first + i`` holding ``slots[i]``: as they
+        are after :meth:`pack` (nothing moves), else made so, from the lowest of their rows on."""
+        if len(slots) == 0:
+            return 0, 0
+        rows = self.row_of[slots]
+        first = int(rows.min())
+        target = torch.arange(first, first + len(slots), device=rows.device)
+        if not torch.equal(rows, target):
+            self._place(slots, target)
+        return first, first + len(slots)
+
+    def _place(self, slots: torch.Tensor, target: torch.Tensor) -> None:
+        """Move ``slots`` to rows ``target``; the other slots found there take the rows they leave."""
+        rows = self.row_of[slots]
+        asked = torch.zeros(self.num_slots, dtype=torch.bool, device=rows.device)
+        asked[slots] = True
+        taken = torch.zeros(self.num_slots, dtype=torch.bool, device=rows.device)
+        taken[target] = True
+        occupants = self._slot_at[target]
+        displaced = occupants[~asked[occupants]]
+        freed = rows[~taken[rows]]
+        src = torch.cat([rows, self.row_of[displaced]])
+        dst = torch.cat([target, freed])
+        n = self._extent
+        for buf in (*self._k.values(), *self._v.values()):
+            buf[dst, :n] = buf[src, :n]  # gathered first, then written: overlapping moves are safe
+        self.row_of[slots] = target
+        self.row_of[displaced] = freed
+        self._slot_at[target] = slots
+        self._slot_at[freed] = displaced
+
+    def write_and_read(self, layer: int, rows: tuple[int, int], write_index: torch.Tensor, kv_len: int,
+                       key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' key/value and return each row's cache prefix, new tokens included.
 
-        key, value: [s, b, g, d] (megatron layout); write_index: [b, s] cache positions;
-        slot_range: (first, end) when ``slots`` is that contiguous range, read as a view (no copy).
-        Returns keys, values: [kv_len, b, g, d].
+        rows: (first, end) from :meth:`rows`; key, value: [s, b, g, d] (megatron layout);
+        write_index: [b, s] cache positions. Returns keys, values: [kv_len, b, g, d], views of the
+        cache.
         """
         k_buf, v_buf = self._buffers(layer, key.shape[2], key.shape[3])
-        rows = slots[:, None].expand_as(write_index)
-        k_buf[rows, write_index] = key.transpose(0, 1).to(self.dtype)
-        v_buf[rows, write_index] = value.transpose(0, 1).to(self.dtype)
-        if slot_range is not None:
-            first, end = slot_range
-            return k_buf[first:end, :kv_len].transpose(0, 1), v_buf[first:end, :kv_len].transpose(0, 1)
-        return k_buf[slots, :kv_len].transpose(0, 1), v_buf[slots, :kv_len].transpose(0, 1)
+        first, end = rows
+        k_rows, v_rows = k_buf[first:end], v_buf[first:end]
+        index = torch.arange(end - first, device=write_index.device)[:, None].expand_as(write_index)
+        k_rows[index, write_index] = key.transpose(0, 1).to(self.dtype)
+        v_rows[index, write_index] = value.transpose(0, 1).to(self.dtype)
+        self._extent = max(self._extent, kv_len)
+        return k_rows[:, :kv_len].transpose(0, 1), v_rows[:, :kv_len].transpose(0, 1)
 
     def commit(self, slots: torch.Tensor, num_new: torch.Tensor,
                keep_index: Optional[torch.Tensor] = None) -> None:
@@ -65,7 +126,7 @@ class KVCache:
             base = self.lengths[slots][:, None]
             src = base + keep_index
             dst = base + torch.arange(keep_index.shape[1], device=self.device)[None, :]
-            rows = slots[:, None].expand_as(src)
+            rows = self.row_of[slots][:, None].expand_as(src)
             for buf in (*self._k.values(), *self._v.values()):
                 buf[rows, dst] = buf[rows, src]  # gather first, then scatter: safe when ranges overlap
         self.lengths[slots] += num_new.to(self.lengths.device)
@@ -76,7 +137,7 @@ class KVCache:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Duplicate whole slots (shared prompt prefill: one prompt, G samples)."""
         for buf in (*self._k.values(), *self._v.values()):
-            buf[dst] = buf[src]
+            buf[self.row_of[dst]] = buf[self.row_of[src]]
         self.lengths[dst] = self.lengths[src]
 
     def reset(self) -> None:

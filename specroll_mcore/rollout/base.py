@@ -159,6 +159,13 @@ def num_groups(requested: Optional[int], pp_size: int) -> int:
     return requested
 
 
+def in_cache_order(cache: Any, slots: torch.Tensor, *aligned: Optional[torch.Tensor]) -> tuple:
+    """``slots`` and the per-row tensors aligned with them (None passes through), in the order the
+    KV cache lays them out after :meth:`KVCache.pack`: what a group runs its next forwards in."""
+    perm = cache.pack(slots)
+    return (slots[perm], *(t[perm] if t is not None else None for t in aligned))
+
+
 def split_groups(slots: torch.Tensor, k: int) -> list[torch.Tensor]:
     """Slots -> k groups, slot s to group s % k: a prompt's G samples spread over the groups, so
     groups of similar lengths finish together."""

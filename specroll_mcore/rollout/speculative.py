@@ -37,7 +37,7 @@ from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vo
                                   vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         num_groups, run_groups, split_groups, validate_prompts)
+                                         in_cache_order, num_groups, run_groups, split_groups, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, LatencyCurve, TreeBatch, expansion, expected_tokens,
@@ -423,6 +423,7 @@ class _Rollout:
         k = self.engine.groups
         groups = []
         for slots in split_groups(state.slots[keep], k):
+            (slots,) = in_cache_order(state.cache, slots)
             groups.append(_VerifyGroup(slots, roots[slots], hidden[slots] if hidden is not None else None))
             if slots.numel() > 0:
                 self.prepare(groups[-1])
@@ -538,8 +539,8 @@ class _Rollout:
                               "tokens": recorded, "seconds": g.seconds + t6 - t3})
         self.steps += 1
         g.steps += 1
-        g.slots, g.roots = slots[keep_t], last[keep_t]
-        g.hidden = next_hidden[keep_t] if next_hidden is not None else None
+        g.slots, g.roots, g.hidden = in_cache_order(state.cache, slots[keep_t], last[keep_t],
+                                                    next_hidden[keep_t] if next_hidden is not None else None)
         g.logits = g.hidden_all = None
         if g.slots.numel() > 0:
             self.prepare(g)

@@ -18,7 +18,8 @@ from specroll_mcore.config import SamplingConfig
 from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         num_groups, run_groups, sample_rows, split_groups, validate_prompts)
+                                         in_cache_order, num_groups, run_groups, sample_rows, split_groups,
+                                         validate_prompts)
 from specroll_mcore.sampling import top_distribution, upcast
 
 
@@ -90,7 +91,7 @@ class VanillaEngine:
 
         # 2. Decode in groups: feed each unfinished response's last token at its committed length.
         active, tokens = record(state.slots, tokens, logp, hidden, logits)
-        groups = [_DecodeGroup(slots, tokens[active % self.groups == i])
+        groups = [_DecodeGroup(*in_cache_order(state.cache, slots, tokens[active % self.groups == i]))
                   for i, slots in enumerate(split_groups(active, self.groups))]
 
         def forward(i: int) -> None:
@@ -111,7 +112,7 @@ class VanillaEngine:
             tokens, logp = sample_rows(model, logits, state.keys(g.slots, positions), sampling)
             per_step.append({"active": g.slots.numel(), "tokens": g.slots.numel(),
                              "seconds": g.seconds + time.perf_counter() - t})
-            g.slots, g.last = record(g.slots, tokens, logp, hidden, logits)
+            g.slots, g.last = in_cache_order(state.cache, *record(g.slots, tokens, logp, hidden, logits))
             g.out, forwards = None, forwards + 1
 
         run_groups(lambda i: groups[i].slots.numel() > 0, self.groups, model.ctx, forward, advance)

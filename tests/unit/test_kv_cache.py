@@ -5,6 +5,7 @@ import torch
 from conftest import make_policy
 from specroll_mcore.config import tiny_llama, tiny_qwen2
 from specroll_mcore.model import causal_mask
+from specroll_mcore.model.kv_cache import KVCache
 
 
 def full_recompute_logits(model, seq: list[int]) -> torch.Tensor:
@@ -62,3 +63,92 @@ def test_shared_prefix_copy(ctx):
     assert cache.lengths.tolist() == [3, 3, 3, 3]  # the decoded token is not committed
     ref = full_recompute_logits(model, [5, 6, 7, 9])[-1]
     assert (out - ref).abs().max() < 1e-5
+
+
+def _write(cache, slots, values, extra=0):
+    """Write ``values`` [b, s] (one number per token, broadcast over a 1 x 2 head) for ``slots`` just
+    past their committed lengths, as a forward's first layer would; returns the rows used."""
+    slots = torch.tensor(slots)
+    b, s = values.shape
+    rows = cache.rows(slots)
+    write_index = cache.lengths[slots][:, None] + torch.arange(s)[None]
+    kv = values.t()[:, :, None, None].expand(s, b, 1, 2).float()
+    k, v = cache.write_and_read(1, rows, write_index, int(write_index.max()) + 1 + extra, kv, -kv)
+    return rows, k, v
+
+
+def _context(cache, slot):
+    """What ``slot`` holds: its committed keys (first channel), through the row it lives in now."""
+    row = int(cache.row_of[slot])
+    return cache._k[1][row, :int(cache.lengths[slot]), 0, 0].tolist()
+
+
+def test_rows_move_so_that_every_forward_reads_a_view():
+    """Slots of a forward are packed into a contiguous range of rows (views, not gathered copies);
+    every slot keeps its own context, commits and prefix copies follow the moved rows."""
+    cache = KVCache(num_slots=6, capacity=16, device=torch.device("cpu"), dtype=torch.float32)
+    _write(cache, range(6), torch.tensor([[10.0 * i + t for t in range(3)] for i in range(6)]))
+    cache.commit(torch.arange(6), torch.full((6,), 3))
+    expected = {i: [10.0 * i + t for t in range(3)] for i in range(6)}
+    for asked in ([1, 3, 5], [0, 2], [5, 1], [4], [2, 4, 0, 5], [3]):
+        rows, k, _ = _write(cache, asked, torch.tensor([[100.0 * i] for i in asked]))
+        assert rows[1] - rows[0] == len(asked) and cache.row_of[asked].tolist() == list(range(*rows))
+        assert k._base is not None  # a view of the cache, no copy
+        for j, i in enumerate(asked):  # the keys read back are each slot's own context + its new token
+            assert k[:len(expected[i]) + 1, j, 0, 0].tolist() == expected[i] + [100.0 * i]
+        cache.commit(torch.tensor(asked), torch.ones(len(asked), dtype=torch.long))
+        for i in asked:
+            expected[i].append(100.0 * i)
+        assert all(_context(cache, i) == expected[i] for i in range(6))
+        assert sorted(cache.row_of.tolist()) == list(range(6))  # still one row per slot
+    cache.copy_slots(torch.tensor([3]), torch.tensor([0]))
+    assert _context(cache, 0) == expected[3] and _context(cache, 3) == expected[3]
+
+
+def test_interleaved_groups_settle_and_shrink_in_place():
+    """A pipeline stage's two response groups (slot s in group s % 2): packed once, after which
+    alternating forwards move nothing, and a group that loses a response moves only within its rows."""
+    cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32)
+    g0, g1 = [0, 2, 4, 6], [1, 3, 5, 7]
+    _write(cache, range(8), torch.arange(8.0)[:, None])
+    cache.commit(torch.arange(8), torch.ones(8, dtype=torch.long))
+    assert _write(cache, g0, torch.zeros(4, 1))[0] == (0, 4)
+    assert _write(cache, g1, torch.zeros(4, 1))[0] == (4, 8)
+    settled = cache.row_of.clone()
+    for _ in range(3):
+        _write(cache, g0, torch.zeros(4, 1))
+        _write(cache, g1, torch.zeros(4, 1))
+    assert torch.equal(cache.row_of, settled)
+    assert _write(cache, [0, 4, 6], torch.zeros(3, 1))[0] == (0, 3)  # response 2 finished
+    assert torch.equal(cache.row_of[g1], settled[g1])  # the other group did not move
+    assert all(_context(cache, i) == [float(i)] for i in range(8))
+
+
+def test_moved_rows_keep_an_uncommitted_forward():
+    """Between a tree forward and its commit another group's forward may move the tree's rows: the
+    scratch positions (the drafted tokens not yet committed) move with them."""
+    cache = KVCache(num_slots=5, capacity=8, device=torch.device("cpu"), dtype=torch.float32)
+    _write(cache, range(5), torch.arange(5.0)[:, None])
+    cache.commit(torch.arange(5), torch.ones(5, dtype=torch.long))
+    assert _write(cache, [2, 3], torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))[0] == (2, 4)  # a tree each
+    assert _write(cache, [1, 4], torch.tensor([[7.0], [8.0]]))[0] == (1, 3)  # slot 2 leaves row 2 for row 4
+    assert cache.row_of[[2, 3]].tolist() == [4, 3]
+    cache.commit(torch.tensor([2, 3]), torch.tensor([2, 1]), keep_index=torch.tensor([[0, 2], [1, 0]]))
+    assert _context(cache, 2) == [2.0, 1.0, 3.0] and _context(cache, 3) == [3.0, 5.0]
+
+
+def test_pack_moves_only_the_rows_beyond_the_range():
+    """A group that lost responses: its unfinished responses past the packed range swap rows with the
+    finished ones inside it; everything else stays; the order returned is the rows' order."""
+    cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32)
+    _write(cache, range(8), torch.arange(8.0)[:, None])
+    cache.commit(torch.arange(8), torch.ones(8, dtype=torch.long))
+    live = torch.tensor([0, 1, 3, 4, 6, 7])  # 2 and 5 finished
+    perm = cache.pack(live)
+    assert cache.row_of.tolist() == [0, 1, 6, 3, 4, 7, 2, 5]  # 6 -> row 2 (2 -> 6), 7 -> row 5 (5 -> 7)
+    assert live[perm].tolist() == [0, 1, 6, 3, 4, 7] and cache.rows(live[perm]) == (0, 6)
+    assert cache.row_of.tolist() == [0, 1, 6, 3, 4, 7, 2, 5]  # a forward in that order moved nothing
+    assert all(_context(cache, i) == [float(i)] for i in range(8))
+    assert cache.pack(torch.tensor([4, 1])).tolist() == [1, 0] and cache.row_of[[1, 4]].tolist() == [1, 2]
+    assert cache.pack(torch.zeros(0, dtype=torch.long)).numel() == 0
+    assert all(_context(cache, i) == [float(i)] for i in range(8))
