@@ -91,8 +91,7 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
     c_hw = capacity_from_latency(list(sizes), curve["tree_row_s"], tolerance)
     record = {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {tolerance} x latency(1)",
               "hardware": hardware_name(), "dtype": dtype_name(policy), "tp": ctx.tp_size, "pp": ctx.pp_size,
-              "policy_fingerprint": fp,
-              "curve": curve, "quick": quick}
+              "policy_fingerprint": fp, "curve": curve, "quick": quick}
     if ctx.rank == 0:
         save_capacity(profile_key(fp, dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size), record)
     return record
