@@ -16,6 +16,7 @@ tokens per second.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -144,18 +145,47 @@ def profile_key(model_fingerprint: str, dtype: str, hardware: str, tp: int, pp: 
 
 def hardware_name() -> str:
     """The device a capacity profile was measured on (part of its cache key), with what changes its
-    latency curve there: on CPU the thread count and whether products run on packed weights
-    (cpu_gemm.py)."""
-    import platform
-
+    latency curve there: on CPU the model, the vector units torch dispatches to and whether it has
+    AMX (bfloat16 products), the core and thread counts and whether products run on packed weights
+    (cpu_gemm.py). Machines sharing a home directory (a cluster's nodes) then do not share profiles
+    across CPU generations."""
     import torch
 
     from specroll_mcore import cpu_gemm
 
     if torch.cuda.is_available():
         return f"cuda:{torch.cuda.get_device_name()}x{torch.cuda.device_count()}"
-    name = f"cpu:{platform.processor() or platform.machine()}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
+    name = f"cpu:{cpu_model()}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
     return name + (":packed" if cpu_gemm.enabled() else "")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """This CPU as "model name:torch's CPU capability[:amx]", e.g. "Intel(R) Xeon(R)
+    Processor:AVX512:amx" (the model name from /proc/cpuinfo where there is one, else the
+    architecture)."""
+    import platform
+
+    import torch
+
+    try:
+        name, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:  # not Linux
+        name, flags = "", set()
+    name = name or platform.processor() or platform.machine()
+    return f"{name}:{torch.backends.cpu.get_cpu_capability()}" + (":amx" if "amx_bf16" in flags else "")
+
+
+def parse_cpuinfo(text: str) -> tuple[str, set[str]]:
+    """/proc/cpuinfo -> (the first processor's model name, its flags)."""
+    name, flags = "", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not name:
+            name = value.strip()
+        elif key.strip() == "flags":
+            return name, set(value.split())
+    return name, flags
 
 
 def profile_path(cache: Optional[Path] = None) -> Path:

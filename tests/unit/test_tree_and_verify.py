@@ -253,3 +253,17 @@ def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
     assert len(measured) == 2 and fp32.c_hw == bf16.c_hw
     records = json.loads((tmp_path / "capacity_profiles.json").read_text()).values()
     assert sorted(r["dtype"] for r in records) == ["bfloat16", "float32"]
+
+
+def test_cpu_hardware_name_tells_cpu_generations_apart():
+    """Capacity profiles of a CPU with AMX (flat bfloat16 latency) and one without, or of AVX2 and
+    AVX-512 machines, get different keys."""
+    from specroll_mcore.tree import budget
+
+    info = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n" \
+           "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n"
+    assert budget.parse_cpuinfo(info) == ("Intel(R) Xeon(R) Platinum 8480+", {"fpu", "avx512f", "amx_bf16", "amx_tile"})
+    assert budget.parse_cpuinfo("model name : X\n") == ("X", set())
+    if not torch.cuda.is_available():
+        name = budget.hardware_name()
+        assert name.startswith("cpu:" + budget.cpu_model()) and torch.backends.cpu.get_cpu_capability() in name
