@@ -221,3 +221,33 @@ def test_example_configs_load_and_fit_their_models(name, config, shape, world):
         assert cfg.parallel.validate(model, world) >= 1
         if name.startswith("qwen2.5_14b"):
             assert cfg.parallel.stage_layers(48) == [26, 22]
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_rollouts_read_the_kv_cache_in_place(policy, groups, monkeypatch):
+    """Responses finish at different steps, groups interleave by slot: every forward of either engine
+    still finds its rows packed in its order (KVCache.pack when a group changes), so the cache never
+    rearranges a request itself, and only the rows beyond a shrinking group move."""
+    from specroll_mcore.model.kv_cache import KVCache
+
+    arranged, moved = [], []
+    rows, place = KVCache.rows, KVCache._place
+
+    def checked_rows(self, slots):
+        before = self.row_of[slots].clone()
+        out = rows(self, slots)
+        arranged.append(not torch.equal(before, torch.arange(*out)))
+        return out
+
+    def counted_place(self, slots, target):
+        moved.append(len(slots))
+        return place(self, slots, target)
+
+    monkeypatch.setattr(KVCache, "rows", checked_rows)
+    monkeypatch.setattr(KVCache, "_place", counted_place)
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=12, num_samples=3, seed=5)
+    out = VanillaEngine(policy, eos_token_ids=[3], pipeline_groups=groups).generate(PROMPTS, sp)
+    assert len({len(t) for t in out.tokens}) > 1 and "eos" in out.finish_reason  # ragged
+    SpeculativeEngine(policy, SpecConfig(c_hw=12), eos_token_ids=[3], pipeline_groups=groups).generate(PROMPTS, sp)
+    assert arranged and not any(arranged)
+    assert max(moved) <= len(out.tokens) // 2  # whole groups never move together
