@@ -36,7 +36,6 @@ class KVCache:
         """Committed tokens per slot."""
         self.row_of = torch.arange(num_slots, device=device)
         """The buffers' row holding each slot."""
-        self._slot_at = torch.arange(num_slots, device=device)  # the inverse: the slot each row holds
         self._extent = 0  # positions any forward has written: what a moved row carries
         self._k: dict[int, torch.Tensor] = {}  # layer_number -> [slots, capacity, groups, head_dim]
         self._v: dict[int, torch.Tensor] = {}
@@ -84,7 +83,9 @@ class KVCache:
         asked[slots] = True
         taken = torch.zeros(self.num_slots, dtype=torch.bool, device=rows.device)
         taken[target] = True
-        occupants = self._slot_at[target]
+        slot_at = torch.empty_like(self.row_of)  # the inverse of row_of: the slot each row holds
+        slot_at[self.row_of] = torch.arange(self.num_slots, device=rows.device)
+        occupants = slot_at[target]
         displaced = occupants[~asked[occupants]]
         freed = rows[~taken[rows]]
         src = torch.cat([rows, self.row_of[displaced]])
@@ -94,8 +95,6 @@ class KVCache:
             buf[dst, :n] = buf[src, :n]  # gathered first, then written: overlapping moves are safe
         self.row_of[slots] = target
         self.row_of[displaced] = freed
-        self._slot_at[target] = slots
-        self._slot_at[freed] = displaced
 
     def write_and_read(self, layer: int, rows: tuple[int, int], write_index: torch.Tensor, kv_len: int,
                        key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -242,6 +242,10 @@ class RolloutState:
         hidden = last_hidden[self.prompt_of] if last_hidden is not None else None
         return tokens, logp, hidden, logits
 
+    def positions(self, slots: torch.Tensor) -> torch.Tensor:
+        """[b] each response's length so far: the response index of the token sampled next."""
+        return torch.tensor([len(self.responses[s]) for s in slots.tolist()], device=slots.device)
+
     def keys(self, slots: torch.Tensor, positions: torch.Tensor) -> SampleKeys:
         return SampleKeys(self.sampling.seed, self.step, self.key_prompt[slots], self.key_sample[slots], positions)
 

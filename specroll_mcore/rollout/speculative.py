@@ -435,7 +435,7 @@ class _Rollout:
         engine, spec, state, device = self.engine, self.spec, self.state, self.device
         t0 = self.clock()
         b = g.slots.numel()
-        g.position = torch.tensor([len(state.responses[s]) for s in g.slots.tolist()], device=device)
+        g.position = state.positions(g.slots)
         g.nodes = n = node_budget(b, engine.c_hw, spec.n_min, spec.n_max)
         probe = spec.probe_every > 0 and g.steps % spec.probe_every == spec.probe_every - 1
         g.proposal = g.pool_index = g.believed = None

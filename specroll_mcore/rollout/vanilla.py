@@ -108,8 +108,7 @@ class VanillaEngine:
             g, t = groups[i], time.perf_counter()
             out, hidden = (g.out[0], g.out[1][0]) if collect else (g.out, None)
             logits = model.full_logits(out[:, 0]) if out is not None else None
-            positions = torch.tensor([len(state.responses[s]) for s in g.slots.tolist()], device=device)
-            tokens, logp = sample_rows(model, logits, state.keys(g.slots, positions), sampling)
+            tokens, logp = sample_rows(model, logits, state.keys(g.slots, state.positions(g.slots)), sampling)
             per_step.append({"active": g.slots.numel(), "tokens": g.slots.numel(),
                              "seconds": g.seconds + time.perf_counter() - t})
             g.slots, g.last = in_cache_order(state.cache, *record(g.slots, tokens, logp, hidden, logits))
