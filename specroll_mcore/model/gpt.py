@@ -187,16 +187,14 @@ class PolicyModel(torch.nn.Module):
         """The policy's output layer (vocab-parallel): [..., h] -> [..., V/tp].
 
         With gradients, or on GPU, this is megatron's ``output_layer(x, weight=shared)``. In CPU
-        inference it is :func:`specroll_mcore.cpu_gemm.vocab_product`: on packed weights from
-        ``cpu_gemm.VOCAB_MIN_ROWS`` rows on, else as ``W @ x^T``."""
+        inference it is :func:`specroll_mcore.cpu_gemm.vocab_product`: on packed weights where they
+        apply, else as ``W @ x^T``."""
         gpt = self.gpt
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         if not cpu_gemm.cpu_inference(x):
             logits, _ = gpt.output_layer(x, weight=weight)
             return logits
-        w = self.output_weight()  # [V/tp, h]
-        packed = self._packed_vocab.get(w) if cpu_gemm.applies(x, cpu_gemm.VOCAB_MIN_ROWS) else None
-        return cpu_gemm.vocab_product(x, w, packed)
+        return cpu_gemm.vocab_product(x, self.output_weight(), self._packed_vocab)  # weight [V/tp, h]
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 logits_index: Optional[torch.Tensor] = None, return_hidden: bool = False):

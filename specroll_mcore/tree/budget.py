@@ -146,8 +146,8 @@ def profile_key(model_fingerprint: str, dtype: str, hardware: str, tp: int, pp: 
 def hardware_name() -> str:
     """The device a capacity profile was measured on (part of its cache key), with what changes its
     latency curve there: on CPU the model, the vector units torch dispatches to and whether it has
-    AMX (bfloat16 products), the core and thread counts and whether products run on packed weights
-    (cpu_gemm.py). Machines sharing a home directory (a cluster's nodes) then do not share profiles
+    AMX (bfloat16 products), the core and thread counts and which packed weights products run on
+    (cpu_gemm.py: oneDNN's layout, panels). Machines sharing a home directory (a cluster's nodes) then do not share profiles
     across CPU generations."""
     import torch
 
@@ -156,7 +156,7 @@ def hardware_name() -> str:
     if torch.cuda.is_available():
         return f"cuda:{torch.cuda.get_device_name()}x{torch.cuda.device_count()}"
     name = f"cpu:{cpu_model()}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
-    return name + (":packed" if cpu_gemm.enabled() else "")
+    return name + (":packed" if cpu_gemm.enabled() else "") + (":panels" if cpu_gemm.panel_kernels() else "")
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,5 +1,7 @@
-"""CPU inference products on packed weights equal the BLAS ones (float32 rounding), follow every
-weight update, and are taken only where they apply: float32 inference of enough rows."""
+"""CPU inference products on packed weights (panels, oneDNN's layout) equal the BLAS ones (float32
+rounding), follow every weight update, and are taken only where they apply: float32 inference."""
+
+import warnings
 
 import pytest
 import torch
@@ -10,24 +12,91 @@ from specroll_mcore import cpu_gemm
 from specroll_mcore.config import tiny_llama, tiny_qwen2
 from specroll_mcore.model import causal_mask
 
+needs_panels = pytest.mark.skipif(cpu_gemm.panel_kernels() is None,
+                                  reason="panel kernels need AVX-512 and a C++ toolchain")
 
-def test_packed_linear_equals_blas_and_follows_weight_updates():
+
+@pytest.mark.parametrize("panels", [True, False], ids=["panels", "onednn"])
+@pytest.mark.parametrize("rows", [1, 3, 5, 13, 64, 65])
+def test_packed_products_equal_blas_and_follow_weight_updates(monkeypatch, panels, rows):
+    if panels and cpu_gemm.panel_kernels() is None:
+        pytest.skip("panel kernels need AVX-512 and a C++ toolchain")
+    if not panels:
+        monkeypatch.setenv("SPECROLL_PANEL_GEMM", "0")
     torch.manual_seed(0)
-    w, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(2, 5, 64)
-    cache = cpu_gemm.PackedWeight()
+    w, bias, x = torch.randn(100, 72), torch.randn(100), torch.randn(rows, 1, 72)
+    packed = cpu_gemm.PackedWeight()
+    packable = panels or rows >= cpu_gemm.LAYER_MIN_ROWS
     with torch.inference_mode():
-        assert cpu_gemm.applies(x, 4)
-        torch.testing.assert_close(cpu_gemm.packed_linear(x, cache.get(w), bias), F.linear(x, w, bias))
+        got = packed.product(x, w, cpu_gemm.LAYER_MIN_ROWS, bias)
+        assert (got is not None) == packable
+        if not packable:
+            return
+        torch.testing.assert_close(got, F.linear(x, w, bias))
     with torch.no_grad():
         w.mul_(2.0)  # an optimizer step or a checkpoint load: in place
-        torch.testing.assert_close(cpu_gemm.packed_linear(x, cache.get(w)), F.linear(x, w))
-    w = torch.randn(96, 64)  # a new tensor
     with torch.inference_mode():
-        torch.testing.assert_close(cpu_gemm.packed_linear(x, cache.get(w)), F.linear(x, w))
-        assert cache.get(torch.randn(96, 64)) is None  # an inference tensor: no version counter
-        assert not cpu_gemm.applies(x[:, :1], 4)  # 2 rows
-        assert not cpu_gemm.applies(x.double(), 4)
-    assert not cpu_gemm.applies(x, 4)  # gradients enabled
+        torch.testing.assert_close(packed.product(x, w, cpu_gemm.LAYER_MIN_ROWS), F.linear(x, w))
+    w = torch.randn(100, 72)  # a new tensor
+    with torch.inference_mode():
+        torch.testing.assert_close(packed.product(x, w, cpu_gemm.LAYER_MIN_ROWS), F.linear(x, w))
+        made_here = torch.randn(100, 72)  # an inference tensor: no version counter
+        assert packed.product(x, made_here, cpu_gemm.LAYER_MIN_ROWS) is None
+        frozen = cpu_gemm.PackedWeight(frozen=True)
+        torch.testing.assert_close(frozen.product(x, made_here, cpu_gemm.LAYER_MIN_ROWS), F.linear(x, made_here))
+        assert packed.product(x.double(), w.double(), cpu_gemm.LAYER_MIN_ROWS) is None
+        assert packed.product(x, w[:0], cpu_gemm.LAYER_MIN_ROWS) is None  # a TP rank with no rows of it
+    assert packed.product(x, w, cpu_gemm.LAYER_MIN_ROWS) is None  # gradients enabled
+    monkeypatch.setenv("SPECROLL_PACKED_GEMM", "0")
+    with torch.inference_mode():
+        assert packed.product(x, w, cpu_gemm.LAYER_MIN_ROWS) is None
+
+
+@needs_panels
+def test_panel_rows_do_not_depend_on_the_other_rows():
+    """Each row of a panel product is bit for bit the same alone or with up to 40 others (odd sizes:
+    outputs not a multiple of 16, inputs not a multiple of 16, rows with a stride), and close to BLAS."""
+    kernels = cpu_gemm.panel_kernels()
+    torch.manual_seed(0)
+    w, big = torch.randn(37, 50), torch.randn(40, 80)
+    panels = kernels.pack_panels(w)
+    x = big[:, 10:60]  # rows with a stride of 80
+    with torch.inference_mode():
+        alone = torch.cat([kernels.panel_linear(x[i:i + 1], panels, 37) for i in range(40)])
+        for n in range(1, 41):
+            assert torch.equal(kernels.panel_linear(x[:n], panels, 37), alone[:n]), n
+        torch.testing.assert_close(alone, F.linear(x, w))
+        assert kernels.panel_linear(x[:0], panels, 37).shape == (0, 37)
+        with pytest.raises(RuntimeError, match="pack the weight with pack_panels"):
+            kernels.panel_linear(x, panels, 64)
+        with pytest.raises(RuntimeError, match="float32"):
+            kernels.pack_panels(w.double())
+
+
+def test_a_failed_panel_build_warns_and_falls_back(monkeypatch):
+    """No compiler (or any failed build): a warning that says what to do, and products on oneDNN's
+    layout and BLAS, equal to the panels' up to rounding."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    cpu_gemm._build_panel_kernels.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"could not be built \(RuntimeError: .*c\+\+.*SPECROLL_PANEL_GEMM=0"):
+            assert cpu_gemm.panel_kernels() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu_gemm.panel_kernels() is None  # once per process
+        torch.manual_seed(0)
+        w, x = torch.randn(100, 72), torch.randn(8, 72)
+        with torch.inference_mode():
+            torch.testing.assert_close(cpu_gemm.PackedWeight().product(x, w, 4), F.linear(x, w))
+            assert cpu_gemm.PackedWeight().product(x[:1], w, 4) is None
+    finally:
+        cpu_gemm._build_panel_kernels.cache_clear()
 
 
 def forward_logits(model, ids):
@@ -38,24 +107,38 @@ def forward_logits(model, ids):
 
 @pytest.mark.parametrize("cfg", [tiny_llama(), tiny_qwen2()], ids=["llama", "qwen2_qkv_bias"])
 def test_policy_forward_on_packed_weights_equals_blas(ctx, monkeypatch, cfg):
-    """The whole policy, with packed products in every layer and in the vocab projection, against
-    the same forward with them switched off (SPECROLL_PACKED_GEMM=0); one-token decode keeps BLAS
-    and equals megatron's products (taken with gradients enabled)."""
+    """The whole policy, with packed products in every layer and in the vocab projection (panels,
+    then oneDNN's layout with SPECROLL_PANEL_GEMM=0), against the same forward with them switched
+    off (SPECROLL_PACKED_GEMM=0); without panels one-token decode keeps BLAS and equals megatron's
+    products (taken with gradients enabled)."""
     model = make_policy(cfg, ctx)
     calls = []
-    real = cpu_gemm.packed_linear
-    monkeypatch.setattr(cpu_gemm, "packed_linear", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    for name in ("packed_linear", "panel_linear"):
+        real = getattr(cpu_gemm, name)
+        monkeypatch.setattr(cpu_gemm, name, lambda x, *a, _real=real, _name=name, **k: calls.append(_name) or
+                            _real(x, *a, **k))
     ids = torch.randint(0, cfg.vocab_size, (2, 6))
+    products = 4 * cfg.num_layers + 1  # qkv, proj, fc1, fc2 per layer; the vocab projection
     with torch.inference_mode():
-        packed = forward_logits(model, ids)
-        assert len(calls) == 4 * cfg.num_layers + 1  # qkv, proj, fc1, fc2 per layer; the vocab projection
+        results = {}
+        if cpu_gemm.panel_kernels() is not None:
+            results["panels"] = forward_logits(model, ids)
+            assert calls == ["panel_linear"] * products
+            calls.clear()
+            forward_logits(model, ids[:1, :1])
+            assert calls == ["panel_linear"] * products
+            calls.clear()
+        monkeypatch.setenv("SPECROLL_PANEL_GEMM", "0")
+        results["onednn"] = forward_logits(model, ids)
+        assert calls == ["packed_linear"] * products
         calls.clear()
         one_row = forward_logits(model, ids[:1, :1])
         assert not calls  # one row: BLAS (F.linear)
         monkeypatch.setenv("SPECROLL_PACKED_GEMM", "0")
         blas = forward_logits(model, ids)
         assert not calls
-    torch.testing.assert_close(packed, blas, rtol=1e-5, atol=1e-5)
+    for got in results.values():
+        torch.testing.assert_close(got, blas, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(one_row, forward_logits(model, ids[:1, :1]).detach())  # megatron's own products
 
 
@@ -95,7 +178,7 @@ def test_frozen_input_products_give_megatron_weight_gradients(ctx):
 
 
 def test_draft_vocab_projection_on_packed_rows():
-    """The draft vocabulary's rows are packed once, when it is built (every rollout)."""
+    """The draft vocabulary's rows (built under inference mode, every rollout) are packed on first use."""
     from specroll_mcore.heads import DraftVocab
 
     torch.manual_seed(0)
@@ -103,10 +186,13 @@ def test_draft_vocab_projection_on_packed_rows():
     counts = torch.randint(0, 50, (300,))
     with torch.inference_mode():
         dv = DraftVocab.build(counts, 100, weight, 0)
-        assert dv.packed is not None
         torch.testing.assert_close(dv.project(z), z @ dv.rows.t())
-        assert DraftVocab.build(counts, 100, weight.double(), 0).packed is None
-        assert DraftVocab.build(counts, 100, weight[:0], 300).packed is None  # a TP rank that owns none of the ids
+        assert dv.packed._copies  # packed
+        dv64 = DraftVocab.build(counts, 100, weight.double(), 0)
+        torch.testing.assert_close(dv64.project(z.double()), z.double() @ dv64.rows.t())
+        assert not dv64.packed._copies
+        none = DraftVocab.build(counts, 100, weight[:0], 300)  # a TP rank that owns none of the ids
+        assert none.project(z).shape == (3, 1, 0) and not none.packed._copies
 
 
 @pytest.mark.parametrize("skip_bias_add", [False, True])
