@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -97,46 +97,63 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
     return record
 
 
+def tree_forward(policy: PolicyModel, n: int, context: int = 128) -> Callable[[], None]:
+    """A verification forward to time: one row appending an ``n``-node tree (a causal chain, the
+    densest mask) to a ``context``-token committed prefix, logits gathered. Each call reruns it (the
+    tree is written to scratch positions and never committed). Call under inference mode."""
+    device = policy.ctx.device
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    cache = policy.new_cache(num_slots=1, capacity=context + n)
+    prefill(policy, cache, [list(range(5, 5 + context))], 4096)
+    mask = causal_mask(1, n, device)
+
+    def run() -> None:
+        meta = policy.metadata(cache.lengths[one][:, None] + torch.arange(n, device=device)[None], mask, cache, one)
+        out = policy(torch.full((1, n), 7, device=device), meta)
+        if out is not None:
+            policy.full_logits(out)
+    return run
+
+
+def decode_forward(policy: PolicyModel, n: int, context: int = 128) -> Callable[[], None]:
+    """A decode forward to time: ``n`` rows appending one token each to copies of a ``context``-token
+    prefix. Call under inference mode."""
+    device = policy.ctx.device
+    rows = torch.arange(n, device=device)
+    cache = policy.new_cache(num_slots=n, capacity=context + 1)
+    prefill(policy, cache, [list(range(5, 5 + context))], 4096)
+    cache.copy_slots(torch.zeros(n, dtype=torch.long, device=device), rows)
+    mask = torch.ones(n, 1, 1, dtype=torch.bool, device=device)
+
+    def run() -> None:
+        meta = policy.metadata(cache.lengths[rows][:, None], mask, cache, rows)
+        out = policy(torch.full((n, 1), 7, device=device), meta)
+        if out is not None:
+            policy.full_logits(out)
+    return run
+
+
 @torch.inference_mode()
 def forward_latency(policy: PolicyModel, sizes: Sequence[int], reps: int, context: int = 128,
                     verbose: bool = False) -> dict:
     """Median seconds of one forward holding N new tokens, in two shapes alternated: one row
-    appending an N-node tree (a causal chain, the densest mask) and N rows appending one token each
-    (decode), each on a ``context``-token committed prefix. Run on every rank of the layout. On a
-    GPU each timing waits for the device (kernels run asynchronously)."""
-    device = policy.ctx.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    appending an N-node tree (:func:`tree_forward`) and N rows appending one token each
+    (:func:`decode_forward`), each on a ``context``-token committed prefix. Run on every rank of the
+    layout. On a GPU each timing waits for the device (kernels run asynchronously)."""
+    sync = torch.cuda.synchronize if policy.ctx.device.type == "cuda" else (lambda: None)
     res = {"tokens": list(sizes), "context": context, "tree_row_s": [], "decode_rows_s": []}
-    prompt = [list(range(5, 5 + context))]
-    one = torch.zeros(1, dtype=torch.long, device=device)
     for n in sizes:
-        tree_cache = policy.new_cache(num_slots=1, capacity=context + n)
-        prefill(policy, tree_cache, prompt, 4096)
-        rows = torch.arange(n, device=device)
-        dec_cache = policy.new_cache(num_slots=n, capacity=context + 1)
-        prefill(policy, dec_cache, prompt, 4096)
-        dec_cache.copy_slots(torch.zeros(n, dtype=torch.long, device=device), rows)
-        tree_t, dec_t = [], []
+        runs = {"tree_row_s": tree_forward(policy, n, context), "decode_rows_s": decode_forward(policy, n, context)}
+        times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            meta = policy.metadata(tree_cache.lengths[one][:, None] + torch.arange(n, device=device)[None],
-                                   causal_mask(1, n, device), tree_cache, one)
-            out = policy(torch.full((1, n), 7, device=device), meta)
-            if out is not None:
-                policy.full_logits(out)
-            sync()
-            tree_t.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            meta = policy.metadata(dec_cache.lengths[rows][:, None],
-                                   torch.ones(n, 1, 1, dtype=torch.bool, device=device), dec_cache, rows)
-            out = policy(torch.full((n, 1), 7, device=device), meta)
-            if out is not None:
-                policy.full_logits(out)
-            sync()
-            dec_t.append(time.perf_counter() - t0)
-        res["tree_row_s"].append(statistics.median(tree_t))
-        res["decode_rows_s"].append(statistics.median(dec_t))
+            for name, run in runs.items():
+                sync()
+                t0 = time.perf_counter()
+                run()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+        for name in runs:
+            res[name].append(statistics.median(times[name]))
         if verbose:
             print(f"  forward with {n:4d} tokens: tree row {res['tree_row_s'][-1] * 1e3:8.1f} ms   "
                   f"decode rows {res['decode_rows_s'][-1] * 1e3:8.1f} ms", flush=True)
