@@ -113,8 +113,10 @@ def _build_panel_kernels() -> Optional[Any]:
         return load(f"specroll_panel_gemm_{digest.hexdigest()[:12]}", [str(PANEL_SOURCE)],
                     extra_cflags=list(PANEL_FLAGS), extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: slower products, same results
+        lines = str(err).strip().splitlines() or [""]
+        cause = next((line for line in lines if "error" in line.lower()), lines[-1])  # a build log's first error
         warnings.warn(f"specroll_mcore: the CPU panel kernels ({PANEL_SOURCE.name}) could not be built "
-                      f"({type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}); "
+                      f"({type(err).__name__}: {cause.strip()}); "
                       "products of a few rows take oneDNN's and BLAS's kernels (slower, same results up to "
                       "float32 rounding). Install a C++ compiler and ninja, or set SPECROLL_PANEL_GEMM=0 to "
                       "silence this.", RuntimeWarning, stacklevel=2)
