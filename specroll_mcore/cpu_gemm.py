@@ -77,7 +77,12 @@ PANEL_FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp")
 def enabled() -> bool:
     """On unless ``SPECROLL_PACKED_GEMM=0``, where this torch build has oneDNN and the two ops (torch's
     own, private: those Inductor's CPU weight prepacking uses; checked on torch 2.13)."""
-    return os.environ.get("SPECROLL_PACKED_GEMM", "1") != "0" and _onednn_ops()
+    return _on("SPECROLL_PACKED_GEMM") and _onednn_ops()
+
+
+def _on(switch: str) -> bool:
+    """An environment switch, on unless set to 0 (read at every product: tools and tests flip them)."""
+    return os.environ.get(switch, "1") != "0"
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,9 +95,7 @@ def panel_kernels() -> Optional[Any]:
     """The compiled panel kernels (``pack_panels``, ``panel_linear``); None with
     ``SPECROLL_PANEL_GEMM=0`` or ``SPECROLL_PACKED_GEMM=0``, where torch does not dispatch to AVX-512
     on this CPU, or where they could not be built."""
-    if os.environ.get("SPECROLL_PANEL_GEMM", "1") == "0" or not enabled():
-        return None
-    return _build_panel_kernels()
+    return _build_panel_kernels() if _on("SPECROLL_PANEL_GEMM") and _on("SPECROLL_PACKED_GEMM") else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -144,7 +147,7 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for x [..., in] with ``panels = panel_kernels().pack_panels(weight)``."""
     flat = x.reshape(-1, x.shape[-1])
-    out = panel_kernels().panel_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), panels, out_features)
+    out = _build_panel_kernels().panel_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), panels, out_features)
     if bias is not None:
         out.add_(bias)
     return out.reshape(*x.shape[:-1], out_features)
@@ -167,13 +170,13 @@ class PackedWeight:
         inference: panels up to :data:`PANEL_MAX_ROWS` rows, oneDNN's layout from ``min_rows`` rows
         on); None elsewhere, for the caller's BLAS product."""
         if not (cpu_inference(x) and x.dtype == torch.float32 and weight.dtype == torch.float32
-                and weight.shape[0] > 0 and enabled()) or (weight.is_inference() and not self.frozen):
+                and weight.shape[0] > 0 and _on("SPECROLL_PACKED_GEMM")) or (weight.is_inference() and not self.frozen):
             return None
         rows = x.numel() // x.shape[-1]
-        kernels = panel_kernels() if rows <= PANEL_MAX_ROWS else None
+        kernels = _build_panel_kernels() if rows <= PANEL_MAX_ROWS and _on("SPECROLL_PANEL_GEMM") else None
         if kernels is not None:
             return panel_linear(x, self._copy("panels", weight, kernels.pack_panels), weight.shape[0], bias)
-        if rows >= min_rows:
+        if rows >= min_rows and _onednn_ops():
             return packed_linear(x, self._copy("onednn", weight, pack), bias)
         return None
 
