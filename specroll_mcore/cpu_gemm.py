@@ -13,19 +13,19 @@ separate forwards. Two packed layouts do not, each made once per weight:
   prepacking): from :data:`LAYER_MIN_ROWS` rows (vocabulary projection: :data:`VOCAB_MIN_ROWS`)
   where panels do not apply (more rows, or no panel kernels).
 
-Measured on a 2-core Xeon with AVX-512 and AMX, SmolLM2-135M's 120 layer matrices, float32, ms per
-forward (rows = tokens in the forward; one run, medians of 7):
+Measured by ``tools/bench_cpu_gemm.py`` (docs/results/cpu_gemm_smollm2.json) on a 2-core Xeon
+with AVX-512, SmolLM2-135M's 120 layer matrices, float32, ms per forward (rows = tokens in it):
 
-    rows            1     4     8     12    16    24    32    48    64    128   256
-    BLAS          18.1  31.6  38.0  46.7  43.4  48.6  51.8  61.5  74.8
-    oneDNN packed 25.4  26.7  30.2  36.7  36.7  42.5  49.4  64.5  76.5  107.0 178.4
-    panels        15.7  17.7  21.4  25.3  27.5  32.9  38.9  50.4  61.0   99.9 183.6
+    rows            1     2     4     8     16    32    64    128
+    BLAS          17.1  19.7  30.7  36.9  40.8  48.7  75.4  121.2
+    oneDNN packed 24.6  26.3  25.8  29.3  34.2  44.3  69.8  118.4
+    panels        15.3  16.2  17.0  20.2  25.3  35.4  58.4  115.5
 
-and its 49152 x 576 vocabulary projection at 1 / 2 / 4 / 8 / 16 rows: BLAS as ``W @ x^T`` 3.3
-(``x @ W^T`` with one row runs on a slow kernel), oneDNN packed 4.4 / 4.0 / 5.1 / 6.7, panels 2.6 /
-3.4 / 3.8 / 4.6 / 6.5. This speeds up every engine alike (prefill, batched decoding, trees) and
-changes float32 results only by rounding (~1e-6, as any change of kernel does); float64 and half
-precision keep the BLAS path.
+and its 49152 x 576 vocabulary projection at 1 / 2 / 8 / 16 / 48 rows: BLAS (as ``W @ x^T``: ``x @
+W^T`` with one row runs on a slow kernel) 4.4 / 14.6 / 10.2 / 12.2 / 16.2, oneDNN packed 4.8 / 5.3 /
+5.5 / 6.9 / 11.8, panels 3.6 / 3.9 / 4.9 / 6.4 / 12.6. This speeds up every engine alike
+(prefill, batched decoding, trees) and changes float32 results only by rounding (~1e-6, as any
+change of kernel does); float64 and half precision keep the BLAS path.
 
 The panel kernels compile on first use into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``; ~25 s once per source and torch version, with the C++
@@ -66,8 +66,8 @@ from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_par
 LAYER_MIN_ROWS = 4
 VOCAB_MIN_ROWS = 2
 PANEL_MAX_ROWS = 64
-"""Products of up to this many rows run on panels (measured faster than oneDNN's up to ~128 layer
-rows and ~32 vocabulary rows; one bound for both)."""
+"""Products of up to this many rows run on panels (measured faster than oneDNN's layout up to ~128
+layer rows and ~32 vocabulary rows; one bound for both)."""
 PACK_ROWS_HINT = 8
 """The row count oneDNN lays the packed weights out for (any count works; 8 measured best of 1 / 8)."""
 PANEL_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
