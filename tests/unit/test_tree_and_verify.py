@@ -267,3 +267,18 @@ def test_cpu_hardware_name_tells_cpu_generations_apart():
     if not torch.cuda.is_available():
         name = budget.hardware_name()
         assert name.startswith("cpu:" + budget.cpu_model()) and torch.backends.cpu.get_cpu_capability() in name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU products")
+def test_cpu_hardware_name_tells_product_kernels_apart(monkeypatch):
+    """Panels, oneDNN's layout and BLAS give different latency curves: their profiles get different keys."""
+    from specroll_mcore import cpu_gemm
+    from specroll_mcore.tree import budget
+
+    names = {budget.hardware_name()}
+    monkeypatch.setenv("SPECROLL_PANEL_GEMM", "0")
+    names.add(budget.hardware_name())
+    assert not budget.hardware_name().endswith(":panels")
+    monkeypatch.setenv("SPECROLL_PACKED_GEMM", "0")
+    names.add(budget.hardware_name())
+    assert len(names) == (3 if cpu_gemm._build_panel_kernels() is not None else 2)
