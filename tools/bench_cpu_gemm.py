@@ -38,26 +38,31 @@ from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 FORWARD_SETTINGS = {"blas": {"SPECROLL_PACKED_GEMM": "0"}, "onednn": {"SPECROLL_PANEL_GEMM": "0"}, "panels": {}}
 
 
+SWITCHES = ("SPECROLL_PACKED_GEMM", "SPECROLL_PANEL_GEMM")
+
+
 def medians_ms(runs: dict[str, Callable[[], object]], reps: int,
                settings: dict[str, dict[str, str]] | None = None) -> dict[str, float]:
     """Median ms of each run, alternating them within every repetition (after one warm-up call each),
-    each under its environment ``settings``."""
+    each under its environment ``settings`` (the product switches; others' values are restored)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for rep in range(reps + 1):
-        for name, run in runs.items():
-            env = (settings or {}).get(name, {})
-            saved = {k: os.environ.get(k) for k in ("SPECROLL_PACKED_GEMM", "SPECROLL_PANEL_GEMM")}
-            for k in saved:
-                os.environ.pop(k, None)
-            os.environ.update(env)
-            try:
+    saved = {k: os.environ.get(k) for k in SWITCHES}
+    try:
+        for rep in range(reps + 1):
+            for name, run in runs.items():
+                for k in SWITCHES:
+                    os.environ.pop(k, None)
+                os.environ.update((settings or {}).get(name, {}))
                 t0 = time.perf_counter()
                 run()
                 if rep:
                     times[name].append(time.perf_counter() - t0)
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return {name: round(statistics.median(t) * 1e3, 2) for name, t in times.items()}
 
 

@@ -89,6 +89,19 @@ def test_profile_capacity_smoke(tiny_ckpt, tmp_path):
     assert [r["c_hw"] for r in cached.values()] == [record["c_hw"]]
 
 
+def test_bench_cpu_gemm_smoke_and_nothing_to_compare(tiny_ckpt, tmp_path):
+    out = tmp_path / "g.json"
+    run_tool("bench_cpu_gemm.py", "--checkpoint", tiny_ckpt, "--rows", "1,5", "--reps", 1, "--out", out)
+    report = json.loads(out.read_text())
+    kernels = {"blas", "onednn"} | ({"panels"} if report["panels"] else set())
+    for section in ("layers_ms", "vocab_ms"):
+        assert set(report[section]) == {"1", "5"} and set(report[section]["5"]) == kernels
+    assert set(report["forward_ms"]["1"]) == {"blas", "onednn", "panels"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_cpu_gemm.py"), "--checkpoint", tiny_ckpt],
+                          env=dict(os.environ, SPECROLL_PACKED_GEMM="0"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "nothing to compare" in proc.stderr
+
+
 def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
     """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here) and leaves their results;
     on the tiny checkpoint the transformers baseline is its own export, not SmolLM2."""
