@@ -28,7 +28,7 @@ W^T`` with one row runs on a slow kernel) 4.4 / 14.6 / 10.2 / 12.2 / 16.2, oneDN
 change of kernel does); float64 and half precision keep the BLAS path.
 
 The panel kernels compile on first use into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``; ~25 s once per source and torch version, with the C++
+default ``~/.cache/torch_extensions``; ~25 s once per source, torch version and checkout, with the C++
 compiler and ninja torch's extensions need); where the CPU has no AVX-512 or the build fails (a
 warning says why), products take the other kernels. A packed copy is made on first use and remade
 when the weight changes (a new tensor or an in-place update: its version counter), so an optimizer
@@ -100,8 +100,8 @@ def panel_kernels() -> Optional[Any]:
 
 @functools.lru_cache(maxsize=1)
 def _build_panel_kernels() -> Optional[Any]:
-    """Compile (once per source, flags and torch version; cached by torch across processes) and load
-    ``csrc/panel_gemm.cpp``. A failed build warns, naming the cause, and leaves products to oneDNN
+    """Compile (once per source, flags, torch version and checkout; cached by torch across processes)
+    and load ``csrc/panel_gemm.cpp``. A failed build warns, naming the cause, and leaves products to oneDNN
     and BLAS."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
@@ -112,9 +112,14 @@ def _build_panel_kernels() -> Optional[Any]:
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        digest = hashlib.sha256(PANEL_SOURCE.read_bytes() + " ".join((torch.__version__,) + PANEL_FLAGS).encode())
-        return load(f"specroll_panel_gemm_{digest.hexdigest()[:12]}", [str(PANEL_SOURCE)],
-                    extra_cflags=list(PANEL_FLAGS), extra_ldflags=["-fopenmp"], verbose=False)
+        # one build per source text, flags, torch version and checkout: torch's build file names the
+        # source's path, so two checkouts sharing a name would rebuild over each other's library
+        key = (str(PANEL_SOURCE.resolve()), torch.__version__) + PANEL_FLAGS
+        digest = hashlib.sha256(PANEL_SOURCE.read_bytes() + " ".join(key).encode())
+        name = f"specroll_panel_gemm_{digest.hexdigest()[:12]}"
+        _clear_stale_build_lock(name)
+        return load(name, [str(PANEL_SOURCE)], extra_cflags=list(PANEL_FLAGS), extra_ldflags=["-fopenmp"],
+                    verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: slower products, same results
         lines = str(err).strip().splitlines() or [""]
         cause = next((line for line in lines if "error" in line.lower()), lines[-1])  # a build log's first error
@@ -124,6 +129,33 @@ def _build_panel_kernels() -> Optional[Any]:
                       "float32 rounding). Install a C++ compiler and ninja, or set SPECROLL_PANEL_GEMM=0 to "
                       "silence this.", RuntimeWarning, stacklevel=2)
         return None
+
+
+STALE_BUILD_LOCK_S = 600.0
+"""A build lock this old is a dead build's (a build takes well under a minute)."""
+
+
+def _clear_stale_build_lock(name: str) -> None:
+    """Remove the lock a killed build left in torch's build directory for ``name``. torch waits on
+    that file with no time limit, so after a build was killed (SIGKILL during a job's first minute),
+    every later process would hang at its first CPU product; a lock older than
+    :data:`STALE_BUILD_LOCK_S` is removed, with a warning. A build in progress elsewhere (another
+    rank) holds a fresh lock and is waited for."""
+    import time
+
+    from torch.utils import cpp_extension
+
+    if not hasattr(cpp_extension, "_get_build_directory"):  # (private; present in torch 2.6-2.13)
+        return
+    lock = Path(cpp_extension._get_build_directory(name, False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        warnings.warn(f"specroll_mcore: removing a build lock left {age / 60:.0f} minutes ago by a build that did "
+                      f"not finish ({lock})", RuntimeWarning, stacklevel=3)
+        lock.unlink(missing_ok=True)
 
 
 def cpu_inference(x: torch.Tensor) -> bool:

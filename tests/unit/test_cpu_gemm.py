@@ -99,6 +99,45 @@ def test_a_failed_panel_build_warns_and_falls_back(monkeypatch):
         cpu_gemm._build_panel_kernels.cache_clear()
 
 
+def test_a_killed_build_does_not_hang_later_processes(monkeypatch, tmp_path):
+    """torch waits on a build lock with no time limit: a lock left by a killed build is removed (with
+    a warning) before building; a fresh one (a build in progress in another process) is waited for."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    seen = []
+
+    def fake_load(name, *args, **kwargs):
+        lock = os.path.join(cpp_extension._get_build_directory(name, False), "lock")
+        seen.append((name, os.path.exists(lock)))
+        return "kernels"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    cpu_gemm._build_panel_kernels.cache_clear()
+    try:
+        assert cpu_gemm._build_panel_kernels() == "kernels"
+        name = seen[-1][0]
+        lock = os.path.join(cpp_extension._get_build_directory(name, False), "lock")
+        open(lock, "w").close()
+        os.utime(lock, (time.time() - 3600, time.time() - 3600))
+        cpu_gemm._build_panel_kernels.cache_clear()
+        with pytest.warns(RuntimeWarning, match="removing a build lock left 60 minutes ago"):
+            cpu_gemm._build_panel_kernels()
+        assert seen[-1] == (name, False)
+        open(lock, "w").close()  # fresh: another process is building
+        cpu_gemm._build_panel_kernels.cache_clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cpu_gemm._build_panel_kernels()
+        assert seen[-1] == (name, True)
+    finally:
+        cpu_gemm._build_panel_kernels.cache_clear()
+
+
 def forward_logits(model, ids):
     meta = model.metadata(torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1),
                           causal_mask(ids.shape[0], ids.shape[1], ids.device))
