@@ -28,8 +28,8 @@ W^T`` with one row runs on a slow kernel) 4.4 / 14.6 / 10.2 / 12.2 / 16.2, oneDN
 change of kernel does); float64 and half precision keep the BLAS path.
 
 The panel kernels compile on first use into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``; ~25 s once per source, torch version and checkout, with the C++
-compiler and ninja torch's extensions need); where the CPU has no AVX-512 or the build fails (a
+default ``~/.cache/torch_extensions``; ~25 s once per source, torch version and checkout, with the
+C++ compiler and ninja torch's extensions need); where the CPU has no AVX-512 or the build fails (a
 warning says why), products take the other kernels. A packed copy is made on first use and remade
 when the weight changes (a new tensor or an in-place update: its version counter), so an optimizer
 step or a checkpoint load is picked up; each layout made adds the weight's size in memory.
