@@ -76,6 +76,8 @@ class AttentionMetadata:
     """[b] cache slot of each row."""
     write_index: Optional[torch.Tensor] = None
     """[b, s] cache position each new token's key/value is written to."""
+    row_index: Optional[torch.Tensor] = None
+    """[b, s] the cache row (0 .. b - 1 from ``rows[0]``) each new token's key/value is written to."""
     kv_len: int = 0
     positions: Optional[torch.Tensor] = None
     """[b, s] RoPE positions."""
@@ -100,8 +102,9 @@ class AttentionMetadata:
         cols = torch.arange(kv_len, device=positions.device)
         mask = (cols[None, :] < committed[:, None])[:, None, :].expand(b, s, kv_len).clone()
         mask.scatter_(2, write_index[:, None, :].expand(b, s, s), new_token_mask)
+        row_index = torch.arange(b, device=positions.device)[:, None].expand(b, s)
         return cls(cos=cos, sin=sin, mask=mask[:, None], cache=cache, slots=slots, write_index=write_index,
-                   kv_len=kv_len, positions=positions, rows=cache.rows(slots))
+                   row_index=row_index, kv_len=kv_len, positions=positions, rows=cache.rows(slots))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -150,7 +153,7 @@ class SpecRollSelfAttention(SelfAttention):
         query = apply_rope(query, meta.cos, meta.sin)
         key = apply_rope(key, meta.cos, meta.sin)
         if meta.cache is not None:
-            key, value = meta.cache.write_and_read(self.layer_number, meta.rows, meta.write_index, meta.kv_len,
-                                                   key, value)
+            key, value = meta.cache.write_and_read(self.layer_number, meta.rows, meta.row_index, meta.write_index,
+                                                   meta.kv_len, key, value)
         context = self.core_attention(query, key, value, meta.mask)
         return self.linear_proj(context)

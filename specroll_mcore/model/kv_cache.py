@@ -96,20 +96,20 @@ class KVCache:
         self.row_of[slots] = target
         self.row_of[displaced] = freed
 
-    def write_and_read(self, layer: int, rows: tuple[int, int], write_index: torch.Tensor, kv_len: int,
-                       key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_and_read(self, layer: int, rows: tuple[int, int], row_index: torch.Tensor, write_index: torch.Tensor,
+                       kv_len: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' key/value and return each row's cache prefix, new tokens included.
 
         rows: (first, end) from :meth:`rows`; key, value: [s, b, g, d] (megatron layout);
-        write_index: [b, s] cache positions. Returns keys, values: [kv_len, b, g, d], views of the
-        cache.
+        row_index, write_index: [b, s] each new token's row (0 .. b - 1, from ``first``) and cache
+        position (built once per forward, see AttentionMetadata). Returns keys, values:
+        [kv_len, b, g, d], views of the cache.
         """
         k_buf, v_buf = self._buffers(layer, key.shape[2], key.shape[3])
         first, end = rows
         k_rows, v_rows = k_buf[first:end], v_buf[first:end]
-        index = torch.arange(end - first, device=write_index.device)[:, None].expand_as(write_index)
-        k_rows[index, write_index] = key.transpose(0, 1).to(self.dtype)
-        v_rows[index, write_index] = value.transpose(0, 1).to(self.dtype)
+        k_rows[row_index, write_index] = key.transpose(0, 1).to(self.dtype)
+        v_rows[row_index, write_index] = value.transpose(0, 1).to(self.dtype)
         self._extent = max(self._extent, kv_len)
         return k_rows[:, :kv_len].transpose(0, 1), v_rows[:, :kv_len].transpose(0, 1)
 

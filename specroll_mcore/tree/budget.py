@@ -147,8 +147,8 @@ def hardware_name() -> str:
     """The device a capacity profile was measured on (part of its cache key), with what changes its
     latency curve there: on CPU the model, the vector units torch dispatches to and whether it has
     AMX (bfloat16 products), the core and thread counts and which packed weights products run on
-    (cpu_gemm.py: oneDNN's layout, panels). Machines sharing a home directory (a cluster's nodes) then do not share profiles
-    across CPU generations."""
+    (cpu_gemm.py: oneDNN's layout, panels). Machines sharing a home directory (a cluster's nodes)
+    then do not share profiles across CPU generations."""
     import torch
 
     from specroll_mcore import cpu_gemm

@@ -73,7 +73,8 @@ def _write(cache, slots, values, extra=0):
     rows = cache.rows(slots)
     write_index = cache.lengths[slots][:, None] + torch.arange(s)[None]
     kv = values.t()[:, :, None, None].expand(s, b, 1, 2).float()
-    k, v = cache.write_and_read(1, rows, write_index, int(write_index.max()) + 1 + extra, kv, -kv)
+    row_index = torch.arange(b)[:, None].expand(b, s)
+    k, v = cache.write_and_read(1, rows, row_index, write_index, int(write_index.max()) + 1 + extra, kv, -kv)
     return rows, k, v
 
 
