@@ -32,7 +32,8 @@ default ``~/.cache/torch_extensions``; ~25 s once per source, torch version and 
 C++ compiler and ninja torch's extensions need); where the CPU has no AVX-512 or the build fails (a
 warning says why), products take the other kernels. A packed copy is made on first use and remade
 when the weight changes (a new tensor or an in-place update: its version counter), so an optimizer
-step or a checkpoint load is picked up; each layout made adds the weight's size in memory.
+step or a checkpoint load is picked up (or ahead of the next forward: :meth:`PackedWeight.prepare`,
+:func:`pack_layers`); each layout made adds the weight's size in memory.
 ``SPECROLL_PANEL_GEMM=0`` switches panels off, ``SPECROLL_PACKED_GEMM=0`` both packed layouts.
 Below :data:`LAYER_MIN_ROWS` rows without panels a layer product is ``F.linear``: the BLAS call
 megatron makes, without the autograd function megatron wraps it in for the backward (4-8% of a
@@ -212,6 +213,19 @@ class PackedWeight:
             return packed_linear(x, self._copy("onednn", weight, pack), bias)
         return None
 
+    def prepare(self, weight: torch.Tensor) -> None:
+        """Make now the packed copies of ``weight`` that products may take (panels, where the kernels
+        apply, and oneDNN's layout, which products of more rows take), instead of in the first product
+        after a weight update: the repacking is then the update's cost, not that of the next forward."""
+        if not (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.shape[0] > 0
+                and _on("SPECROLL_PACKED_GEMM")) or (weight.is_inference() and not self.frozen):
+            return
+        kernels = panel_kernels()
+        if kernels is not None:
+            self._copy("panels", weight, kernels.pack_panels)
+        if _onednn_ops():
+            self._copy("onednn", weight, pack)
+
     def _copy(self, layout: str, weight: torch.Tensor, pack_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         key = (weight.data_ptr(), tuple(weight.shape), None if self.frozen else weight._version)
         if key != self._key:
@@ -252,10 +266,14 @@ class _PackedForward:
         return super()._forward_impl(input, weight, *args, **kwargs)
 
     def _inference_product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        out = self.packed_weight().product(x, self.weight, LAYER_MIN_ROWS, bias)
+        return out if out is not None else F.linear(x, self.weight, bias)
+
+    def packed_weight(self) -> PackedWeight:
+        """This layer's packed copies of its weight (made on first use, see :class:`PackedWeight`)."""
         if not hasattr(self, "_packed_weight"):
             self._packed_weight = PackedWeight()
-        out = self._packed_weight.product(x, self.weight, LAYER_MIN_ROWS, bias)
-        return out if out is not None else F.linear(x, self.weight, bias)
+        return self._packed_weight
 
     def _lean(self, x: torch.Tensor) -> bool:
         """CPU inference without the features whose forward megatron's region functions serve
@@ -298,3 +316,10 @@ class PackedRowParallelLinear(_PackedForward, RowParallelLinear):
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
+
+
+def pack_layers(module: torch.nn.Module) -> None:
+    """Pack now the weights of every packed-product layer in ``module`` (:meth:`PackedWeight.prepare`)."""
+    for m in module.modules():
+        if isinstance(m, _PackedForward):
+            m.packed_weight().prepare(m.weight)

@@ -196,6 +196,14 @@ class PolicyModel(torch.nn.Module):
             return logits
         return cpu_gemm.vocab_product(x, self.output_weight(), self._packed_vocab)  # weight [V/tp, h]
 
+    def pack_for_inference(self) -> None:
+        """Lay out this stage's weights (layers, heads, vocab projection) for CPU inference products
+        now (cpu_gemm.py), rather than in the first forward after a weight update. Nothing to do on
+        GPU or outside float32."""
+        cpu_gemm.pack_layers(self)
+        if self.ctx.is_last_stage:
+            self._packed_vocab.prepare(self.output_weight())
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 logits_index: Optional[torch.Tensor] = None, return_hidden: bool = False):
         """Inference across pipeline stages: receive the previous stage's hidden states, run this

@@ -180,7 +180,11 @@ class GRPOTrainer:
         prompts = [self.prompt_ids[e.id] for e in mine]
         ids = [e.id for e in mine]
 
-        # 1. Rollout (the exactness contract keys noise by the step and the example ids).
+        # 1. Rollout (the exactness contract keys noise by the step and the example ids). The updated
+        # weights are laid out for inference products first, so neither engine's time holds it.
+        t0 = time.perf_counter()
+        policy.pack_for_inference()
+        pack_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         rollout = self.engine.generate(prompts, cfg.sampling, step=step, prompt_ids=ids) if prompts else None
         gen_s = time.perf_counter() - t0
@@ -250,7 +254,8 @@ class GRPOTrainer:
         row.update({
             "step": step + 1, "reward_mean": mean, "reward_std": math.sqrt(max(0.0, float(sums[1] / n) - mean ** 2)),
             "accuracy": float(sums[2] / n), "response_len": float(sums[3] / n), "generation_s": gen_s,
-            "training_s": train_s, "step_s": gen_s + train_s, "gen_share": gen_s / max(1e-9, gen_s + train_s),
+            "training_s": train_s, "pack_s": pack_s, "step_s": pack_s + gen_s + train_s,
+            "gen_share": gen_s / max(1e-9, pack_s + gen_s + train_s),
             "gen_tokens_per_s": float(sums[3]) / max(1e-9, float(sums[4]) / ctx.dp_size),
             "loss": loss, "grad_norm": norm, "skipped": skipped, "policy_version": self.state["policy_version"],
             "clip_fraction": sum(p["clip_fraction"] for p in parts) / max(1, len(parts)),
