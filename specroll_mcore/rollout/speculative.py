@@ -95,7 +95,8 @@ class SpeculativeEngine:
         self.reflex_cfg = spec.reflex if spec.reflex.enabled else None
         self.slow_path = (SlowPath(model, spec.slow_path, spec.topk, seed, spec.draft_vocab)
                           if spec.slow_path.enabled and model.heads is not None else None)
-        self._draft_vocab: Optional[DraftVocab] = None
+        self._draft_vocab: Optional[DraftVocab] = None  # the current rollout's
+        self._draft_vocab_built: Optional[tuple[tuple, Optional[DraftVocab]]] = None  # (its key, see draft_vocab)
         self.latency = latency if spec.adaptive_nodes else None
         self.calibration = DepthCalibration(spec.num_heads)  # how far the drafts' beliefs hold, per depth
         self.groups = num_groups(pipeline_groups, model.ctx.pp_size)
@@ -115,8 +116,17 @@ class SpeculativeEngine:
 
     def draft_vocab(self) -> Optional[DraftVocab]:
         """The ids the heads draft from (``SpecConfig.draft_vocab``), from their token counts and the
-        current output layer; None: the whole vocabulary (also for heads without counts)."""
-        return DraftVocab.for_policy(self.model, self.spec.draft_vocab)
+        current output layer; None: the whole vocabulary (also for heads without counts). Built again
+        only when the output layer or the counts changed (their version counters: an optimizer step,
+        a slow-path event, a checkpoint load); its rows' packed copies go with it."""
+        heads = self.model.heads
+        if heads is None:
+            return None
+        weight, counts = self.model.output_weight(), heads.token_counts
+        key = (weight.data_ptr(), weight._version, counts.data_ptr(), counts._version, self.spec.draft_vocab)
+        if self._draft_vocab_built is None or self._draft_vocab_built[0] != key:
+            self._draft_vocab_built = (key, DraftVocab.for_policy(self.model, self.spec.draft_vocab))
+        return self._draft_vocab_built[1]
 
     # -- 1. propose ---------------------------------------------------------------------------------
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, sampling: SamplingConfig, budget: int,
@@ -352,7 +362,7 @@ class SpeculativeEngine:
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
         rollout = _Rollout(self, sampling)
-        self._draft_vocab = self.draft_vocab()  # the output layer may have changed since the last rollout
+        self._draft_vocab = self.draft_vocab()  # (the output layer may have changed since the last rollout)
         state = RolloutState(self.model, prompts, ids, sampling, step, rules, extra_capacity=self.spec.n_max)
         groups = rollout.start(state, prompts)
         run_groups(lambda i: groups[i].slots.numel() > 0, len(groups), self.model.ctx,

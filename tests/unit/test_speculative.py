@@ -112,6 +112,15 @@ def test_draft_vocab_gives_the_same_tokens_and_drafts_only_its_ids(ctx, monkeypa
         assert out.tokens == ref[name].tokens, name
         assert out.stats["tau"] > 1.0
     assert drafted and drafted <= ids  # only ids of the draft vocabulary are ever drafted
+    dv = engine.draft_vocab()
+    assert engine.draft_vocab() is dv  # kept across rollouts while nothing it is made of changes
+    model.heads.token_counts[sorted(set(range(300)) - ids)[:5]] += 10 ** 6  # the slow path adds counts in place
+    grown = engine.draft_vocab()
+    assert grown is not dv and set(grown.ids.tolist()) != ids
+    with torch.no_grad():
+        model.output_weight().mul_(1.01)  # an optimizer step
+    assert engine.draft_vocab() is not grown
+    torch.testing.assert_close(engine.draft_vocab().rows, model.output_weight()[engine.draft_vocab().ids])
     with pytest.raises(ValueError, match=r"SpecConfig.draft_vocab \(6\) must be 0 \(the whole vocabulary\) or at "
                                          r"least the candidates a head proposes, max\(SpecConfig.topk, "
                                          r"reflex.support_topk\) = 8"):
