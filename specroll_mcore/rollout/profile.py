@@ -14,6 +14,9 @@ from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, LatencyCurve
 
 
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+QUICK_REPS = 5
+"""The profile taken on first use (:func:`ensure_capacity`): medians of 5 alternated timings per
+size (of 3, one noisy one-token latency on a shared 2-core machine moved C_hw from 16 to 32)."""
 
 
 def dtype_name(policy: PolicyModel) -> str:
@@ -58,7 +61,8 @@ def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_finge
     record = load_profile(profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size,
                                       ctx.pp_size))
     if record is None and not configured:
-        record = measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=3, tolerance=tolerance, quick=True)
+        record = measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=QUICK_REPS, tolerance=tolerance,
+                                  quick=True)
     latency = LatencyCurve.from_profile(record) if record is not None else None
     if configured:
         return Capacity(configured, latency)
@@ -138,12 +142,16 @@ def forward_latency(policy: PolicyModel, sizes: Sequence[int], reps: int, contex
                     verbose: bool = False) -> dict:
     """Median seconds of one forward holding N new tokens, in two shapes alternated: one row
     appending an N-node tree (:func:`tree_forward`) and N rows appending one token each
-    (:func:`decode_forward`), each on a ``context``-token committed prefix. Run on every rank of the
-    layout. On a GPU each timing waits for the device (kernels run asynchronously)."""
+    (:func:`decode_forward`), each on a ``context``-token committed prefix. Each shape runs once
+    untimed first: a process's first forwards of a shape are slower (allocations, kernel setup),
+    and an inflated one-token latency would double C_hw. Run on every rank of the layout. On a GPU
+    each timing waits for the device (kernels run asynchronously)."""
     sync = torch.cuda.synchronize if policy.ctx.device.type == "cuda" else (lambda: None)
     res = {"tokens": list(sizes), "context": context, "tree_row_s": [], "decode_rows_s": []}
     for n in sizes:
         runs = {"tree_row_s": tree_forward(policy, n, context), "decode_rows_s": decode_forward(policy, n, context)}
+        for run in runs.values():
+            run()
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(reps):
             for name, run in runs.items():

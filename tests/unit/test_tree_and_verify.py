@@ -230,6 +230,29 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     assert profile.ensure_capacity(model, None, "fp", tolerance=0.5).c_hw == 1  # (nothing within 0.5x: the least)
 
 
+def test_latency_profile_leaves_out_each_shapes_first_forward(monkeypatch):
+    """A shape's first forward in a process is slower (allocations, kernel setup); timed, it would
+    inflate the one-token latency that C_hw is measured against (a 2x C_hw on a 2-core machine)."""
+    import time
+    from types import SimpleNamespace
+
+    from specroll_mcore.rollout import profile
+
+    def fake(policy, n, context):
+        calls = []
+
+        def run():
+            calls.append(n)
+            time.sleep(0.05 if len(calls) == 1 else 0.001)
+        return run
+
+    monkeypatch.setattr(profile, "tree_forward", fake)
+    monkeypatch.setattr(profile, "decode_forward", fake)
+    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")))
+    res = profile.forward_latency(cpu_policy, [1, 4], reps=1)
+    assert max(res["tree_row_s"] + res["decode_rows_s"]) < 0.04, res
+
+
 def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
     """The same weights loaded in another dtype (TrainConfig / `specroll generate` params_dtype) have
     another latency curve: a float32 profile is not taken for a bfloat16 policy."""
