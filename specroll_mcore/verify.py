@@ -62,7 +62,9 @@ def accept(tree: TreeBatch, logits: torch.Tensor, sample_fn: Sampler, position: 
     accepted = torch.zeros(D, dtype=torch.long)
     for d in range(max_depth + 1):
         node = cur[alive]
-        tok, lp = sample_fn(logits[alive, node], alive, position[alive] + d)
+        # every row starts at its root: a view of the root logits, not a gathered copy of them
+        at_node = logits[:, 0] if d == 0 else logits[alive, node]
+        tok, lp = sample_fn(at_node, alive, position[alive] + d)
         tokens[alive, d] = tok
         logprobs[alive, d] = lp.float()
         counts[alive] += 1

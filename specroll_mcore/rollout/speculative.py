@@ -337,6 +337,8 @@ class SpeculativeEngine:
                 hidden.append(out[1])
         if not logits:
             return None, None
+        if len(logits) == 1:  # one forward (always in plain decoding): no copy
+            return logits[0], hidden[0]
         return torch.cat(logits), torch.cat(hidden, dim=1)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int = 0,
