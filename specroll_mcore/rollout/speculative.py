@@ -135,7 +135,7 @@ class SpeculativeEngine:
         heads' drafts for trees of ``budget`` nodes (last stage only).
 
         Head 1 drafts under the root over the whole vocabulary (or the draft vocabulary,
-        ``SpecConfig.draft_vocab``, built at the start of each rollout). Every head is also evaluated
+        ``SpecConfig.draft_vocab``, see :meth:`draft_vocab`). Every head is also evaluated
         without a path in the same vocabulary projection; for head d+1 (d >= 1) that gives the
         ``SpecConfig.shortlist`` ids it may draft, and its logits conditioned on each expanded
         depth-d node's path are taken on them. The expanded nodes are the trunk and the best

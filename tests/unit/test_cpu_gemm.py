@@ -254,7 +254,7 @@ def test_pack_for_inference_repacks_updated_weights_before_the_forward(ctx, monk
 
 
 def test_draft_vocab_projection_on_packed_rows():
-    """The draft vocabulary's rows (built under inference mode, every rollout) are packed on first use."""
+    """The draft vocabulary's rows (built under inference mode, at a rollout start) are packed on first use."""
     from specroll_mcore.heads import DraftVocab
 
     torch.manual_seed(0)
