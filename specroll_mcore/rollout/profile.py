@@ -85,14 +85,15 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
     """Profile the forward latency on every rank (collective; the slowest rank's latencies decide),
     derive C_hw by the documented rule (tree/budget.capacity_from_latency) and cache the record
     (rank 0). Returns the record."""
-    from specroll_mcore.tree.budget import capacity_from_latency, hardware_name, profile_key, save_capacity
+    from specroll_mcore.tree.budget import (capacity_from_latency, hardware_name, profile_key, save_capacity,
+                                            tree_row_seconds)
 
     ctx = policy.ctx
     fp = policy_fingerprint or "unknown"
     curve = forward_latency(policy, sizes, reps, verbose=verbose and ctx.rank == 0)
     for name in ("tree_row_s", "decode_rows_s"):
         curve[name] = ctx.all_reduce_max(torch.tensor(curve[name], dtype=torch.float64)).tolist()
-    c_hw = capacity_from_latency(list(sizes), curve["tree_row_s"], tolerance)
+    c_hw = capacity_from_latency(list(sizes), tree_row_seconds(curve), tolerance)
     record = {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {tolerance} x latency(1)",
               "hardware": hardware_name(), "dtype": dtype_name(policy), "tp": ctx.tp_size, "pp": ctx.pp_size,
               "policy_fingerprint": fp, "curve": curve, "quick": quick}

@@ -56,6 +56,17 @@ def capacity_from_latency(tokens: Sequence[int], seconds: Sequence[float],
     return max(ok) if ok else min(tokens)
 
 
+def tree_row_seconds(curve: dict) -> list[float]:
+    """A profile's tree-row latencies (see rollout/profile.forward_latency), the one-token one the
+    smaller of its two timings: a one-node tree and one decode row are the same forward, and C_hw is
+    measured against it, so one noisy timing of it must not move C_hw."""
+    seconds = [float(s) for s in curve["tree_row_s"]]
+    decode = curve.get("decode_rows_s")
+    if decode and int(curve["tokens"][0]) == 1:
+        seconds[0] = min(seconds[0], float(decode[0]))
+    return seconds
+
+
 @dataclass(frozen=True)
 class LatencyCurve:
     """Seconds of one verification forward against the number of tokens in it (a capacity profile's
@@ -80,7 +91,7 @@ class LatencyCurve:
         if len(curve["tokens"]) < 2:
             raise ValueError(f"the cached capacity profile measured {len(curve['tokens'])} token count(s); rerun "
                              f"tools/profile_capacity.py with at least two --tokens (its default measures 1 to 512)")
-        return cls(tuple(int(t) for t in curve["tokens"]), tuple(float(s) for s in curve["tree_row_s"]))
+        return cls(tuple(int(t) for t in curve["tokens"]), tuple(tree_row_seconds(curve)))
 
     def __call__(self, tokens: int) -> float:
         xs, ys = self.tokens, self.seconds

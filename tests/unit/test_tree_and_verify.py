@@ -9,7 +9,7 @@ import torch
 
 from specroll_mcore.tree import (PAD, ROOT, DraftLevel, LatencyCurve, TreeBatch, capacity_from_latency, expansion,
                                  expected_tokens, node_beliefs, node_budget, row_chunks, select_tree, tree_size)
-from specroll_mcore.tree.budget import DepthCalibration
+from specroll_mcore.tree.budget import DepthCalibration, tree_row_seconds
 from specroll_mcore.verify import accept
 
 
@@ -148,6 +148,14 @@ def test_latency_curve_interpolates_and_checks_its_points():
         LatencyCurve((1, 2), (1.0, 0.0))
     with pytest.raises(ValueError, match="measured 1 token count.*rerun tools/profile_capacity.py with at least two"):
         LatencyCurve.from_profile({"curve": {"tokens": [1], "tree_row_s": [0.01]}})
+    # the one-token forward is timed in both shapes (the same forward): the smaller timing counts, so
+    # that one slow timing of it does not double C_hw
+    profile = {"tokens": [1, 2, 4, 8, 16, 32], "tree_row_s": [27.0, 23.0, 25.0, 28.0, 34.0, 48.0],
+               "decode_rows_s": [23.0, 24.0, 27.0, 29.0, 48.0, 60.0]}
+    assert LatencyCurve.from_profile({"curve": profile}).seconds == (23.0, 23.0, 25.0, 28.0, 34.0, 48.0)
+    assert capacity_from_latency(profile["tokens"], profile["tree_row_s"]) == 32
+    assert capacity_from_latency(profile["tokens"], tree_row_seconds(profile)) == 16
+    assert tree_row_seconds({"tokens": [2, 4], "tree_row_s": [3.0, 4.0], "decode_rows_s": [1.0, 2.0]}) == [3.0, 4.0]
 
 
 def test_tree_size_keeps_the_nodes_that_pay_for_their_latency():
