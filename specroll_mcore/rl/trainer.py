@@ -185,14 +185,20 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         policy.pack_for_inference()
         pack_s = time.perf_counter() - t0
+        row: dict[str, Any] = {}
+        compare = self.vanilla is not None and cfg.engine != "vanilla" and step % cfg.compare_vanilla_every == 0 \
+            and bool(prompts)
+        # compared steps take turns at which engine goes first, so that neither is always the one timed
+        # right after the policy update
+        vanilla_first = compare and (step // cfg.compare_vanilla_every) % 2 == 1
+        if vanilla_first:
+            ref = self._timed_vanilla(prompts, ids, step, row)
         t0 = time.perf_counter()
         rollout = self.engine.generate(prompts, cfg.sampling, step=step, prompt_ids=ids) if prompts else None
         gen_s = time.perf_counter() - t0
-        row: dict[str, Any] = {}
-        if self.vanilla is not None and cfg.engine != "vanilla" and step % cfg.compare_vanilla_every == 0 and prompts:
-            t1 = time.perf_counter()
-            ref = self.vanilla.generate(prompts, cfg.sampling, step=step, prompt_ids=ids)
-            row["vanilla_gen_s"] = time.perf_counter() - t1
+        if compare:
+            if not vanilla_first:
+                ref = self._timed_vanilla(prompts, ids, step, row)
             row["rollouts_identical"] = ref.tokens == rollout.tokens
 
         # 2. Rewards and group advantages.
@@ -274,6 +280,13 @@ class GRPOTrainer:
                                                                        "heldout_after", "seconds")}
         self.state["step"] = step + 1
         return row
+
+    def _timed_vanilla(self, prompts: list, ids: list, step: int, row: dict[str, Any]) -> Any:
+        """The vanilla engine's rollout of the same step (the reference SpecRoll's is timed against)."""
+        t = time.perf_counter()
+        ref = self.vanilla.generate(prompts, self.cfg.sampling, step=step, prompt_ids=ids)
+        row["vanilla_gen_s"] = time.perf_counter() - t
+        return ref
 
     def _train_temperature(self) -> float:
         return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
