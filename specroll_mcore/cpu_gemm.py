@@ -159,6 +159,13 @@ def _clear_stale_build_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
 
 
+def contents_key(t: torch.Tensor) -> tuple:
+    """What tells a tensor's contents apart from earlier ones: its storage, shape and version counter
+    (bumped by every in-place update). Keys the copies made from a weight (packed layouts, the draft
+    vocabulary)."""
+    return t.data_ptr(), tuple(t.shape), t._version
+
+
 def cpu_inference(x: torch.Tensor) -> bool:
     """No gradients recorded, CPU input."""
     return not torch.is_grad_enabled() and x.device.type == "cpu"
@@ -227,7 +234,7 @@ class PackedWeight:
             self._copy("onednn", weight, pack)
 
     def _copy(self, layout: str, weight: torch.Tensor, pack_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        key = (weight.data_ptr(), tuple(weight.shape), None if self.frozen else weight._version)
+        key = (weight.data_ptr(), tuple(weight.shape)) if self.frozen else contents_key(weight)
         if key != self._key:
             self._key, self._copies = key, {}
         if layout not in self._copies:

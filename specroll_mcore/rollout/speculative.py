@@ -33,6 +33,7 @@ import torch
 
 from specroll_mcore.config import SamplingConfig, SpecConfig
 from specroll_mcore import reflex
+from specroll_mcore.cpu_gemm import contents_key
 from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vocab_parallel_logsumexp,
                                   vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
@@ -122,8 +123,7 @@ class SpeculativeEngine:
         heads = self.model.heads
         if heads is None:
             return None
-        weight, counts = self.model.output_weight(), heads.token_counts
-        key = (weight.data_ptr(), weight._version, counts.data_ptr(), counts._version, self.spec.draft_vocab)
+        key = (contents_key(self.model.output_weight()), contents_key(heads.token_counts), self.spec.draft_vocab)
         if self._draft_vocab_built is None or self._draft_vocab_built[0] != key:
             self._draft_vocab_built = (key, DraftVocab.for_policy(self.model, self.spec.draft_vocab))
         return self._draft_vocab_built[1]
