@@ -47,6 +47,9 @@ def _question_and_reference(row: dict[str, Any]) -> tuple[Optional[str], Optiona
     return q, ref
 
 
+_LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
 def load_examples(source: str, split: str = "train", limit: Optional[int] = None, seed: int = 0,
                   name: Optional[str] = None) -> tuple[list[Example], LoadReport]:
     """``synthetic`` (the offline generator), a local json/jsonl/parquet file or directory, or a hub
@@ -60,8 +63,11 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
     import datasets
 
     path = Path(source)
+    if not path.exists() and (path.is_absolute() or source.startswith(".") or path.suffix in _LOCAL_SUFFIXES):
+        raise FileNotFoundError(f"data.source {source!r}: no such file or directory; give an existing "
+                                f"json/jsonl/parquet file or directory, a hub dataset name, or 'synthetic'")
     if path.exists():
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl", ".parquet"))
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_SUFFIXES)
         if not files:
             raise FileNotFoundError(f"no .json/.jsonl/.parquet files under {path}")
         kind = "parquet" if files[0].suffix == ".parquet" else "json"

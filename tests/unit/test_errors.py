@@ -124,3 +124,14 @@ def test_spec_config_errors():
         SpecConfig(n_min=4, n_max=2)
     with pytest.raises(ValueError, match=r"SpecConfig.probe_every must be >= 0 \(0: never\), got -1"):
         SpecConfig(probe_every=-1)
+
+
+def test_missing_local_dataset_names_the_field(tmp_path):
+    from specroll_mcore.rl.data import load_examples
+
+    for source in (str(tmp_path / "gsm8k.jsonl"), "./no_such_dir", "train.parquet"):
+        with pytest.raises(FileNotFoundError, match=r"data.source .*no such file or directory; give an existing"):
+            load_examples(source)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .json/.jsonl/.parquet files under"):
+        load_examples(str(tmp_path / "empty"))
