@@ -75,10 +75,22 @@ class HorizonHeads(MegatronModule):
                     root: Optional[torch.Tensor] = None, path: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Head ``index`` alone: hidden [n, h] (+ its delta [n, h], root features [n, h], path
         features [n, >= index, h]) -> z [n, h]. A missing root or path counts as U = 0 or V = 0."""
+        return self.output(index, *self.preactivation(index, hidden, delta, root), path)
+
+    def preactivation(self, index: int, hidden: torch.Tensor, delta: Optional[torch.Tensor] = None,
+                      root: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head ``index``'s input x = hidden (+ delta) [n, h] and its path-free pre-activation
+        W x + U e(root) [n, h/tp]: drafting computes them once per row and lets :meth:`output` add
+        each expanded node's path."""
         x = hidden if delta is None else hidden + delta
-        y, _ = self.layers[index](x)  # [n, h/tp]
+        y, _ = self.layers[index](x)
         if root is not None:
             y = y + self.root_layers[index](root)[0]
+        return x, y
+
+    def output(self, index: int, x: torch.Tensor, y: torch.Tensor, path: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """z = x + SiLU(y + sum_j V_{index,j} e(y_j)) from :meth:`preactivation`'s x, y [n, ...] and the
+        path features [n, >= index, h] (None: V = 0)."""
         if path is not None:
             for j, layer in enumerate(self.path_layers[index]):
                 y = y + layer(path[:, j])[0]

@@ -154,8 +154,8 @@ class SpeculativeEngine:
         D = min(spec.num_heads, budget - 1)
         coupled = spec.coupled and T > 0 and keys is not None
         root_f = model.root_features(roots).to(hidden.dtype)
-        z = torch.stack([model.heads.forward_one(i, hidden, None if delta is None else delta[i], root_f)
-                         for i in range(D)])  # [D, b, h]: every head without its path
+        pre = [model.heads.preactivation(i, hidden, None if delta is None else delta[i], root_f) for i in range(D)]
+        z = torch.stack([model.heads.output(i, x, y) for i, (x, y) in enumerate(pre)])  # [D, b, h]: without paths
         dv = self._draft_vocab
         if dv is None:  # the whole vocabulary
             logits, columns = model.vocab_projection(z), None  # [D, b, V/tp]
@@ -193,6 +193,8 @@ class SpeculativeEngine:
         shortlist = vocab_parallel_topk(ranked[b:], S, start, vocab, ctx)[1].reshape(D - 1, b, S)
         padding = shortlist >= vocab  # (dead candidates, see to_ids)
         shortlist = to_ids(shortlist)
+        if coupled:  # the noise of every level's position on its shortlist, in one pass
+            noise = gumbel_noise_at(keys.rows(b, D * b), shortlist.reshape((D - 1) * b, S)).reshape(D - 1, b, S)
         path = hidden.new_zeros(b, 1, 0, h)  # features of the expanded nodes' paths [b, P, d, h]
         offset = 0  # pool index of the level above's first candidate
         for d in range(1, D):
@@ -207,15 +209,14 @@ class SpeculativeEngine:
             def per_node(x: torch.Tensor) -> torch.Tensor:  # a row's input, for each of its P nodes
                 return x[:, None].expand(b, P, *x.shape[1:]).reshape(b * P, *x.shape[1:])
 
-            zd = model.heads.forward_one(d, per_node(hidden), None if delta is None else per_node(delta[d]),
-                                         per_node(root_f), path.reshape(b * P, d, h)).reshape(b, P, h)
+            zd = model.heads.output(d, per_node(pre[d][0]), per_node(pre[d][1]), path.reshape(b * P, d, h)).reshape(b, P, h)
             w = vocab_rows(model.output_weight(), shortlist[d - 1], model.vocab_start)  # [b, S, h]: this rank's rows
             lg = ctx.all_reduce_tp(torch.einsum("bsh,bph->bps", w.to(zd.dtype), zd).contiguous(), "sum")
             lg = lg.float().masked_fill(padding[d - 1][:, None], float("-inf"))
             ids = shortlist[d - 1][:, None].expand(b, P, S)
             if coupled:
                 rk = filter_logits(lg.reshape(b * P, S), T, sampling.top_p, sampling.top_k).reshape(b, P, S)
-                rk = rk + gumbel_noise_at(keys.rows(d * b, (d + 1) * b), shortlist[d - 1])[:, None]
+                rk = rk + noise[d - 1][:, None]
             else:
                 rk = lg / T if T > 0 else lg
             values, j = rk.topk(k, dim=-1)
