@@ -65,11 +65,11 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
     path = Path(source)
     if not path.exists() and (path.is_absolute() or source.startswith(".") or path.suffix in _LOCAL_SUFFIXES):
         raise FileNotFoundError(f"data.source {source!r}: no such file or directory; give an existing "
-                                f"json/jsonl/parquet file or directory, a hub dataset name, or 'synthetic'")
+                                f"{'/'.join(_LOCAL_SUFFIXES)} file or directory, a hub dataset name, or 'synthetic'")
     if path.exists():
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_SUFFIXES)
         if not files:
-            raise FileNotFoundError(f"no .json/.jsonl/.parquet files under {path}")
+            raise FileNotFoundError(f"no {'/'.join(_LOCAL_SUFFIXES)} files under {path}")
         kind = "parquet" if files[0].suffix == ".parquet" else "json"
         ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
     else:

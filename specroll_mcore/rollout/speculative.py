@@ -209,7 +209,8 @@ class SpeculativeEngine:
             def per_node(x: torch.Tensor) -> torch.Tensor:  # a row's input, for each of its P nodes
                 return x[:, None].expand(b, P, *x.shape[1:]).reshape(b * P, *x.shape[1:])
 
-            zd = model.heads.output(d, per_node(pre[d][0]), per_node(pre[d][1]), path.reshape(b * P, d, h)).reshape(b, P, h)
+            x, y = pre[d]
+            zd = model.heads.output(d, per_node(x), per_node(y), path.reshape(b * P, d, h)).reshape(b, P, h)
             w = vocab_rows(model.output_weight(), shortlist[d - 1], model.vocab_start)  # [b, S, h]: this rank's rows
             lg = ctx.all_reduce_tp(torch.einsum("bsh,bph->bps", w.to(zd.dtype), zd).contiguous(), "sum")
             lg = lg.float().masked_fill(padding[d - 1][:, None], float("-inf"))
