@@ -25,7 +25,14 @@ and its 49152 x 576 vocabulary projection at 1 / 2 / 8 / 16 / 48 rows: BLAS (as 
 W^T`` with one row runs on a slow kernel) 4.4 / 14.6 / 10.2 / 12.2 / 16.2, oneDNN packed 4.8 / 5.3 /
 5.5 / 6.9 / 11.8, panels 3.6 / 3.9 / 4.9 / 6.4 / 12.6. This speeds up every engine alike
 (prefill, batched decoding, trees) and changes float32 results only by rounding (~1e-6, as any
-change of kernel does); float64 and half precision keep the BLAS path.
+change of kernel does); float64 keeps the BLAS path.
+
+Half precision (bfloat16, float16) takes :func:`half_product`, ``W @ x^T`` in calls of at most
+:data:`HALF_MAX_ROWS` rows: oneDNN's bfloat16 kernels give a row in that form the same result in
+any call of up to ~200 rows (every SmolLM2 layer and its vocabulary projection, AVX-512 with AMX;
+``x @ W^T`` only up to 32 rows) and are 1.5-4x faster than ``x @ W^T`` from 16 rows on. A decode
+step and a tree then compute a token's products bit for bit alike, which bfloat16 rounding
+otherwise turns into flipped samples (with ordered attention, model/attention.py).
 
 The panel kernels compile on first use into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``; ~25 s once per source, torch version and checkout, with the
@@ -69,6 +76,9 @@ VOCAB_MIN_ROWS = 2
 PANEL_MAX_ROWS = 64
 """Products of up to this many rows run on panels (measured faster than oneDNN's layout up to ~128
 layer rows and ~32 vocabulary rows; one bound for both)."""
+HALF_MAX_ROWS = 128
+"""Half-precision products run in calls of at most this many rows (row-invariant up to ~200 rows on
+the CPUs measured; 256 rows of SmolLM2's 1536-input product are not)."""
 PACK_ROWS_HINT = 8
 """The row count oneDNN lays the packed weights out for (any count works; 8 measured best of 1 / 8)."""
 PANEL_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
@@ -242,16 +252,26 @@ class PackedWeight:
         return self._copies[layout]
 
 
+def half_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` as ``weight @ x^T`` in calls of at most :data:`HALF_MAX_ROWS` rows of
+    x [..., in]: a row's result is the same in any call (see the module docstring). Also the
+    float32/float64 vocabulary projection's form off the packed paths."""
+    flat = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+    # contiguous: elementwise ops and norms after it take other loops (other roundings) on a transposed view
+    out = torch.cat([torch.mm(weight, c.t()).t() for c in flat.split(HALF_MAX_ROWS)]) if len(flat) > HALF_MAX_ROWS \
+        else torch.mm(weight, flat.t()).t().contiguous()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def vocab_product(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """``x @ weight^T`` in CPU inference for a tall ``weight`` [V, h] (a vocabulary projection):
     x [..., h] -> [..., V]. On ``packed`` (its packed copies) where they apply, from
-    :data:`VOCAB_MIN_ROWS` rows on oneDNN's layout; else as ``weight @ x^T``: BLAS runs
-    ``x @ weight^T`` with one row and a tall matrix on a slow kernel."""
+    :data:`VOCAB_MIN_ROWS` rows on oneDNN's layout; else :func:`half_product`'s ``weight @ x^T``:
+    BLAS runs ``x @ weight^T`` with one row and a tall matrix on a slow kernel."""
     out = packed.product(x, weight, VOCAB_MIN_ROWS)
-    if out is not None:
-        return out
-    flat = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-    return torch.mm(weight, flat.t()).t().reshape(*x.shape[:-1], weight.shape[0])
+    return out if out is not None else half_product(x, weight)
 
 
 class _PackedForward:
@@ -273,6 +293,8 @@ class _PackedForward:
         return super()._forward_impl(input, weight, *args, **kwargs)
 
     def _inference_product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if x.dtype in (torch.bfloat16, torch.float16):
+            return half_product(x, self.weight, bias)
         out = self.packed_weight().product(x, self.weight, LAYER_MIN_ROWS, bias)
         return out if out is not None else F.linear(x, self.weight, bias)
 

@@ -8,6 +8,16 @@ A forward appends ``s`` new tokens to each of ``b`` rows. What a new token may a
 Positions are per token ([b, s]: committed length + depth for a tree node), so RoPE is applied
 here, from positions, rather than by GPTModel over a contiguous range.
 
+A decoding or verification step of a half-precision policy takes each token's keys in *one-token
+order* (:func:`one_token_key_order`, :func:`ordered_attention`): its committed context, then its
+tree ancestors, then itself, gathered to positions 0, 1, ... as a one-token forward of that token
+holds them, and padded with masked keys to a multiple of :data:`KEY_BLOCK`. Its score and softmax
+reductions then run over the same keys in the same order whether the token is decoded alone or
+verified as a tree node, so a tree forward gives it the same bfloat16 logits (torch's SDPA sums a
+node's keys at its scratch positions, with its non-ancestors masked in between: another order, and
+bfloat16 rounding of the difference flips sampled tokens). Float32 and float64 keep SDPA, whose
+differences are ~1e-6 (rare near-ties, measured by the benchmarks).
+
 The per-forward description travels as GPTModel's ``attention_mask`` argument, which megatron-core
 passes unchanged to every layer's self-attention: an :class:`AttentionMetadata` built once per
 forward (masks and RoPE tables are shared by all layers).
@@ -44,6 +54,54 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [s, b, heads, d]."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+KEY_BLOCK = 64
+"""Ordered attention pads each token's keys (and a step's cache read) to a multiple of this many: the
+kernels then see whole blocks of keys (masked ones at the end), whatever the longest token of the
+forward; unpadded, a token's bfloat16 results change with the forward's key count (measured)."""
+
+
+def one_token_key_order(mask: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """mask [b, s, kv] (True = may attend) -> (order [b, s, K], valid [b, s, K]): each token's
+    visible key positions in increasing order (committed context, ancestors, itself: the order a
+    one-token forward holds them in), padded with position 0 (not valid) to K, the largest count
+    rounded up to :data:`KEY_BLOCK`. One token per row (a decoding step) already has its keys in that
+    order: order is None (the cache read, ``kv``, is then padded alike: see AttentionMetadata.build)."""
+    b, s, kv = mask.shape
+    count = mask.sum(-1)  # [b, s]
+    k = -(-int(count.max()) // KEY_BLOCK) * KEY_BLOCK
+    valid = torch.arange(k, device=mask.device) < count[..., None]
+    if s == 1:
+        return None, valid
+    cols = torch.arange(kv, device=mask.device)
+    order = torch.where(mask, cols, cols + kv).argsort(dim=-1, stable=True)[..., :k]  # visible first, in order
+    if k > kv:
+        order = torch.cat([order, order.new_zeros(b, s, k - kv)], dim=-1)
+    return torch.where(valid, order, 0), valid
+
+
+def ordered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: Optional[torch.Tensor],
+                      valid: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    """Attention over each token's own keys in one-token order (see :func:`one_token_key_order`).
+
+    query [sq, b, np, d], key/value [sk, b, ng, d] (GQA: head h reads group h // (np / ng)),
+    order/valid [b, sq, K] (order None: the first K keys as they are, sq = 1). Scores and softmax in
+    float32, products in the input dtype. Returns [sq, b, np * d]."""
+    sq, b, heads, d = query.shape
+    groups, k_len = key.shape[2], valid.shape[-1]
+    if order is None:
+        k = key[:k_len].permute(1, 2, 3, 0)[:, None]  # [b, 1, ng, d, K]
+        v = value[:k_len].permute(1, 2, 0, 3)[:, None]  # [b, 1, ng, K, d]
+    else:
+        rows = torch.arange(b, device=order.device)[:, None, None]
+        k = key.transpose(0, 1)[rows, order].permute(0, 1, 3, 4, 2)  # [b, sq, ng, d, K]
+        v = value.transpose(0, 1)[rows, order].transpose(2, 3)  # [b, sq, ng, K, d]
+    q = query.transpose(0, 1).reshape(b, sq, groups, heads // groups, d)
+    scores = torch.matmul(q, k).float() * (scale if scale is not None else d ** -0.5)
+    scores.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    return torch.matmul(probs, v).reshape(b, sq, heads * d).transpose(0, 1).contiguous()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -83,12 +141,15 @@ class AttentionMetadata:
     """[b, s] RoPE positions."""
     rows: Optional[tuple[int, int]] = None
     """(first, end): the cache rows holding ``slots``, in order (KVCache.rows; read as a view)."""
+    key_order: Optional[tuple[Optional[torch.Tensor], torch.Tensor]] = None
+    """Ordered attention's (order, valid) [b, s, K] (:func:`one_token_key_order`); None: SDPA."""
 
     @classmethod
     def build(cls, positions: torch.Tensor, new_token_mask: torch.Tensor, head_dim: int, theta: float,
               dtype: torch.dtype, cache: Optional[KVCache] = None,
-              slots: Optional[torch.Tensor] = None) -> "AttentionMetadata":
-        """positions [b, s]; new_token_mask [b, s, s] (True = query i may see new token j)."""
+              slots: Optional[torch.Tensor] = None, ordered: bool = False) -> "AttentionMetadata":
+        """positions [b, s]; new_token_mask [b, s, s] (True = query i may see new token j);
+        ``ordered``: attend over each token's keys in one-token order (a forward with a cache)."""
         b, s = positions.shape
         cos, sin = rope_tables(positions, head_dim, theta, dtype)
         if cache is None:
@@ -96,6 +157,8 @@ class AttentionMetadata:
         assert slots is not None and slots.shape == (b,)
         committed = cache.lengths[slots]  # [b]
         kv_len = int(committed.max()) + s
+        if ordered:
+            kv_len = -(-kv_len // KEY_BLOCK) * KEY_BLOCK  # whole key blocks (see KEY_BLOCK)
         if kv_len > cache.capacity:
             raise RuntimeError(f"forward needs {kv_len} cache positions, KV cache capacity is {cache.capacity}")
         write_index = committed[:, None] + torch.arange(s, device=positions.device)[None, :]  # [b, s]
@@ -104,7 +167,8 @@ class AttentionMetadata:
         mask.scatter_(2, write_index[:, None, :].expand(b, s, s), new_token_mask)
         row_index = torch.arange(b, device=positions.device)[:, None].expand(b, s)
         return cls(cos=cos, sin=sin, mask=mask[:, None], cache=cache, slots=slots, write_index=write_index,
-                   row_index=row_index, kv_len=kv_len, positions=positions, rows=cache.rows(slots))
+                   row_index=row_index, kv_len=kv_len, positions=positions, rows=cache.rows(slots),
+                   key_order=one_token_key_order(mask) if ordered else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,5 +219,8 @@ class SpecRollSelfAttention(SelfAttention):
         if meta.cache is not None:
             key, value = meta.cache.write_and_read(self.layer_number, meta.rows, meta.row_index, meta.write_index,
                                                    meta.kv_len, key, value)
-        context = self.core_attention(query, key, value, meta.mask)
+        if meta.key_order is not None:
+            context = ordered_attention(query, key, value, *meta.key_order, self.core_attention.softmax_scale)
+        else:
+            context = self.core_attention(query, key, value, meta.mask)
         return self.linear_proj(context)

@@ -24,7 +24,7 @@ from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_d
 from specroll_mcore.config import ModelConfig
 from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
 from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
-from specroll_mcore.model.attention import AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
+from specroll_mcore.model.attention import KEY_BLOCK, AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
 from specroll_mcore.model.kv_cache import KVCache
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
@@ -126,12 +126,26 @@ class PolicyModel(torch.nn.Module):
         return self.config.torch_dtype
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        if self.batch_invariant:  # steps read whole key blocks (model/attention.py)
+            capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
         return KVCache(num_slots, capacity, self.ctx.device, self.dtype)
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a step's forward computes each token as a one-token forward would, bit for bit
+        (ordered attention, model/attention.py; row-invariant products, cpu_gemm.py): a half-precision
+        policy on CPU, where rounding would otherwise flip samples. On GPU the products are cuBLAS's,
+        whose results depend on the row count; SDPA there."""
+        return self.dtype in (torch.bfloat16, torch.float16) and self.ctx.device.type == "cpu"
+
     def metadata(self, positions: torch.Tensor, new_token_mask: torch.Tensor,
-                 cache: Optional[KVCache] = None, slots: Optional[torch.Tensor] = None) -> AttentionMetadata:
+                 cache: Optional[KVCache] = None, slots: Optional[torch.Tensor] = None,
+                 step: bool = False) -> AttentionMetadata:
+        """``step``: a decoding or verification step (tokens appended to committed responses), whose
+        tokens must get the same logits in a one-token and a tree forward."""
         return AttentionMetadata.build(positions, new_token_mask, self.config.kv_channels,
-                                       self.config.rope_theta, self.dtype, cache, slots)
+                                       self.config.rope_theta, self.dtype, cache, slots,
+                                       ordered=step and self.batch_invariant)
 
     def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                       hidden_in: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,

@@ -113,7 +113,8 @@ def tree_forward(policy: PolicyModel, n: int, context: int = 128) -> Callable[[]
     mask = causal_mask(1, n, device)
 
     def run() -> None:
-        meta = policy.metadata(cache.lengths[one][:, None] + torch.arange(n, device=device)[None], mask, cache, one)
+        meta = policy.metadata(cache.lengths[one][:, None] + torch.arange(n, device=device)[None], mask, cache, one,
+                               step=True)
         out = policy(torch.full((1, n), 7, device=device), meta)
         if out is not None:
             policy.full_logits(out)
@@ -131,7 +132,7 @@ def decode_forward(policy: PolicyModel, n: int, context: int = 128) -> Callable[
     mask = torch.ones(n, 1, 1, dtype=torch.bool, device=device)
 
     def run() -> None:
-        meta = policy.metadata(cache.lengths[rows][:, None], mask, cache, rows)
+        meta = policy.metadata(cache.lengths[rows][:, None], mask, cache, rows, step=True)
         out = policy(torch.full((n, 1), 7, device=device), meta)
         if out is not None:
             policy.full_logits(out)

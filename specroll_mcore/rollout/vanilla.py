@@ -98,7 +98,8 @@ class VanillaEngine:
             g, t = groups[i], time.perf_counter()
             b = g.slots.numel()
             meta = model.metadata(state.cache.lengths[g.slots][:, None],
-                                  torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, g.slots)
+                                  torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, g.slots,
+                                  step=True)
             g.out = model(g.last[:, None], meta, return_hidden=collect)
             state.cache.commit(g.slots, torch.ones(b, dtype=torch.long, device=device))
             g.seconds = time.perf_counter() - t
