@@ -30,7 +30,7 @@ change of kernel does); float64 keeps the BLAS path.
 Half precision (bfloat16, float16) takes :func:`half_product`, ``W @ x^T`` in calls of at most
 :data:`HALF_MAX_ROWS` rows: oneDNN's bfloat16 kernels give a row in that form the same result in
 any call of up to ~200 rows (every SmolLM2 layer and its vocabulary projection, AVX-512 with AMX;
-``x @ W^T`` only up to 32 rows) and are 1.5-4x faster than ``x @ W^T`` from 16 rows on. A decode
+``x @ W^T`` only up to 32 rows), and in isolated calls faster than ``x @ W^T`` from 16 rows on. A decode
 step and a tree then compute a token's products bit for bit alike, which bfloat16 rounding
 otherwise turns into flipped samples (with ordered attention, model/attention.py).
 

@@ -8,9 +8,9 @@ A forward appends ``s`` new tokens to each of ``b`` rows. What a new token may a
 Positions are per token ([b, s]: committed length + depth for a tree node), so RoPE is applied
 here, from positions, rather than by GPTModel over a contiguous range.
 
-A decoding or verification step of a half-precision policy takes each token's keys in *one-token
-order* (:func:`one_token_key_order`, :func:`ordered_attention`): its committed context, then its
-tree ancestors, then itself, gathered to positions 0, 1, ... as a one-token forward of that token
+A decoding or verification step of a half-precision policy on CPU takes each token's keys in *one-token
+order* (:func:`one_token_key_order`, :func:`ordered_attention`; ``PolicyModel.batch_invariant``): its
+committed context, then its tree ancestors, then itself, gathered to positions 0, 1, ... as a one-token forward of that token
 holds them, and padded with masked keys to a multiple of :data:`KEY_BLOCK`. Its score and softmax
 reductions then run over the same keys in the same order whether the token is decoded alone or
 verified as a tree node, so a tree forward gives it the same bfloat16 logits (torch's SDPA sums a
