@@ -8,15 +8,16 @@ A forward appends ``s`` new tokens to each of ``b`` rows. What a new token may a
 Positions are per token ([b, s]: committed length + depth for a tree node), so RoPE is applied
 here, from positions, rather than by GPTModel over a contiguous range.
 
-A decoding or verification step of a half-precision policy on CPU takes each token's keys in *one-token
-order* (:func:`one_token_key_order`, :func:`ordered_attention`; ``PolicyModel.batch_invariant``): its
-committed context, then its tree ancestors, then itself, gathered to positions 0, 1, ... as a one-token forward of that token
-holds them, and padded with masked keys to a multiple of :data:`KEY_BLOCK`. Its score and softmax
-reductions then run over the same keys in the same order whether the token is decoded alone or
-verified as a tree node, so a tree forward gives it the same bfloat16 logits (torch's SDPA sums a
-node's keys at its scratch positions, with its non-ancestors masked in between: another order, and
-bfloat16 rounding of the difference flips sampled tokens). Float32 and float64 keep SDPA, whose
-differences are ~1e-6 (rare near-ties, measured by the benchmarks).
+A decoding or verification step of a half-precision policy on CPU (``PolicyModel.batch_invariant``)
+takes each token's keys in *one-token order* (:func:`one_token_key_order`, :func:`ordered_attention`):
+its committed context, then its tree ancestors, then itself, gathered to positions 0, 1, ... as a
+one-token forward of that token holds them, and padded with masked keys to a multiple of
+:data:`KEY_BLOCK`. Its score and softmax reductions then run over the same keys in the same order
+whether the token is decoded alone or verified as a tree node, so a tree forward gives it the same
+bfloat16 logits (torch's SDPA sums a node's keys at its scratch positions, with its non-ancestors
+masked in between: another order, and bfloat16 rounding of the difference flips sampled tokens).
+Float32 and float64 keep SDPA, whose differences are ~1e-6 (rare near-ties, measured by the
+benchmarks).
 
 The per-forward description travels as GPTModel's ``attention_mask`` argument, which megatron-core
 passes unchanged to every layer's self-attention: an :class:`AttentionMetadata` built once per
