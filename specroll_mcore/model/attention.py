@@ -87,19 +87,24 @@ def ordered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """Attention over each token's own keys in one-token order (see :func:`one_token_key_order`).
 
     query [sq, b, np, d], key/value [sk, b, ng, d] (GQA: head h reads group h // (np / ng)),
-    order/valid [b, sq, K] (order None: the first K keys as they are, sq = 1). Scores and softmax in
-    float32, products in the input dtype. Returns [sq, b, np * d]."""
+    order/valid [b, sq, K] (order None: the first K keys as they are, sq = 1). Keys and values are
+    laid out once per call as rows of d per (row, group), and a tree's tokens take theirs from there
+    with one ``index_select`` each, straight into the layout the products read. Scores and softmax
+    in float32, products in the input dtype. Returns [sq, b, np * d]."""
     sq, b, heads, d = query.shape
-    groups, k_len = key.shape[2], valid.shape[-1]
+    sk, groups, k_len = key.shape[0], key.shape[2], valid.shape[-1]
+    k_rows = key.permute(1, 2, 0, 3).contiguous()  # [b, ng, sk, d]
+    v_rows = value.permute(1, 2, 0, 3).contiguous()
     if order is None:
-        k = key[:k_len].permute(1, 2, 3, 0)[:, None]  # [b, 1, ng, d, K]
-        v = value[:k_len].permute(1, 2, 0, 3)[:, None]  # [b, 1, ng, K, d]
+        k, v = k_rows[:, None, :, :k_len], v_rows[:, None, :, :k_len]  # [b, 1, ng, K, d]
     else:
-        rows = torch.arange(b, device=order.device)[:, None, None]
-        k = key.transpose(0, 1)[rows, order].permute(0, 1, 3, 4, 2)  # [b, sq, ng, d, K]
-        v = value.transpose(0, 1)[rows, order].transpose(2, 3)  # [b, sq, ng, K, d]
+        base = (torch.arange(b, device=order.device)[:, None, None] * groups
+                + torch.arange(groups, device=order.device)[None, None, :]) * sk  # [b, 1, ng]
+        index = (base[..., None] + order[:, :, None, :]).reshape(-1)  # [b, sq, ng, K]
+        k = k_rows.view(-1, d).index_select(0, index).view(b, sq, groups, k_len, d)
+        v = v_rows.view(-1, d).index_select(0, index).view(b, sq, groups, k_len, d)
     q = query.transpose(0, 1).reshape(b, sq, groups, heads // groups, d)
-    scores = torch.matmul(q, k).float() * (scale if scale is not None else d ** -0.5)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * (scale if scale is not None else d ** -0.5)
     scores.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     return torch.matmul(probs, v).reshape(b, sq, heads * d).transpose(0, 1).contiguous()
