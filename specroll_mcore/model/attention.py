@@ -9,15 +9,15 @@ Positions are per token ([b, s]: committed length + depth for a tree node), so R
 here, from positions, rather than by GPTModel over a contiguous range.
 
 A decoding or verification step of a half-precision policy on CPU (``PolicyModel.batch_invariant``)
-takes each token's keys in *one-token order* (:func:`one_token_key_order`, :func:`ordered_attention`):
-its committed context, then its tree ancestors, then itself, gathered to positions 0, 1, ... as a
-one-token forward of that token holds them, and padded with masked keys to a multiple of
-:data:`KEY_BLOCK`. Its score and softmax reductions then run over the same keys in the same order
-whether the token is decoded alone or verified as a tree node, so a tree forward gives it the same
-bfloat16 logits (torch's SDPA sums a node's keys at its scratch positions, with its non-ancestors
-masked in between: another order, and bfloat16 rounding of the difference flips sampled tokens).
-Float32 and float64 keep SDPA, whose differences are ~1e-6 (rare near-ties, measured by the
-benchmarks).
+computes each token's attention in *one-token order* (:func:`one_token_key_order`,
+:func:`ordered_attention`): its softmax over its committed context, then its tree ancestors, then
+itself, at positions 0, 1, ... as a one-token forward of that token holds them, padded with masked
+keys to a multiple of :data:`KEY_BLOCK`; its values summed in blocks of :data:`KEY_BLOCK` such
+positions, added in order. Every reduction then runs over the same keys in the same order whether
+the token is decoded alone or verified as a tree node, so a tree forward gives it the same bfloat16
+logits (torch's SDPA sums a node's keys at its scratch positions, with its non-ancestors masked in
+between: another order, and bfloat16 rounding of the difference flips sampled tokens). Float32 and
+float64 keep SDPA, whose differences are ~1e-6 (rare near-ties, measured by the benchmarks).
 
 The per-forward description travels as GPTModel's ``attention_mask`` argument, which megatron-core
 passes unchanged to every layer's self-attention: an :class:`AttentionMetadata` built once per
@@ -83,31 +83,49 @@ def one_token_key_order(mask: torch.Tensor) -> tuple[Optional[torch.Tensor], tor
 
 
 def ordered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: Optional[torch.Tensor],
-                      valid: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+                      valid: torch.Tensor, shared: int = 0, scale: Optional[float] = None) -> torch.Tensor:
     """Attention over each token's own keys in one-token order (see :func:`one_token_key_order`).
 
     query [sq, b, np, d], key/value [sk, b, ng, d] (GQA: head h reads group h // (np / ng)),
-    order/valid [b, sq, K] (order None: the first K keys as they are, sq = 1). Keys and values are
-    laid out once per call as rows of d per (row, group), and a tree's tokens take theirs from there
-    with one ``index_select`` each, straight into the layout the products read. Scores and softmax
-    in float32, products in the input dtype. Returns [sq, b, np * d]."""
+    order/valid [b, sq, K] (order None: the first K keys as they are, sq = 1); ``shared``: how many
+    leading blocks of :data:`KEY_BLOCK` keys every token has from its row's committed context.
+    Scores: one product of a row's tokens with its keys as they lie, gathered to one-token order;
+    softmax in float32. Values: a product per block of keys at one-token positions, rounded to the
+    input dtype, the blocks added in order in float32; the shared blocks are one product for all of
+    a row's tokens, the others gathered per token. Returns [sq, b, np * d]."""
     sq, b, heads, d = query.shape
     sk, groups, k_len = key.shape[0], key.shape[2], valid.shape[-1]
-    k_rows = key.permute(1, 2, 0, 3).contiguous()  # [b, ng, sk, d]
-    v_rows = value.permute(1, 2, 0, 3).contiguous()
+    per_group, blocks = heads // groups, k_len // KEY_BLOCK
+    q = query.permute(1, 2, 0, 3).reshape(b, groups, per_group * sq, d)
+    scores = torch.matmul(q, key.permute(1, 2, 3, 0)).view(b, groups, per_group, sq, sk)
     if order is None:
-        k, v = k_rows[:, None, :, :k_len], v_rows[:, None, :, :k_len]  # [b, 1, ng, K, d]
+        scores, shared = scores[..., :k_len], blocks
     else:
-        base = (torch.arange(b, device=order.device)[:, None, None] * groups
-                + torch.arange(groups, device=order.device)[None, None, :]) * sk  # [b, 1, ng]
-        index = (base[..., None] + order[:, :, None, :]).reshape(-1)  # [b, sq, ng, K]
-        k = k_rows.view(-1, d).index_select(0, index).view(b, sq, groups, k_len, d)
-        v = v_rows.view(-1, d).index_select(0, index).view(b, sq, groups, k_len, d)
-    q = query.transpose(0, 1).reshape(b, sq, groups, heads // groups, d)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * (scale if scale is not None else d ** -0.5)
-    scores.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    return torch.matmul(probs, v).reshape(b, sq, heads * d).transpose(0, 1).contiguous()
+        scores = scores.gather(-1, order[:, None, None].expand(b, groups, per_group, sq, k_len))
+    scores = scores.float() * (scale if scale is not None else d ** -0.5)
+    scores.masked_fill_(~valid[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype).view(b, groups, per_group, sq, blocks, KEY_BLOCK)
+    values = value.permute(1, 2, 0, 3)  # [b, ng, sk, d]
+    parts = []  # [b, ng, blocks of each, np / ng * sq, d]
+    if shared:
+        v = values[:, :, :shared * KEY_BLOCK].reshape(b, groups, shared, KEY_BLOCK, d)
+        p = probs[:, :, :, :, :shared].permute(0, 1, 4, 2, 3, 5).reshape(b, groups, shared, per_group * sq, KEY_BLOCK)
+        parts.append(torch.matmul(p, v))
+    if shared < blocks:
+        tail = order[..., shared * KEY_BLOCK:]  # [b, sq, T]
+        rows = values.contiguous().view(-1, d)
+        base = (torch.arange(b, device=tail.device)[:, None] * groups
+                + torch.arange(groups, device=tail.device)[None, :]) * sk  # [b, ng]
+        index = (base[:, :, None, None] + tail[:, None]).reshape(-1)  # [b, ng, sq, T]
+        v = rows.index_select(0, index).view(b, groups, sq, blocks - shared, KEY_BLOCK, d)
+        p = probs[:, :, :, :, shared:].permute(0, 1, 3, 4, 2, 5)  # [b, ng, sq, blocks, np / ng, KEY_BLOCK]
+        out = torch.matmul(p, v).permute(0, 1, 3, 4, 2, 5)  # [b, ng, blocks, np / ng, sq, d]
+        parts.append(out.reshape(b, groups, blocks - shared, per_group * sq, d))
+    partial = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    total = partial[:, :, 0].float()
+    for t in range(1, blocks):  # in order, whatever the block count: added zeros change nothing
+        total += partial[:, :, t]
+    return total.to(query.dtype).view(b, groups, per_group, sq, d).permute(3, 0, 1, 2, 4).reshape(sq, b, heads * d)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,8 +165,9 @@ class AttentionMetadata:
     """[b, s] RoPE positions."""
     rows: Optional[tuple[int, int]] = None
     """(first, end): the cache rows holding ``slots``, in order (KVCache.rows; read as a view)."""
-    key_order: Optional[tuple[Optional[torch.Tensor], torch.Tensor]] = None
-    """Ordered attention's (order, valid) [b, s, K] (:func:`one_token_key_order`); None: SDPA."""
+    key_order: Optional[tuple[Optional[torch.Tensor], torch.Tensor, int]] = None
+    """Ordered attention's (order, valid) [b, s, K] (:func:`one_token_key_order`) and the key blocks
+    all of the forward's tokens have from committed context; None: SDPA."""
 
     @classmethod
     def build(cls, positions: torch.Tensor, new_token_mask: torch.Tensor, head_dim: int, theta: float,
@@ -174,7 +193,7 @@ class AttentionMetadata:
         row_index = torch.arange(b, device=positions.device)[:, None].expand(b, s)
         return cls(cos=cos, sin=sin, mask=mask[:, None], cache=cache, slots=slots, write_index=write_index,
                    row_index=row_index, kv_len=kv_len, positions=positions, rows=cache.rows(slots),
-                   key_order=one_token_key_order(mask) if ordered else None)
+                   key_order=(*one_token_key_order(mask), int(committed.min()) // KEY_BLOCK) if ordered else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,7 +245,7 @@ class SpecRollSelfAttention(SelfAttention):
             key, value = meta.cache.write_and_read(self.layer_number, meta.rows, meta.row_index, meta.write_index,
                                                    meta.kv_len, key, value)
         if meta.key_order is not None:
-            context = ordered_attention(query, key, value, *meta.key_order, self.core_attention.softmax_scale)
+            context = ordered_attention(query, key, value, *meta.key_order, scale=self.core_attention.softmax_scale)
         else:
             context = self.core_attention(query, key, value, meta.mask)
         return self.linear_proj(context)
