@@ -30,7 +30,8 @@ change of kernel does); float64 keeps the BLAS path.
 Half precision (bfloat16, float16) takes :func:`half_product`, ``W @ x^T`` in calls of at most
 :data:`HALF_MAX_ROWS` rows: oneDNN's bfloat16 kernels give a row in that form the same result in
 any call of up to ~200 rows (every SmolLM2 layer and its vocabulary projection, AVX-512 with AMX;
-``x @ W^T`` only up to 32 rows), and in isolated calls faster than ``x @ W^T`` from 16 rows on. A decode
+``x @ W^T`` only up to 32 rows; without AMX, a one-row call over more than :data:`HALF_GEMV_MAX_IN`
+inputs only as a two-row call), and in isolated calls faster than ``x @ W^T`` from 16 rows on. A decode
 step and a tree then compute a token's products bit for bit alike, which bfloat16 rounding
 otherwise turns into flipped samples (with ordered attention, model/attention.py).
 
@@ -79,6 +80,12 @@ layer rows and ~32 vocabulary rows; one bound for both)."""
 HALF_MAX_ROWS = 128
 """Half-precision products run in calls of at most this many rows (row-invariant up to ~200 rows on
 the CPUs measured; 256 rows of SmolLM2's 1536-input product are not)."""
+HALF_GEMV_MAX_IN = 1024
+"""A one-row half-precision product with more inputs than this runs as a two-row call (the row twice):
+oneDNN's one-row bfloat16 kernel splits a longer reduction otherwise than its kernel for two rows and
+more (AVX-512 bfloat16 without AMX, measured: a few outputs in 10^4 of SmolLM2's 1536-input product
+differ), which alone would break the row invariance. Up to 1024 inputs one row matches (and is the
+faster call: 52 against 80 us for SmolLM2's 576 x 576 product)."""
 PACK_ROWS_HINT = 8
 """The row count oneDNN lays the packed weights out for (any count works; 8 measured best of 1 / 8)."""
 PANEL_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
@@ -257,9 +264,16 @@ def half_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     x [..., in]: a row's result is the same in any call (see the module docstring). Also the
     float32/float64 vocabulary projection's form off the packed paths."""
     flat = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+    one_row_pad = flat.shape[1] > HALF_GEMV_MAX_IN and weight.dtype in (torch.bfloat16, torch.float16)
+
+    def call(rows: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] as weight @ rows^T
+        if len(rows) == 1 and one_row_pad:
+            return torch.mm(weight, rows.expand(2, -1).t())[:, :1].t()
+        return torch.mm(weight, rows.t()).t()
+
     # contiguous: elementwise ops and norms after it take other loops (other roundings) on a transposed view
-    out = torch.cat([torch.mm(weight, c.t()).t() for c in flat.split(HALF_MAX_ROWS)]) if len(flat) > HALF_MAX_ROWS \
-        else torch.mm(weight, flat.t()).t().contiguous()
+    out = torch.cat([call(c) for c in flat.split(HALF_MAX_ROWS)]) if len(flat) > HALF_MAX_ROWS \
+        else call(flat).contiguous()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])

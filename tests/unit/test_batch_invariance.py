@@ -38,11 +38,12 @@ def test_one_token_key_order():
 @needs_bf16_kernels
 def test_half_products_do_not_depend_on_the_row_count():
     g = torch.Generator().manual_seed(0)
-    for n_in, n_out in ((64, 96), (96, 1000)):
+    # (1536, 576): SmolLM2's MLP output product, whose one-row call oneDNN computes otherwise (HALF_GEMV_MAX_IN)
+    for n_in, n_out in ((64, 96), (96, 1000), (1536, 576)):
         w = (0.05 * torch.randn(n_out, n_in, generator=g)).bfloat16()
         x = torch.randn(cpu_gemm.HALF_MAX_ROWS + 40, n_in, generator=g).bfloat16()
         one_row = torch.cat([cpu_gemm.half_product(x[i:i + 1], w) for i in range(len(x))])
-        for n in (2, 9, 33, 64, cpu_gemm.HALF_MAX_ROWS + 40):
+        for n in (2, 9, 33, 64, cpu_gemm.HALF_MAX_ROWS + 1, cpu_gemm.HALF_MAX_ROWS + 40):
             out = cpu_gemm.half_product(x[:n], w)
             assert out.is_contiguous() and torch.equal(out, one_row[:n]), n
 
