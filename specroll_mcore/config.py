@@ -601,6 +601,23 @@ class TrainConfig:
     kl_beta: float = 0.0
     """KL to the frozen initial policy (k3 estimator); 0 disables it (and the reference model)."""
 
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: train only on groups whose rewards are not all equal (the others
+    have zero advantage), rolling out further prompts within the step until ``prompts_per_step``
+    such groups are in hand; the surplus of the last round is dropped (as in verl). The groups are
+    dealt out evenly over the data-parallel replicas."""
+
+    max_sampling_rounds: int = 3
+    """With ``dynamic_sampling``: rollout rounds of ``prompts_per_step`` prompts per step at most. A step
+    that still has fewer groups trains on those it has (verl's ``max_num_gen_batches`` raises instead),
+    and skips its update (counted) with fewer than one group per data-parallel replica."""
+
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a response longer than ``sampling.max_new_tokens -
+    overlong_buffer`` tokens loses reward linearly, ``overlong_penalty`` at the limit; 0 disables."""
+
+    overlong_penalty: float = 1.0
+
     format_reward: float = 0.0
     reward_fn: Optional[str] = None
     """A custom reward ``module:function`` taking (response_text, reference, response_tokens) and
@@ -630,6 +647,12 @@ class TrainConfig:
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0,
                f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         _check(self.kl_beta >= 0, f"TrainConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        _check(self.max_sampling_rounds >= 1,
+               f"TrainConfig.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        _check(0 <= self.overlong_buffer <= self.sampling.max_new_tokens,
+               f"TrainConfig.overlong_buffer must be in [0, sampling.max_new_tokens = {self.sampling.max_new_tokens}], "
+               f"got {self.overlong_buffer}")
+        _check(self.overlong_penalty >= 0, f"TrainConfig.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         _check(self.save_every >= 1 and self.keep_last >= 1,
                f"TrainConfig.save_every and keep_last must be >= 1, got {self.save_every}, {self.keep_last}")
 

@@ -262,6 +262,14 @@ class ParallelContext:
         dist.gather_object(items, parts, dst=0, group=self.dp_group)
         return [x for p in parts for x in p] if parts is not None else []
 
+    def all_gather_object_dp(self, obj: object) -> list:
+        """Every data-parallel replica's picklable ``obj``, in replica order (the same list on all)."""
+        if self.dp_size == 1:
+            return [obj]
+        parts: list = [None] * self.dp_size
+        dist.all_gather_object(parts, obj, group=self.dp_group)
+        return parts
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

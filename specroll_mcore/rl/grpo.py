@@ -30,6 +30,19 @@ def group_advantages(rewards: torch.Tensor, num_samples: int, mean_only: bool = 
     return centred.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
+def varied_groups(rewards: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """Groups DAPO's dynamic sampling trains on: rewards [B] (prompt-major, B = P * G) -> [P] bool,
+    True where the group's rewards are not all equal. A group of equal rewards has advantage 0 on
+    every response, so it adds no gradient and only dilutes a token-level loss. With G = 1 every
+    group is kept (as verl does: there is nothing to compare)."""
+    if rewards.numel() % num_samples:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_samples}")
+    r = rewards.reshape(-1, num_samples)  # [P, G]
+    if num_samples == 1:
+        return torch.ones(r.shape[0], dtype=torch.bool)
+    return (r != r[:, :1]).any(dim=1)
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1 with d = ref_logp - logp.
     Unbiased, always >= 0. [B, T] -> [B, T]."""

@@ -2,7 +2,8 @@
 
 References may be GSM8K-style ("... #### 72"), a \\boxed{} expression, or a bare answer. The
 response's answer is what math-verify extracts from it (\\boxed{...} first, then the last
-expression). An optional format reward pays for giving the answer in the asked form.
+expression). An optional format reward pays for giving the answer in the asked form, and DAPO's
+soft overlong punishment (:func:`overlong_penalty`) takes reward from responses near the length limit.
 """
 
 from __future__ import annotations
@@ -49,3 +50,12 @@ def score(response: str, reference: str, cfg: RewardConfig = RewardConfig()) -> 
     correct = bool(answer) and bool(verify(gold, answer))
     formatted = "\\boxed{" in response or "####" in response
     return float(correct) + (cfg.format_reward if formatted else 0.0), correct
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment, added to a response's reward: 0 up to ``max_length - buffer``
+    tokens, then falling linearly to ``-factor`` at ``max_length`` (``buffer`` 0: never)."""
+    if buffer <= 0:
+        return 0.0
+    excess = length - (max_length - buffer)
+    return -factor * min(excess, buffer) / buffer if excess > 0 else 0.0

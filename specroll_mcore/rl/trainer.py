@@ -9,7 +9,8 @@ every checkpoint), and every policy update advances the policy version they are 
 
 Departures from the GRPO paper, all configurable: token-level loss normalisation by default (DAPO;
 ``loss_normalization=sequence`` gives the paper's), no KL term by default (``kl_beta``), optional
-asymmetric clipping (``clip_high``).
+asymmetric clipping (``clip_high``); DAPO's dynamic sampling (``dynamic_sampling``) and soft overlong
+punishment (``overlong_buffer``) are off by default.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import math
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -34,8 +36,8 @@ from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.optimizer import MainParamAdamW
 from specroll_mcore.rl.data import Example, load_examples, render_prompt
-from specroll_mcore.rl.grpo import group_advantages, policy_loss
-from specroll_mcore.rl.rewards import RewardConfig, score
+from specroll_mcore.rl.grpo import group_advantages, policy_loss, varied_groups
+from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        global_grad_norm, pack_micro_batch)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
@@ -48,6 +50,10 @@ class GRPOTrainer:
 
         self.cfg = cfg
         self.ctx = parallel.initialize(cfg.parallel)
+        if cfg.prompts_per_step < self.ctx.dp_size:
+            raise ValueError(f"TrainConfig.prompts_per_step ({cfg.prompts_per_step}) is below the data-parallel size "
+                             f"({self.ctx.dp_size}): every replica needs a prompt per step; raise prompts_per_step "
+                             "or run fewer data-parallel replicas (world size / (TP x PP))")
         torch.manual_seed(cfg.seed)
         self.source = resolve_checkpoint(cfg.checkpoint)
         self.out = Path(cfg.output_dir)
@@ -156,16 +162,23 @@ class GRPOTrainer:
         return SummaryWriter(str(self.out / "tb"), purge_step=self.state["step"] + 1)
 
     # -- data ---------------------------------------------------------------------------------------------
-    def _next_examples(self) -> list[Example]:
-        """The next P examples of a seeded per-epoch shuffle; the position is part of the checkpoint."""
-        out = []
+    def _next_examples(self, taken: Optional[set[int]] = None) -> list[Example]:
+        """The next P examples of a seeded per-epoch shuffle, none of them twice in a step (``taken``:
+        the ids this step already drew). The noise is keyed by the example, so a second copy would roll
+        out the same responses; one met again where an epoch wraps is passed over for that epoch. The
+        caller leaves at least P examples outside ``taken``. The position is part of the checkpoint."""
+        out: list[Example] = []
+        seen = set(taken or ())
         while len(out) < self.cfg.prompts_per_step:
             g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.state["epoch"])
             order = torch.randperm(len(self.examples), generator=g).tolist()
-            take = order[self.state["cursor"]: self.state["cursor"] + self.cfg.prompts_per_step - len(out)]
-            out += [self.examples[i] for i in take]
-            self.state["cursor"] += len(take)
-            if self.state["cursor"] >= len(self.examples):
+            while len(out) < self.cfg.prompts_per_step and self.state["cursor"] < len(order):
+                ex = self.examples[order[self.state["cursor"]]]
+                self.state["cursor"] += 1
+                if ex.id not in seen:
+                    out.append(ex)
+                    seen.add(ex.id)
+            if self.state["cursor"] >= len(order):
                 self.state["epoch"] += 1
                 self.state["cursor"] = 0
         return out
@@ -173,36 +186,96 @@ class GRPOTrainer:
     # -- one GRPO step -------------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
         cfg, ctx, policy = self.cfg, self.ctx, self.policy
-        G = cfg.sampling.num_samples
+        P = cfg.prompts_per_step
         step = self.state["step"]
-        examples = self._next_examples()
-        mine = examples[ctx.dp_rank::ctx.dp_size]  # whole groups per data-parallel rank
-        prompts = [self.prompt_ids[e.id] for e in mine]
-        ids = [e.id for e in mine]
 
-        # 1. Rollout (the exactness contract keys noise by the step and the example ids). The updated
-        # weights are laid out for inference products first, so neither engine's time holds it.
+        # 1. Rollouts, rewards and group advantages: one round of P prompts, or with dynamic sampling
+        # more rounds until P groups of varied rewards are in hand. The updated weights are laid out for
+        # inference products first, so neither engine's time holds it.
         t0 = time.perf_counter()
         policy.pack_for_inference()
         pack_s = time.perf_counter() - t0
         row: dict[str, Any] = {}
-        compare = self.vanilla is not None and cfg.engine != "vanilla" and step % cfg.compare_vanilla_every == 0 \
-            and bool(prompts)
+        compare = self.vanilla is not None and cfg.engine != "vanilla" and step % cfg.compare_vanilla_every == 0
         # compared steps take turns at which engine goes first, so that neither is always the one timed
         # right after the policy update
         vanilla_first = compare and (step // cfg.compare_vanilla_every) % 2 == 1
+        rounds: list[_Round] = []
+        taken: set[int] = set()
+        while True:
+            examples = self._next_examples(taken)
+            taken.update(e.id for e in examples)
+            rounds.append(self._rollout_round(examples, step, compare, vanilla_first, row))
+            if not cfg.dynamic_sampling:
+                break
+            varied = sum(int(r.varied.sum()) for r in rounds)
+            if varied >= P or len(rounds) >= cfg.max_sampling_rounds or len(self.examples) - len(taken) < P:
+                break
+
+        # 2. Policy update over micro-batches (gradient accumulation), TP/PP/DP.
+        t2 = time.perf_counter()
+        seqs, trained_groups = self._training_sequences(rounds)
+        if seqs:
+            norm, loss, parts, skipped = self._update(self._micro_batches(seqs))
+        else:  # dynamic sampling found too few groups with a learning signal: no update
+            norm, loss, parts, skipped = 0.0, 0.0, [], True
+            self.state["skipped_steps"] += 1
+        train_s = time.perf_counter() - t2 + sum(r.reward_s for r in rounds)
+
+        # 3. Metrics over every response rolled out (summed over data-parallel ranks).
+        rewards_t = torch.cat([r.rewards for r in rounds])
+        gen_s = sum(r.gen_s for r in rounds)
+        n = ctx.all_reduce_dp(torch.tensor(float(rewards_t.numel())))
+        sums = ctx.all_reduce_dp(torch.tensor([rewards_t.sum().item(), (rewards_t ** 2).sum().item(),
+                                               sum(sum(r.correct) for r in rounds),
+                                               float(sum(r.rollout.num_tokens for r in rounds)), gen_s]))
+        mean = float(sums[0] / n)
+        stats = combined_stats([r.rollout.stats for r in rounds])
+        row.update({
+            "step": step + 1, "reward_mean": mean, "reward_std": math.sqrt(max(0.0, float(sums[1] / n) - mean ** 2)),
+            "accuracy": float(sums[2] / n), "response_len": float(sums[3] / n), "generation_s": gen_s,
+            "training_s": train_s, "pack_s": pack_s, "step_s": pack_s + gen_s + train_s,
+            "gen_share": gen_s / max(1e-9, pack_s + gen_s + train_s),
+            "gen_tokens_per_s": float(sums[3]) / max(1e-9, float(sums[4]) / ctx.dp_size),
+            "loss": loss, "grad_norm": norm, "skipped": skipped, "policy_version": self.state["policy_version"],
+            "clip_fraction": sum(p["clip_fraction"] for p in parts) / max(1, len(parts)),
+            "kl": sum(p["kl"] for p in parts) / max(1, len(parts)),
+        })
+        if cfg.dynamic_sampling:
+            row.update(sampling_rounds=len(rounds), groups_varied=sum(int(r.varied.sum()) for r in rounds),
+                       groups_trained=trained_groups)
+        if "tau" in stats:
+            row["tau"] = stats["tau"]
+            row["acceptance_per_head"] = stats["acceptance_per_depth"]
+            row["reflex_gate_open"] = stats.get("reflex_gate_open", 0.0)
+        if stats.get("slow_path"):
+            sp = stats["slow_path"]
+            row.update(slow_path_events=sp["events"], slow_path_share=sp["time_share"],
+                       slow_path_monitor_share=sp["monitor_share"], slow_path_records=sp["records"])
+            if sp["event"]:
+                row["slow_path_event"] = {k: sp["event"][k] for k in ("head", "steps", "kept", "heldout_before",
+                                                                       "heldout_after", "seconds")}
+        self.state["step"] = step + 1
+        return row
+
+    def _rollout_round(self, examples: list[Example], step: int, compare: bool, vanilla_first: bool,
+                       row: dict[str, Any]) -> "_Round":
+        """This replica's share of ``examples`` rolled out (the exactness contract keys the noise by the
+        step and the example ids), scored and turned into group advantages."""
+        cfg, ctx, G = self.cfg, self.ctx, self.cfg.sampling.num_samples
+        mine = examples[ctx.dp_rank::ctx.dp_size]  # whole groups per data-parallel rank
+        prompts = [self.prompt_ids[e.id] for e in mine]
+        ids = [e.id for e in mine]
         if vanilla_first:
             ref = self._timed_vanilla(prompts, ids, step, row)
         t0 = time.perf_counter()
-        rollout = self.engine.generate(prompts, cfg.sampling, step=step, prompt_ids=ids) if prompts else None
+        rollout = self.engine.generate(prompts, cfg.sampling, step=step, prompt_ids=ids)
         gen_s = time.perf_counter() - t0
         if compare:
             if not vanilla_first:
                 ref = self._timed_vanilla(prompts, ids, step, row)
-            row["rollouts_identical"] = ref.tokens == rollout.tokens
-
-        # 2. Rewards and group advantages.
-        t2 = time.perf_counter()
+            row["rollouts_identical"] = row.get("rollouts_identical", True) and ref.tokens == rollout.tokens
+        t1 = time.perf_counter()
         rewards, correct = [], []
         for k, toks in enumerate(rollout.tokens):
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
@@ -210,13 +283,42 @@ class GRPOTrainer:
                 r, c = self.reward_fn(text, mine[k // G].reference, toks)
             else:
                 r, c = score(text, mine[k // G].reference, RewardConfig(cfg.format_reward))
-            rewards.append(float(r))
+            rewards.append(float(r) + overlong_penalty(len(toks), cfg.sampling.max_new_tokens, cfg.overlong_buffer,
+                                                       cfg.overlong_penalty))
             correct.append(float(c))
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         adv = group_advantages(rewards_t, G, cfg.adv_mean_only, cfg.adv_eps)
+        varied = None
+        if cfg.dynamic_sampling:  # every replica learns every group's verdict, in the examples' order
+            flags = torch.zeros(len(examples))
+            flags[ctx.dp_rank::ctx.dp_size] = varied_groups(rewards_t, G).float()
+            varied = ctx.all_reduce_dp(flags) > 0
+        return _Round(examples, prompts, rollout, rewards_t, correct, adv, varied, gen_s, time.perf_counter() - t1)
 
-        # 3. Policy update over micro-batches (gradient accumulation), TP/PP/DP.
-        mbs = self._micro_batches(prompts, rollout, adv, G)
+    def _training_sequences(self, rounds: list["_Round"]) -> tuple[list[tuple], int]:
+        """This replica's (prompt, response tokens, rollout log-probs, advantage) to train on, and the
+        number of groups trained on over all replicas. One round: its own responses. With dynamic
+        sampling: the first P groups of varied rewards in (round, prompt) order, dealt out evenly over
+        the replicas (none if there are fewer groups than replicas)."""
+        ctx, G = self.ctx, self.cfg.sampling.num_samples
+
+        def group(r: _Round, j: int) -> list[tuple]:  # local group j of round r
+            return [(r.prompts[j], r.rollout.tokens[k], r.rollout.logprobs[k], float(r.advantages[k]))
+                    for k in range(j * G, (j + 1) * G)]
+
+        if not self.cfg.dynamic_sampling:
+            (r,) = rounds
+            return [seq for j in range(len(r.prompts)) for seq in group(r, j)], len(r.examples)
+        chosen = [(place, group(rounds[r], j)) for place, r, j in
+                  chosen_groups([r.varied for r in rounds], self.cfg.prompts_per_step, ctx.dp_size, ctx.dp_rank)]
+        groups = sorted((g for part in ctx.all_gather_object_dp(chosen) for g in part), key=lambda g: g[0])
+        if len(groups) < ctx.dp_size:
+            return [], 0
+        return [seq for _, g in groups[ctx.dp_rank::ctx.dp_size] for seq in g], len(groups)
+
+    def _update(self, mbs: list[MicroBatch]) -> tuple[float, float, list[dict], bool]:
+        """One optimizer step on the micro-batches: (grad norm, loss, per-micro-batch metrics, skipped)."""
+        cfg, ctx, policy = self.cfg, self.ctx, self.policy
         if cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.temperature == 0:
             # the rollout's log-probs are of the filtered distribution: recompute unfiltered ones
             for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature())):
@@ -227,7 +329,7 @@ class GRPOTrainer:
                 for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature())):
                     mb.ref_logp = lp
         total_tokens = ctx.all_reduce_dp(torch.tensor(float(sum(float(mb.loss_mask.sum()) for mb in mbs))))
-        total_seqs = ctx.all_reduce_dp(torch.tensor(float(len(rollout.tokens))))
+        total_seqs = ctx.all_reduce_dp(torch.tensor(float(sum(mb.input_ids.shape[0] for mb in mbs))))
 
         def loss_fn(mb: MicroBatch, logp: torch.Tensor):
             out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
@@ -243,58 +345,25 @@ class GRPOTrainer:
         if not (math.isfinite(norm) and math.isfinite(loss)):
             self.optimizer.zero_grad(set_to_none=True)  # skip the update; the last checkpoint stays valid
             self.state["skipped_steps"] += 1
-            skipped = True
-        else:
-            parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
-            self.optimizer.step()
-            self.state["policy_version"] += 1  # the heads are tied to the new policy version
-            skipped = False
-        train_s = time.perf_counter() - t2
-
-        # 4. Metrics (summed over data-parallel ranks).
-        n = ctx.all_reduce_dp(torch.tensor(float(len(rewards))))
-        sums = ctx.all_reduce_dp(torch.tensor([rewards_t.sum().item(), (rewards_t ** 2).sum().item(), sum(correct),
-                                               float(rollout.num_tokens), gen_s]))
-        mean = float(sums[0] / n)
-        stats = rollout.stats
-        row.update({
-            "step": step + 1, "reward_mean": mean, "reward_std": math.sqrt(max(0.0, float(sums[1] / n) - mean ** 2)),
-            "accuracy": float(sums[2] / n), "response_len": float(sums[3] / n), "generation_s": gen_s,
-            "training_s": train_s, "pack_s": pack_s, "step_s": pack_s + gen_s + train_s,
-            "gen_share": gen_s / max(1e-9, pack_s + gen_s + train_s),
-            "gen_tokens_per_s": float(sums[3]) / max(1e-9, float(sums[4]) / ctx.dp_size),
-            "loss": loss, "grad_norm": norm, "skipped": skipped, "policy_version": self.state["policy_version"],
-            "clip_fraction": sum(p["clip_fraction"] for p in parts) / max(1, len(parts)),
-            "kl": sum(p["kl"] for p in parts) / max(1, len(parts)),
-        })
-        if "tau" in stats:
-            row["tau"] = stats["tau"]
-            row["acceptance_per_head"] = stats["acceptance_per_depth"]
-            row["reflex_gate_open"] = stats.get("reflex_gate_open", 0.0)
-        if stats.get("slow_path"):
-            sp = stats["slow_path"]
-            row.update(slow_path_events=sp["events"], slow_path_share=sp["time_share"],
-                       slow_path_monitor_share=sp["monitor_share"], slow_path_records=sp["records"])
-            if sp["event"]:
-                row["slow_path_event"] = {k: sp["event"][k] for k in ("head", "steps", "kept", "heldout_before",
-                                                                       "heldout_after", "seconds")}
-        self.state["step"] = step + 1
-        return row
+            return norm, loss, parts, True
+        parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
+        self.optimizer.step()
+        self.state["policy_version"] += 1  # the heads are tied to the new policy version
+        return norm, loss, parts, False
 
     def _timed_vanilla(self, prompts: list, ids: list, step: int, row: dict[str, Any]) -> Any:
         """The vanilla engine's rollout of the same step (the reference SpecRoll's is timed against)."""
         t = time.perf_counter()
         ref = self.vanilla.generate(prompts, self.cfg.sampling, step=step, prompt_ids=ids)
-        row["vanilla_gen_s"] = time.perf_counter() - t
+        row["vanilla_gen_s"] = row.get("vanilla_gen_s", 0.0) + time.perf_counter() - t
         return ref
 
     def _train_temperature(self) -> float:
         return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
 
-    def _micro_batches(self, prompts: list[list[int]], rollout: Any, adv: torch.Tensor, G: int) -> list[MicroBatch]:
-        """Prompt + response sequences, labels shifted by one, loss on response tokens only."""
-        seqs = [(prompts[k // G], toks, lps, float(adv[k]))
-                for k, (toks, lps) in enumerate(zip(rollout.tokens, rollout.logprobs))]
+    def _micro_batches(self, seqs: list[tuple]) -> list[MicroBatch]:
+        """(prompt, response tokens, rollout log-probs, advantage) -> prompt + response sequences,
+        labels shifted by one, loss on response tokens only."""
         mb = self.cfg.micro_batch_size
         return [pack_micro_batch(seqs[s:s + mb], self.ctx.device) for s in range(0, len(seqs), mb)]
 
@@ -352,6 +421,59 @@ class GRPOTrainer:
         if self.ctx.rank == 0 and rows:
             print(summary_table(rows))
         return rows
+
+
+@dataclass
+class _Round:
+    """One rollout round of a step on this data-parallel replica."""
+
+    examples: list[Example]  # the round's prompts over all replicas (this one has every dp_size-th)
+    prompts: list[list[int]]  # this replica's
+    rollout: Any  # RolloutOutput
+    rewards: torch.Tensor  # [len(prompts) * G]
+    correct: list[float]
+    advantages: torch.Tensor  # [len(prompts) * G]
+    varied: Optional[torch.Tensor]  # [len(examples)] bool: groups of varied rewards (dynamic sampling)
+    gen_s: float
+    reward_s: float
+
+
+def chosen_groups(varied: list[torch.Tensor], count: int, dp_size: int, dp_rank: int) -> list[tuple[int, int, int]]:
+    """Dynamic sampling's choice: the first ``count`` groups of varied rewards over a step's rounds,
+    in (round, prompt) order. ``varied``: per round, [prompts of all replicas] bool, prompt i being
+    replica ``i % dp_size``'s local group ``i // dp_size``. Returns this replica's chosen groups as
+    (place in the order, round, local group index)."""
+    out, place = [], 0
+    for r, flags in enumerate(varied):
+        for i in flags.nonzero().flatten().tolist():
+            if place == count:
+                return out
+            if i % dp_size == dp_rank:
+                out.append((place, r, i // dp_size))
+            place += 1
+    return out
+
+
+def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rollout statistics of a step's rounds as one: tau and acceptance over all their verification
+    steps, the Reflex gate's share averaged, the slow path's counters as after the last round (they are
+    cumulative) with the last event any round had."""
+    if len(stats) == 1:
+        return stats[0]
+    out = dict(stats[-1])
+    if "tau" in out:
+        steps = [p for s in stats for p in s["per_step"]]
+        out["tau"] = sum(p["emitted"] for p in steps) / max(1, sum(p["active"] for p in steps))
+        tried = [sum(s["tried_per_depth"][d] for s in stats) for d in range(len(out["tried_per_depth"]))]
+        accepted = [sum(round(s["acceptance_per_depth"][d] * s["tried_per_depth"][d]) for s in stats)
+                    for d in range(len(tried))]
+        out["tried_per_depth"] = tried
+        out["acceptance_per_depth"] = [a / max(1, t) for a, t in zip(accepted, tried)]
+        out["reflex_gate_open"] = sum(s.get("reflex_gate_open", 0.0) for s in stats) / len(stats)
+    if out.get("slow_path"):
+        events = [s["slow_path"]["event"] for s in stats if s.get("slow_path") and s["slow_path"]["event"]]
+        out["slow_path"] = dict(out["slow_path"], event=events[-1] if events else None)
+    return out
 
 
 def _import(path: str) -> Any:

@@ -70,6 +70,29 @@ def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
     assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
 
 
+def test_dynamic_sampling_at_dp2_equals_dp1(tmp_path):
+    """DAPO's dynamic sampling at DP=2: the replicas agree on which groups have varied rewards, roll
+    out further rounds together and deal the chosen groups out evenly; two steps give DP=1's rounds,
+    rewards, loss and weights. With fewer prompts per step than replicas the run stops with an error
+    naming the field."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
+    dyn = ["--set=steps=2", "--set=dynamic_sampling=true", "--set=max_sampling_rounds=4",
+           "--set=reward_fn=rewards_for_tests:flat_for_even_answers_reward"]
+    ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *dyn)
+    got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *dyn)
+    assert sum(r["sampling_rounds"] for r in ref) > len(ref), ref  # a step took another round
+    for a, b in zip(ref, got):
+        for k in ("sampling_rounds", "groups_varied", "groups_trained", "reward_mean", "response_len"):
+            assert a[k] == b[k], (k, a[k], b[k])
+        for k in ("loss", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    proc = launch(ckpt, tmp_path / "p1", 1, 1, 2, "--set=prompts_per_step=1")
+    assert proc.returncode != 0 and "TrainConfig.prompts_per_step (1) is below the data-parallel size (2)" in (
+        proc.stdout + proc.stderr)
+
+
 @pytest.mark.parametrize("tp", [1, 2])  # DP=2, or TP=2
 def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
     """Consolidations run every step; the collective decisions and updates do not deadlock, and every

@@ -1,11 +1,14 @@
-"""GRPO advantages and loss against hand-computed values."""
+"""GRPO advantages and loss against hand-computed values; DAPO's dynamic sampling choice and soft
+overlong punishment."""
 
 import math
 
 import pytest
 import torch
 
-from specroll_mcore.rl.grpo import group_advantages, k3_kl, policy_loss
+from specroll_mcore.rl.grpo import group_advantages, k3_kl, policy_loss, varied_groups
+from specroll_mcore.rl.rewards import overlong_penalty
+from specroll_mcore.rl.trainer import chosen_groups
 
 
 def test_group_advantages_by_hand():
@@ -58,3 +61,41 @@ def test_micro_batches_add_up():
     assert torch.allclose(whole, parts)
     with pytest.raises(ValueError, match="normalization must be"):
         policy_loss(logp, old, adv, mask, normalization="batch")
+
+
+def test_varied_groups_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 2.0, 0.5, 0.5, 0.25])  # 3 prompts x 3 samples
+    assert varied_groups(r, 3).tolist() == [True, False, True]
+    assert varied_groups(torch.tensor([1.0, 1.0]), 1).tolist() == [True, True]  # G = 1: nothing to compare
+    with pytest.raises(ValueError, match="do not split into groups of 2"):
+        varied_groups(r, 2)
+
+
+def test_chosen_groups_take_the_first_varied_in_round_order_and_split_over_replicas():
+    rounds = [torch.tensor([True, False, False, True]), torch.tensor([True, True, True, False])]
+    # one replica: round 0's prompts 0 and 3, then round 1's prompts 0 and 1; prompt 2 of round 1 is surplus
+    assert chosen_groups(rounds, 4, 1, 0) == [(0, 0, 0), (1, 0, 3), (2, 1, 0), (3, 1, 1)]
+    # two replicas: prompt i is replica i % 2's local group i // 2; together they hold the same four
+    r0, r1 = chosen_groups(rounds, 4, 2, 0), chosen_groups(rounds, 4, 2, 1)
+    assert r0 == [(0, 0, 0), (2, 1, 0)] and r1 == [(1, 0, 1), (3, 1, 0)]
+    assert chosen_groups(rounds, 1, 2, 1) == [] and chosen_groups([torch.zeros(4, dtype=torch.bool)], 2, 1, 0) == []
+
+
+def test_overlong_penalty_by_hand():
+    # limit 100, buffer 20: nothing up to 80 tokens, then linear to -factor at 100
+    assert [overlong_penalty(n, 100, 20) for n in (10, 80, 81, 90, 100)] == [0.0, 0.0, -0.05, -0.5, -1.0]
+    assert overlong_penalty(90, 100, 20, factor=0.5) == -0.25
+    assert overlong_penalty(100, 100, 0) == 0.0  # buffer 0: off
+
+
+def test_rounds_statistics_combine_over_their_steps():
+    from specroll_mcore.rl.trainer import combined_stats
+
+    a = {"tau": 2.0, "per_step": [{"emitted": 4, "active": 2}], "tried_per_depth": [2, 1],
+         "acceptance_per_depth": [0.5, 1.0], "reflex_gate_open": 0.0, "slow_path": {"events": 1, "event": {"head": 0}}}
+    b = {"tau": 1.0, "per_step": [{"emitted": 2, "active": 2}, {"emitted": 1, "active": 1}], "tried_per_depth": [2, 0],
+         "acceptance_per_depth": [0.0, 0.0], "reflex_gate_open": 0.5, "slow_path": {"events": 1, "event": None}}
+    c = combined_stats([a, b])
+    assert c["tau"] == 7 / 5 and c["tried_per_depth"] == [4, 1] and c["acceptance_per_depth"] == [0.25, 1.0]
+    assert c["reflex_gate_open"] == 0.25 and c["slow_path"] == {"events": 1, "event": {"head": 0}}
+    assert combined_stats([a]) is a

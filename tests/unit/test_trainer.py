@@ -32,13 +32,18 @@ def overrides(ckpt, out, *extra):
             "reward_fn=rewards_for_tests:token_parity_reward", "data.limit=16", "tensorboard=false", *extra]
 
 
+def sequences(prompts, rollout, adv, G):
+    """(prompt, response, rollout log-probs, advantage) of every response, as the trainer trains on them."""
+    return [(prompts[k // G], toks, lps, float(adv[k])) for k, (toks, lps) in enumerate(zip(rollout.tokens, rollout.logprobs))]
+
+
 def test_one_step_lowers_the_loss_on_its_batch(tiny_ckpt, tmp_path, ctx):
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
     ex = trainer._next_examples()
     prompts = [trainer.prompt_ids[e.id] for e in ex]
     rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
-    mbs = trainer._micro_batches(prompts, rollout, adv, 3)
+    mbs = trainer._micro_batches(sequences(prompts, rollout, adv, 3))
 
     def loss_on_batch():
         lps = forward_logprobs(trainer.policy, mbs, 1.0)
@@ -71,6 +76,47 @@ def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
         for k in ("loss", "grad_norm", "clip_fraction"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (k, ra[k], rb[k])  # loss ~ 0 on-policy
     assert len({r["reward_mean"] for r in a}) > 1 or a[0]["grad_norm"] > 0  # there was a learning signal
+
+
+DYNAMIC = ["dynamic_sampling=true", "max_sampling_rounds=4", "reward_fn=rewards_for_tests:flat_for_even_answers_reward"]
+
+
+def test_dynamic_sampling_trains_on_groups_with_varied_rewards(tiny_ckpt, tmp_path, ctx):
+    """DAPO's dynamic sampling: a step rolls out more rounds until P groups of varied rewards are in
+    hand (the test reward gives every response to some prompts the same reward) and trains on exactly
+    P of them, dropping the surplus; every round's rollouts are the vanilla engine's."""
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "v", "engine=vanilla",
+                                                                   *DYNAMIC)))
+    trained = []
+    make = trainer._micro_batches
+    trainer._micro_batches = lambda seqs: (trained.append(seqs), make(seqs))[1]
+    a = trainer.run()
+    assert any(r["sampling_rounds"] > 1 for r in a) and any(r["groups_varied"] > 2 for r in a), a
+    for r, seqs in zip(a, trained):
+        assert r["groups_trained"] == 2 and not r["skipped"] and len(seqs) == 6
+        assert all(any(adv != 0 for *_, adv in seqs[g:g + 3]) for g in (0, 3))  # no group without a signal
+        assert len({tuple(seq[0]) for seq in seqs}) == 2  # two prompts, each once
+    b = run_rows(tiny_ckpt, tmp_path / "s", "engine=specroll", "compare_vanilla_every=1", *DYNAMIC)
+    for ra, rb in zip(a, b):
+        assert rb["rollouts_identical"]
+        for k in ("sampling_rounds", "groups_varied", "reward_mean", "response_len", "policy_version"):
+            assert ra[k] == rb[k], (k, ra[k], rb[k])
+        for k in ("loss", "grad_norm"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (k, ra[k], rb[k])
+
+
+def test_dynamic_sampling_without_a_signal_skips_the_update_and_overlong_responses_lose_reward(tiny_ckpt, tmp_path,
+                                                                                              ctx):
+    """Equal rewards everywhere: after max_sampling_rounds rounds no group is left to train on, so the
+    step skips its update (counted; the checkpoint is written). The soft overlong punishment over the
+    whole length (buffer = max_new_tokens = 12) takes len / 12 from every reward."""
+    rows = run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1", "dynamic_sampling=true",
+                    "max_sampling_rounds=2", "reward_fn=rewards_for_tests:constant_reward", "overlong_buffer=12")
+    (r,) = rows
+    assert r["skipped"] and r["groups_trained"] == 0 and r["groups_varied"] == 0 and r["sampling_rounds"] == 2
+    assert r["policy_version"] == 0 and r["grad_norm"] == 0.0
+    assert r["reward_mean"] == pytest.approx(0.5 - r["response_len"] / 12, abs=1e-6)
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
 def _train_cmd(ckpt, out, *extra):
@@ -165,9 +211,27 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
         load_config(TrainConfig, None, ["loss_normalization=batch"])
     with pytest.raises(ValueError, match="lr must be a number, got 'fast'"):
         load_config(TrainConfig, None, ["lr=fast"])
+    with pytest.raises(ValueError, match="TrainConfig.max_sampling_rounds must be >= 1, got 0"):
+        load_config(TrainConfig, None, ["max_sampling_rounds=0"])
+    with pytest.raises(ValueError, match=r"TrainConfig.overlong_buffer must be in \[0, sampling.max_new_tokens = 16\]"):
+        load_config(TrainConfig, None, ["sampling.max_new_tokens=16", "overlong_buffer=20"])
+    with pytest.raises(ValueError, match="TrainConfig.overlong_penalty must be >= 0"):
+        load_config(TrainConfig, None, ["overlong_penalty=-1"])
     with pytest.raises(ValueError, match=r"only 3 usable prompts .*prompts_per_step is 8"):
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r", "engine=vanilla",
                                                              "data.limit=3", "prompts_per_step=8")))
+
+
+def test_a_step_never_draws_an_example_twice(tiny_ckpt, tmp_path, ctx):
+    """3 examples, 2 a step: steps cross epochs, and one that would take an example from the end of
+    an epoch and again from the start of the next (the same responses: the noise is keyed by the
+    example) passes over the second copy."""
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla",
+                                                                   "data.limit=3")))
+    steps = [[e.id for e in trainer._next_examples()] for _ in range(12)]
+    assert all(len(set(ids)) == 2 for ids in steps), steps
+    assert trainer.state["epoch"] >= 7 and {i for ids in steps for i in ids} == {e.id for e in trainer.examples}
+    assert len({e.id for e in trainer._next_examples({trainer.examples[0].id})} & {trainer.examples[0].id}) == 0
 
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(tiny_ckpt, tmp_path, ctx):
@@ -218,7 +282,7 @@ def test_recomputed_activations_give_the_same_gradients(tiny_ckpt, tmp_path, ctx
     ex = trainer._next_examples()
     prompts = [trainer.prompt_ids[e.id] for e in ex]
     rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
-    mbs = trainer._micro_batches(prompts, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), 3)
+    mbs = trainer._micro_batches(sequences(prompts, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), 3))
 
     def grads(recompute):
         trainer.optimizer.zero_grad()
