@@ -178,7 +178,7 @@ def measure(args, step, tok, policy, vanilla, engines, heads) -> dict:
             acc[v]["active"] += sum(p["active"] for p in s["per_step"])
             for d in range(policy.num_heads):
                 acc[v]["tried"][d] += s["tried_per_depth"][d]
-                acc[v]["accepted"][d] += round(s["acceptance_per_depth"][d] * s["tried_per_depth"][d])
+                acc[v]["accepted"][d] += s["accepted_per_depth"][d]
             acc[v]["gate"].append(s.get("reflex_gate_open", 0.0))
             ev = (s.get("slow_path") or {}).get("event")
             if ev:

@@ -238,7 +238,7 @@ def main() -> int:
                 if "tau" in first.stats:
                     steps = first.stats["per_step"]
                     first.stats["tau"] = sum(s["emitted"] for s in steps) / max(1, sum(s["active"] for s in steps))
-                    acc = [sum(o.stats["acceptance_per_depth"][d] * o.stats["tried_per_depth"][d] for o in outs) /
+                    acc = [sum(o.stats["accepted_per_depth"][d] for o in outs) /
                            max(1, sum(o.stats["tried_per_depth"][d] for o in outs)) for d in range(policy.num_heads)]
                     first.stats["acceptance_per_depth"] = acc
                 return first

@@ -202,13 +202,14 @@ class GRPOTrainer:
         vanilla_first = compare and (step // cfg.compare_vanilla_every) % 2 == 1
         rounds: list[_Round] = []
         taken: set[int] = set()
+        varied = 0  # groups of varied rewards so far (dynamic sampling)
         while True:
             examples = self._next_examples(taken)
             taken.update(e.id for e in examples)
             rounds.append(self._rollout_round(examples, step, compare, vanilla_first, row))
             if not cfg.dynamic_sampling:
                 break
-            varied = sum(int(r.varied.sum()) for r in rounds)
+            varied += int(rounds[-1].varied.sum())
             if varied >= P or len(rounds) >= cfg.max_sampling_rounds or len(self.examples) - len(taken) < P:
                 break
 
@@ -242,8 +243,7 @@ class GRPOTrainer:
             "kl": sum(p["kl"] for p in parts) / max(1, len(parts)),
         })
         if cfg.dynamic_sampling:
-            row.update(sampling_rounds=len(rounds), groups_varied=sum(int(r.varied.sum()) for r in rounds),
-                       groups_trained=trained_groups)
+            row.update(sampling_rounds=len(rounds), groups_varied=varied, groups_trained=trained_groups)
         if "tau" in stats:
             row["tau"] = stats["tau"]
             row["acceptance_per_head"] = stats["acceptance_per_depth"]
@@ -301,15 +301,10 @@ class GRPOTrainer:
         sampling: the first P groups of varied rewards in (round, prompt) order, dealt out evenly over
         the replicas (none if there are fewer groups than replicas)."""
         ctx, G = self.ctx, self.cfg.sampling.num_samples
-
-        def group(r: _Round, j: int) -> list[tuple]:  # local group j of round r
-            return [(r.prompts[j], r.rollout.tokens[k], r.rollout.logprobs[k], float(r.advantages[k]))
-                    for k in range(j * G, (j + 1) * G)]
-
+        seqs = [response_sequences(r.prompts, r.rollout, r.advantages, G) for r in rounds]
         if not self.cfg.dynamic_sampling:
-            (r,) = rounds
-            return [seq for j in range(len(r.prompts)) for seq in group(r, j)], len(r.examples)
-        chosen = [(place, group(rounds[r], j)) for place, r, j in
+            return seqs[0], len(rounds[0].examples)
+        chosen = [(place, seqs[r][j * G:(j + 1) * G]) for place, r, j in
                   chosen_groups([r.varied for r in rounds], self.cfg.prompts_per_step, ctx.dp_size, ctx.dp_rank)]
         groups = sorted((g for part in ctx.all_gather_object_dp(chosen) for g in part), key=lambda g: g[0])
         if len(groups) < ctx.dp_size:
@@ -438,6 +433,13 @@ class _Round:
     reward_s: float
 
 
+def response_sequences(prompts: list[list[int]], rollout: Any, advantages: torch.Tensor, G: int) -> list[tuple]:
+    """(prompt, response tokens, rollout log-probs, advantage) of every response of a rollout, in its
+    order (response k answers prompt k // G): what the policy update trains on."""
+    return [(prompts[k // G], toks, lps, float(advantages[k]))
+            for k, (toks, lps) in enumerate(zip(rollout.tokens, rollout.logprobs))]
+
+
 def chosen_groups(varied: list[torch.Tensor], count: int, dp_size: int, dp_rank: int) -> list[tuple[int, int, int]]:
     """Dynamic sampling's choice: the first ``count`` groups of varied rewards over a step's rounds,
     in (round, prompt) order. ``varied``: per round, [prompts of all replicas] bool, prompt i being
@@ -464,11 +466,10 @@ def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     if "tau" in out:
         steps = [p for s in stats for p in s["per_step"]]
         out["tau"] = sum(p["emitted"] for p in steps) / max(1, sum(p["active"] for p in steps))
-        tried = [sum(s["tried_per_depth"][d] for s in stats) for d in range(len(out["tried_per_depth"]))]
-        accepted = [sum(round(s["acceptance_per_depth"][d] * s["tried_per_depth"][d]) for s in stats)
-                    for d in range(len(tried))]
-        out["tried_per_depth"] = tried
-        out["acceptance_per_depth"] = [a / max(1, t) for a, t in zip(accepted, tried)]
+        tried, accepted = ([sum(d) for d in zip(*(s[key] for s in stats))] for key in ("tried_per_depth",
+                                                                                      "accepted_per_depth"))
+        out.update(tried_per_depth=tried, accepted_per_depth=accepted,
+                   acceptance_per_depth=[a / max(1, t) for a, t in zip(accepted, tried)])
         out["reflex_gate_open"] = sum(s.get("reflex_gate_open", 0.0) for s in stats) / len(stats)
     if out.get("slow_path"):
         events = [s["slow_path"]["event"] for s in stats if s.get("slow_path") and s["slow_path"]["event"]]

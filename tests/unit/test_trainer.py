@@ -16,7 +16,7 @@ from grpo_fixtures import tiny_policy_checkpoint
 from specroll_mcore.config import TrainConfig, load_config
 from specroll_mcore.rl.grpo import policy_loss
 from specroll_mcore.rl.schedule import finalize_grads, forward_backward, forward_logprobs
-from specroll_mcore.rl.trainer import GRPOTrainer
+from specroll_mcore.rl.trainer import GRPOTrainer, response_sequences
 
 TESTS = Path(__file__).resolve().parent.parent
 
@@ -32,18 +32,13 @@ def overrides(ckpt, out, *extra):
             "reward_fn=rewards_for_tests:token_parity_reward", "data.limit=16", "tensorboard=false", *extra]
 
 
-def sequences(prompts, rollout, adv, G):
-    """(prompt, response, rollout log-probs, advantage) of every response, as the trainer trains on them."""
-    return [(prompts[k // G], toks, lps, float(adv[k])) for k, (toks, lps) in enumerate(zip(rollout.tokens, rollout.logprobs))]
-
-
 def test_one_step_lowers_the_loss_on_its_batch(tiny_ckpt, tmp_path, ctx):
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
     ex = trainer._next_examples()
     prompts = [trainer.prompt_ids[e.id] for e in ex]
     rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
-    mbs = trainer._micro_batches(sequences(prompts, rollout, adv, 3))
+    mbs = trainer._micro_batches(response_sequences(prompts, rollout, adv, 3))
 
     def loss_on_batch():
         lps = forward_logprobs(trainer.policy, mbs, 1.0)
@@ -282,7 +277,7 @@ def test_recomputed_activations_give_the_same_gradients(tiny_ckpt, tmp_path, ctx
     ex = trainer._next_examples()
     prompts = [trainer.prompt_ids[e.id] for e in ex]
     rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
-    mbs = trainer._micro_batches(sequences(prompts, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), 3))
+    mbs = trainer._micro_batches(response_sequences(prompts, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), 3))
 
     def grads(recompute):
         trainer.optimizer.zero_grad()
