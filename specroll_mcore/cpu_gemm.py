@@ -118,11 +118,18 @@ def panel_kernels() -> Optional[Any]:
 
 @functools.lru_cache(maxsize=1)
 def _build_panel_kernels() -> Optional[Any]:
-    """Compile (once per source, flags, torch version and checkout; cached by torch across processes)
-    and load ``csrc/panel_gemm.cpp``. A failed build warns, naming the cause, and leaves products to oneDNN
-    and BLAS."""
+    """Compile and load ``csrc/panel_gemm.cpp`` (AVX-512 CPUs only; see :func:`build_extension`)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
+    return build_extension(PANEL_SOURCE, PANEL_FLAGS, "products of a few rows take oneDNN's and BLAS's kernels "
+                           "(slower, same results up to float32 rounding)", "SPECROLL_PANEL_GEMM")
+
+
+def build_extension(source: Path, flags: tuple[str, ...], fallback: str, switch: str) -> Optional[Any]:
+    """Compile (once per source text, flags, torch version and checkout; cached by torch across
+    processes, ``TORCH_EXTENSIONS_DIR``) and load one of ``specroll_mcore/csrc``'s extensions. A failed
+    build warns, naming the cause, what runs instead (``fallback``) and the environment ``switch``
+    that turns the extension off, and returns None."""
     try:
         from torch.utils.cpp_extension import load
 
@@ -132,20 +139,18 @@ def _build_panel_kernels() -> Optional[Any]:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         # one build per source text, flags, torch version and checkout: torch's build file names the
         # source's path, so two checkouts sharing a name would rebuild over each other's library
-        key = (str(PANEL_SOURCE.resolve()), torch.__version__) + PANEL_FLAGS
-        digest = hashlib.sha256(PANEL_SOURCE.read_bytes() + " ".join(key).encode())
-        name = f"specroll_panel_gemm_{digest.hexdigest()[:12]}"
+        key = (str(source.resolve()), torch.__version__) + flags
+        digest = hashlib.sha256(source.read_bytes() + " ".join(key).encode())
+        name = f"specroll_{source.stem}_{digest.hexdigest()[:12]}"
         _clear_stale_build_lock(name)
-        return load(name, [str(PANEL_SOURCE)], extra_cflags=list(PANEL_FLAGS), extra_ldflags=["-fopenmp"],
-                    verbose=False)
-    except Exception as err:  # no compiler, no ninja, a failed build: slower products, same results
+        ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
+        return load(name, [str(source)], extra_cflags=list(flags), extra_ldflags=ldflags, verbose=False)
+    except Exception as err:  # no compiler, no ninja, a failed build: slower, same results
         lines = str(err).strip().splitlines() or [""]
         cause = next((line for line in lines if "error" in line.lower()), lines[-1])  # a build log's first error
-        warnings.warn(f"specroll_mcore: the CPU panel kernels ({PANEL_SOURCE.name}) could not be built "
-                      f"({type(err).__name__}: {cause.strip()}); "
-                      "products of a few rows take oneDNN's and BLAS's kernels (slower, same results up to "
-                      "float32 rounding). Install a C++ compiler and ninja, or set SPECROLL_PANEL_GEMM=0 to "
-                      "silence this.", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"specroll_mcore: the CPU kernels of {source.name} could not be built "
+                      f"({type(err).__name__}: {cause.strip()}); {fallback}. Install a C++ compiler and "
+                      f"ninja, or set {switch}=0 to silence this.", RuntimeWarning, stacklevel=3)
         return None
 
 

@@ -13,7 +13,11 @@ Pure tensor functions; no torch.distributed.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -68,25 +72,49 @@ def _uniform(hashes: torch.Tensor) -> torch.Tensor:
 
 def _gumbel(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """g = -log(E) with E = -log(u) ~ Exp(1). E is computed in float64 (u close to 1 needs it: those
-    are the largest g); its logarithm in float32 is exact to float32 precision."""
-    return (-torch.log((-torch.log(u)).to(torch.float32))).to(dtype)
+    are the largest g); its logarithm in float32 is exact to float32 precision. Overwrites ``u``."""
+    return u.log_().neg_().to(torch.float32).log_().neg_().to(dtype)
 
 
 CPU_CHUNK = 1 << 16
 """Elements per pass of the noise on CPU, so that its int64 / float64 temporaries stay in a core's
 cache: 256 rows x 49152 ids took 544 ms in one pass and 76 ms in chunks of 65536 (the same values)."""
 
+NOISE_SOURCE = Path(__file__).parent / "csrc" / "counter_noise.cpp"
+
+
+def noise_kernel() -> Optional[Any]:
+    """The compiled uniforms of the noise on CPU (``csrc/counter_noise.cpp``: the hash in uint32
+    arithmetic, one pass, the same values as :func:`_uniform` of :func:`_fmix32`); None with
+    ``SPECROLL_NOISE_KERNEL=0`` or where it could not be built (torch's ops then compute them)."""
+    return _build_noise_kernel() if os.environ.get("SPECROLL_NOISE_KERNEL", "1") != "0" else None
+
+
+@functools.lru_cache(maxsize=1)
+def _build_noise_kernel() -> Optional[Any]:
+    from specroll_mcore.cpu_gemm import build_extension
+
+    vector = ("-mavx2",) if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ()
+    return build_extension(NOISE_SOURCE, ("-O3", "-fopenmp") + vector,
+                           "the sampling noise is computed by torch's ops (slower, the same values)",
+                           "SPECROLL_NOISE_KERNEL")
+
 
 def _noise(keys: SampleKeys, ids: torch.Tensor, gumbel: bool, dtype: torch.dtype) -> torch.Tensor:
     """Uniforms or Gumbels for token ``ids`` ([1, s] for every key, or [n, s] per key) -> [n, s]:
-    one avalanche round of (row hash, token id), computed in row chunks on CPU."""
-    h = keys.row_hash()[:, None]
-    mixed = (ids * 0x9E3779B1) & _M32
+    one avalanche round of (row hash, token id), computed in row chunks on CPU (the uniforms by
+    :func:`noise_kernel` where it is built)."""
+    h = keys.row_hash()
     n, s = h.shape[0], ids.shape[1]
     out = torch.empty(n, s, dtype=dtype, device=h.device)
-    rows = n if h.device.type != "cpu" else max(1, CPU_CHUNK // max(s, 1))
+    cpu = h.device.type == "cpu"
+    kernel = noise_kernel() if cpu else None
+    if kernel is None:
+        h, ids = h[:, None], (ids * 0x9E3779B1) & _M32
+    rows = max(1, CPU_CHUNK // max(s, 1)) if cpu else n
     for a in range(0, n, rows):
-        u = _uniform(_fmix32(h[a:a + rows] ^ (mixed if mixed.shape[0] == 1 else mixed[a:a + rows])))
+        part = ids if ids.shape[0] == 1 else ids[a:a + rows]
+        u = kernel.counter_uniform(h[a:a + rows], part) if kernel is not None else _uniform(_fmix32(h[a:a + rows] ^ part))
         out[a:a + rows] = _gumbel(u, dtype) if gumbel else u
     return out
 
@@ -115,8 +143,9 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     """Temperature, then top-k, then top-p; removed tokens get -inf. logits [n, V] -> [n, V].
 
-    Temperature 0 leaves the logits unscaled (greedy sampling takes the argmax)."""
-    x = logits / temperature if temperature > 0 else logits.clone()
+    Temperature 0 leaves the logits unscaled (greedy sampling takes the argmax). Without top-k and
+    top-p, temperature 1 returns ``logits`` itself (dividing by 1 changes no value)."""
+    x = logits.clone() if temperature == 0 else logits if temperature == 1 else logits / temperature
     vocab = x.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
@@ -144,7 +173,9 @@ def sample(logits: torch.Tensor, keys: SampleKeys, temperature: float, top_p: fl
         logp = torch.log_softmax(upcast(logits), dim=-1)
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     x = filter_logits(logits, temperature, top_p, top_k)
-    tokens = (x + gumbel_noise(keys, x.shape[-1], x.dtype)).argmax(dim=-1)
+    # the argmax of x + g, summed into the noise's own buffer; max's indices are argmax's (the first
+    # maximal index), from a faster kernel on CPU
+    tokens = gumbel_noise(keys, x.shape[-1], x.dtype).add_(x).max(dim=-1).indices
     logp = torch.log_softmax(upcast(x), dim=-1)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 

@@ -1,5 +1,6 @@
-"""Counter-based sampling: distribution (chi-square), filters, greedy, key independence."""
+"""Counter-based sampling: distribution (chi-square), filters, greedy, key independence, the CPU noise kernel."""
 
+import pytest
 import torch
 from scipy import stats
 
@@ -91,3 +92,105 @@ def test_noise_in_row_chunks_equals_one_pass(monkeypatch):
         monkeypatch.setattr(sampling, "CPU_CHUNK", chunk)
         got = [gumbel_noise(keys, 1000), uniform_noise(keys, 1000, torch.float32, start=40), gumbel_noise_at(keys, ids)]
         assert all(torch.equal(a, b) for a, b in zip(got, whole)), chunk
+
+
+def reference_uniform(row_hash: int, token: int) -> float:
+    """The noise's uniform for one (row hash, token id), in Python integers: MurmurHash3's fmix32 of the
+    row hash xor the id's golden-ratio multiple, centred in its 2^-32 bucket."""
+    h = row_hash ^ ((token * 0x9E3779B1) & 0xFFFFFFFF)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return (h + 0.5) / 2**32
+
+
+def noise_values(keys, ids):
+    return [gumbel_noise(keys, 49152), uniform_noise(keys, 1000, torch.float32, start=40),
+            gumbel_noise_at(keys, ids), gumbel_noise(keys, 3000, torch.bfloat16)]
+
+
+def test_noise_kernel_gives_torchs_values_bit_for_bit(monkeypatch):
+    """The compiled uniforms (csrc/counter_noise.cpp) against torch's int64 ops and against the hash
+    in Python integers: every key field's full range, ids shared by all rows and per row, rows that
+    span several parallel tasks and chunks."""
+    import specroll_mcore.sampling as sampling
+
+    kernel = sampling.noise_kernel()
+    if kernel is None:
+        pytest.skip("the noise kernel could not be built here")
+    g = torch.Generator().manual_seed(0)
+    n = 37
+    keys = SampleKeys(2**31 + 5, 2**20, torch.randint(0, 2**40, (n,), generator=g),
+                      torch.randint(0, 2**16, (n,), generator=g), torch.randint(0, 2**17, (n,), generator=g))
+    ids = torch.randint(0, 49152, (n, 33), generator=g)
+    on = noise_values(keys, ids)
+    monkeypatch.setenv("SPECROLL_NOISE_KERNEL", "0")
+    assert sampling.noise_kernel() is None
+    off = noise_values(keys, ids)
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    h = keys.row_hash()
+    shared = kernel.counter_uniform(h, torch.tensor([[0, 1, 49151, 2**31 - 1, 2**40 + 7]]))
+    per_row = kernel.counter_uniform(h, ids)
+    for r in (0, 17, n - 1):
+        assert shared[r].tolist() == [reference_uniform(int(h[r]), t) for t in (0, 1, 49151, 2**31 - 1, 2**40 + 7)]
+        assert per_row[r].tolist() == [reference_uniform(int(h[r]), int(t)) for t in ids[r]]
+
+
+def test_noise_kernel_checks_its_inputs():
+    import specroll_mcore.sampling as sampling
+
+    kernel = sampling.noise_kernel()
+    if kernel is None:
+        pytest.skip("the noise kernel could not be built here")
+    with pytest.raises(RuntimeError, match="ids must have 1 or n = 2 rows, got 3"):
+        kernel.counter_uniform(torch.zeros(2, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="int64 row hashes and ids"):
+        kernel.counter_uniform(torch.zeros(2, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_without_a_compiler_the_noise_is_torchs(monkeypatch):
+    """A failed build of the noise kernel warns once, naming the cause and the switch, and the noise
+    keeps its values (torch's ops compute it)."""
+    import warnings
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    import specroll_mcore.sampling as sampling
+
+    keys = keys_for(5, seed=4, step=9)
+    ids = torch.randint(0, 49152, (5, 7), generator=torch.Generator().manual_seed(1))
+    expected = noise_values(keys, ids)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    sampling._build_noise_kernel.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"counter_noise.cpp could not be built \(RuntimeError: .*c\+\+.*"
+                                                 r"SPECROLL_NOISE_KERNEL=0"):
+            assert sampling.noise_kernel() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = noise_values(keys, ids)  # no second warning
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    finally:
+        sampling._build_noise_kernel.cache_clear()
+
+
+def test_sample_draws_the_first_maximal_score():
+    """sample() draws argmax(filtered logits / T + g), the first index among equal scores: bfloat16
+    logits and noise tie often."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 4096, generator=g) * 2).to(torch.bfloat16)
+    keys = keys_for(64, seed=2)
+    for T, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.9)):
+        x = filter_logits(logits, T, top_p, 0)
+        scores = x + gumbel_noise(keys, 4096, x.dtype)
+        ties = (scores == scores.max(-1, keepdim=True).values).sum(-1)
+        tokens, _ = sample(logits, keys, T, top_p)
+        assert torch.equal(tokens, scores.argmax(-1))
+        if T == 1.0 and top_p == 1.0:
+            assert (ties > 1).any()  # the case this checks
