@@ -618,6 +618,11 @@ class TrainConfig:
 
     overlong_penalty: float = 1.0
 
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: responses cut at the length limit (finish reason ``length``) count in
+    their group's advantages but are masked out of the loss and its normalisation. A step in which
+    every response was cut skips its update (counted)."""
+
     format_reward: float = 0.0
     reward_fn: Optional[str] = None
     """A custom reward ``module:function`` taking (response_text, reference, response_tokens) and

@@ -34,27 +34,28 @@ class MicroBatch:
     ref_logp: Optional[torch.Tensor] = None
 
 
-def pack_micro_batch(seqs: list[tuple[list[int], list[int], Optional[torch.Tensor], float]],
-                     device: torch.device) -> MicroBatch:
-    """(prompt ids, response ids, response log-probs or None, advantage) per sequence -> one
-    right-padded MicroBatch; labels are the next token, the loss covers the response tokens."""
-    L = max(len(p) + len(t) for p, t, _, _ in seqs)
+def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
+    """(prompt ids, response ids, response log-probs or None, advantage[, trained]) per sequence -> one
+    right-padded MicroBatch; labels are the next token, the loss covers the response tokens (none of
+    a sequence whose ``trained`` is False: DAPO's overlong filtering)."""
+    L = max(len(s[0]) + len(s[1]) for s in seqs)
     B = len(seqs)
     ids = torch.zeros(B, L, dtype=torch.long)
     labels = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L)
     old = torch.zeros(B, L)
     lengths = torch.zeros(B, dtype=torch.long)
-    for i, (p, t, lp, _) in enumerate(seqs):
+    for i, (p, t, lp, _, *trained) in enumerate(seqs):
         seq = list(p) + list(t)
         ids[i, : len(seq)] = torch.tensor(seq)
         labels[i, : len(seq) - 1] = torch.tensor(seq[1:])
-        mask[i, len(p) - 1: len(seq) - 1] = 1.0  # positions whose next token is a response token
+        if not trained or trained[0]:
+            mask[i, len(p) - 1: len(seq) - 1] = 1.0  # positions whose next token is a response token
         if lp is not None:
             old[i, len(p) - 1: len(seq) - 1] = lp.float()
         lengths[i] = len(seq)
     return MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device), old.to(device),
-                      torch.tensor([a for _, _, _, a in seqs], device=device))
+                      torch.tensor([s[3] for s in seqs], device=device))
 
 
 def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:

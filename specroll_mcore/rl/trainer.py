@@ -9,8 +9,8 @@ every checkpoint), and every policy update advances the policy version they are 
 
 Departures from the GRPO paper, all configurable: token-level loss normalisation by default (DAPO;
 ``loss_normalization=sequence`` gives the paper's), no KL term by default (``kl_beta``), optional
-asymmetric clipping (``clip_high``); DAPO's dynamic sampling (``dynamic_sampling``) and soft overlong
-punishment (``overlong_buffer``) are off by default.
+asymmetric clipping (``clip_high``); DAPO's dynamic sampling (``dynamic_sampling``), soft overlong
+punishment (``overlong_buffer``) and overlong filtering (``overlong_filter``) are off by default.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        global_grad_norm, pack_micro_batch)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
+from specroll_mcore.rollout.base import FINISH_LENGTH
 from specroll_mcore.rollout.profile import speculative_setup
 
 
@@ -244,6 +245,8 @@ class GRPOTrainer:
         })
         if cfg.dynamic_sampling:
             row.update(sampling_rounds=len(rounds), groups_varied=varied, groups_trained=trained_groups)
+        if cfg.overlong_filter:  # responses cut at the length limit, masked out of the loss
+            row["overlong_filtered"] = int(ctx.all_reduce_dp(torch.tensor(float(sum(not s[4] for s in seqs)))))
         if "tau" in stats:
             row["tau"] = stats["tau"]
             row["acceptance_per_head"] = stats["acceptance_per_depth"]
@@ -301,7 +304,7 @@ class GRPOTrainer:
         sampling: the first P groups of varied rewards in (round, prompt) order, dealt out evenly over
         the replicas (none if there are fewer groups than replicas)."""
         ctx, G = self.ctx, self.cfg.sampling.num_samples
-        seqs = [response_sequences(r.prompts, r.rollout, r.advantages, G) for r in rounds]
+        seqs = [response_sequences(r.prompts, r.rollout, r.advantages, G, self.cfg.overlong_filter) for r in rounds]
         if not self.cfg.dynamic_sampling:
             return seqs[0], len(rounds[0].examples)
         chosen = [(place, seqs[r][j * G:(j + 1) * G]) for place, r, j in
@@ -324,7 +327,10 @@ class GRPOTrainer:
                 for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature())):
                     mb.ref_logp = lp
         total_tokens = ctx.all_reduce_dp(torch.tensor(float(sum(float(mb.loss_mask.sum()) for mb in mbs))))
-        total_seqs = ctx.all_reduce_dp(torch.tensor(float(sum(mb.input_ids.shape[0] for mb in mbs))))
+        total_seqs = ctx.all_reduce_dp(torch.tensor(float(sum(int((mb.loss_mask.sum(1) > 0).sum()) for mb in mbs))))
+        if float(total_tokens) == 0:  # every response masked out (overlong filtering): nothing to learn from
+            self.state["skipped_steps"] += 1
+            return 0.0, 0.0, [], True
 
         def loss_fn(mb: MicroBatch, logp: torch.Tensor):
             out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
@@ -433,11 +439,13 @@ class _Round:
     reward_s: float
 
 
-def response_sequences(prompts: list[list[int]], rollout: Any, advantages: torch.Tensor, G: int) -> list[tuple]:
-    """(prompt, response tokens, rollout log-probs, advantage) of every response of a rollout, in its
-    order (response k answers prompt k // G): what the policy update trains on."""
-    return [(prompts[k // G], toks, lps, float(advantages[k]))
-            for k, (toks, lps) in enumerate(zip(rollout.tokens, rollout.logprobs))]
+def response_sequences(prompts: list[list[int]], rollout: Any, advantages: torch.Tensor, G: int,
+                       overlong_filter: bool = False) -> list[tuple]:
+    """(prompt, response tokens, rollout log-probs, advantage, trained) of every response of a rollout,
+    in its order (response k answers prompt k // G): what the policy update trains on. With
+    ``overlong_filter`` a response cut at the length limit is not trained on (DAPO)."""
+    return [(prompts[k // G], toks, lps, float(advantages[k]), not (overlong_filter and reason == FINISH_LENGTH))
+            for k, (toks, lps, reason) in enumerate(zip(rollout.tokens, rollout.logprobs, rollout.finish_reason))]
 
 
 def chosen_groups(varied: list[torch.Tensor], count: int, dp_size: int, dp_rank: int) -> list[tuple[int, int, int]]:

@@ -15,7 +15,7 @@ import torch
 from grpo_fixtures import tiny_policy_checkpoint
 from specroll_mcore.config import TrainConfig, load_config
 from specroll_mcore.rl.grpo import policy_loss
-from specroll_mcore.rl.schedule import finalize_grads, forward_backward, forward_logprobs
+from specroll_mcore.rl.schedule import finalize_grads, forward_backward, forward_logprobs, pack_micro_batch
 from specroll_mcore.rl.trainer import GRPOTrainer, response_sequences
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -112,6 +112,37 @@ def test_dynamic_sampling_without_a_signal_skips_the_update_and_overlong_respons
     assert r["policy_version"] == 0 and r["grad_norm"] == 0.0
     assert r["reward_mean"] == pytest.approx(0.5 - r["response_len"] / 12, abs=1e-6)
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_overlong_filtering_masks_cut_responses_as_if_they_were_dropped():
+    """DAPO's overlong filtering: responses cut at the length limit are marked untrained, get no loss
+    tokens, and the loss (token- and sequence-level, with the trainer's denominators: trained tokens,
+    sequences with a loss token) equals the loss of the batch without them."""
+    from types import SimpleNamespace
+
+    rollout = SimpleNamespace(tokens=[[5, 6, 7], [8, 9], [10, 11, 12, 13]], finish_reason=["length", "eos", "length"],
+                              logprobs=[torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5, -0.7]), torch.full((4,), -1.0)])
+    prompts, adv = [[1, 2], [3]], torch.tensor([1.0, -1.0, 0.5])
+    assert all(s[4] for s in response_sequences(prompts, rollout, adv, 2))
+    seqs = response_sequences(prompts, rollout, adv, 2, overlong_filter=True)
+    assert [s[4] for s in seqs] == [False, True, False] and [s[0] for s in seqs] == [[1, 2], [1, 2], [3]]
+    mb, kept = pack_micro_batch(seqs, torch.device("cpu")), pack_micro_batch([seqs[1]], torch.device("cpu"))
+    assert mb.loss_mask.sum(1).tolist() == [0.0, 2.0, 0.0]
+    logp = -torch.rand(mb.loss_mask.shape, generator=torch.Generator().manual_seed(0))
+    L = kept.loss_mask.shape[1]
+    for norm in ("token", "sequence"):
+        got = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, normalization=norm,
+                          total_tokens=float(mb.loss_mask.sum()), total_sequences=1.0).loss
+        ref = policy_loss(logp[1:2, :L], kept.old_logp, kept.advantages, kept.loss_mask, normalization=norm).loss
+        assert float(got) == pytest.approx(float(ref), rel=1e-6), norm
+
+
+def test_a_step_whose_responses_were_all_cut_skips_its_update_with_overlong_filtering(tiny_ckpt, tmp_path, ctx):
+    """The tiny random policy never samples EOS within 12 tokens: with overlong filtering nothing is
+    left to train on, so the step skips its update (counted, no division by zero tokens)."""
+    (r,) = run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1", "overlong_filter=true")
+    assert r["overlong_filtered"] == 6 and r["response_len"] == 12
+    assert r["skipped"] and r["policy_version"] == 0 and r["loss"] == 0.0
 
 
 def _train_cmd(ckpt, out, *extra):
