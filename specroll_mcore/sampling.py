@@ -92,12 +92,18 @@ def noise_kernel() -> Optional[Any]:
 
 @functools.lru_cache(maxsize=1)
 def _build_noise_kernel() -> Optional[Any]:
+    """Compile and load ``csrc/counter_noise.cpp`` once per process (cached by torch across processes)."""
     from specroll_mcore.cpu_gemm import build_extension
 
     vector = ("-mavx2",) if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ()
     return build_extension(NOISE_SOURCE, ("-O3", "-fopenmp") + vector,
                            "the sampling noise is computed by torch's ops (slower, the same values)",
                            "SPECROLL_NOISE_KERNEL")
+
+
+def _torch_uniform(row_hash: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """What the noise kernel computes, in torch's int64 ops: row_hash [n], ids [1 or n, s] -> [n, s]."""
+    return _uniform(_fmix32(row_hash[:, None] ^ ((ids * 0x9E3779B1) & _M32)))
 
 
 def _noise(keys: SampleKeys, ids: torch.Tensor, gumbel: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -109,12 +115,10 @@ def _noise(keys: SampleKeys, ids: torch.Tensor, gumbel: bool, dtype: torch.dtype
     out = torch.empty(n, s, dtype=dtype, device=h.device)
     cpu = h.device.type == "cpu"
     kernel = noise_kernel() if cpu else None
-    if kernel is None:
-        h, ids = h[:, None], (ids * 0x9E3779B1) & _M32
+    uniform = kernel.counter_uniform if kernel is not None else _torch_uniform
     rows = max(1, CPU_CHUNK // max(s, 1)) if cpu else n
     for a in range(0, n, rows):
-        part = ids if ids.shape[0] == 1 else ids[a:a + rows]
-        u = kernel.counter_uniform(h[a:a + rows], part) if kernel is not None else _uniform(_fmix32(h[a:a + rows] ^ part))
+        u = uniform(h[a:a + rows], ids if ids.shape[0] == 1 else ids[a:a + rows])
         out[a:a + rows] = _gumbel(u, dtype) if gumbel else u
     return out
 

@@ -53,7 +53,8 @@ def call_ms(fn, calls: int = 7) -> float:
 
 
 def paired(measure, reps: int) -> dict:
-    """measure(on) -> seconds (or ms) and a result to compare; ABBA x reps; ratios off / on."""
+    """``measure()`` -> (time, result to compare), taken with the kernel on and off in ABBA order for
+    ``reps`` rounds: both times, the median of the ratios off / on, and whether the results agreed."""
     on_t, off_t, same = [], [], True
     for r in range(reps):
         order = (True, False) if r % 2 == 0 else (False, True)

@@ -576,7 +576,8 @@ class _Rollout:
             "tau": sum(p["emitted"] for p in per_step) / max(1, sum(p["active"] for p in per_step)),
             "tau_per_row": (self.row_emitted.double() / self.row_steps.clamp(min=1).double()).tolist(),
             "acceptance_per_depth": (self.accepted.double() / self.tried.clamp(min=1).double()).tolist(),
-            "tried_per_depth": self.tried.tolist(), "accepted_per_depth": self.accepted.tolist(), "c_hw": self.engine.c_hw, "time_split_s": self.timers,
+            "tried_per_depth": self.tried.tolist(), "accepted_per_depth": self.accepted.tolist(),
+            "c_hw": self.engine.c_hw, "time_split_s": self.timers,
             "reflex_gate_open": self.gate_open / self.gate_total if self.gate_total else 0.0,
             # mean cosine between each horizon's memory and the feedback that followed it: the gate opens
             # only where its lower confidence bound is positive (None: no alignment observed)
