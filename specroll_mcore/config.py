@@ -401,7 +401,8 @@ class SpecConfig:
     """Keep each step's trees to the nodes that pay for their latency: of the N_t nodes per row the
     budget allows, the prefix (in the order the trees were grown) with the most expected tokens per
     second, from the drafts' cumulative probabilities (calibrated per depth by the acceptance
-    observed so far) and the profiled forward latency. Needs the latency profile
+    observed so far) and the profiled latency of a forward of that shape (the step's rows x nodes
+    per row, on its longest committed context; rollout/profile.forward_grid). Needs the latency profile
     (tools/profile_capacity.py, or the quick one measured on first use); without one, or False:
     always N_t nodes. Speed only."""
 

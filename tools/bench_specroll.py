@@ -33,11 +33,11 @@ import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
-from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import read_checkpoint_config, write_json_atomic  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
-from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
-from specroll_mcore.tree.budget import hardware_name  # noqa: E402
+from specroll_mcore.rollout.profile import cached_profile, open_for_rollout  # noqa: E402
+from specroll_mcore.tree.budget import LatencyCurve, hardware_name  # noqa: E402
 
 BINS = [(129, 10**9), (65, 128), (33, 64), (17, 32), (9, 16), (5, 8), (3, 4), (2, 2), (1, 1)]
 
@@ -153,11 +153,19 @@ def plot(rows, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def scenario(name, vanilla, spec, prompts, sp, reps):
+def scenario(name, vanilla, spec, prompts, sp, reps, one_row=None):
+    """``one_row``: a third engine, SpecRoll sizing its trees by the profile's one-row curve, run
+    after the other two in every repetition (``one_row_curve`` in the result)."""
     ratios, tv, ts, outs = [], [], [], None
-    for _ in range(reps):  # alternate A and B
+    third = {"specroll_s": [], "ratios": []}
+    for _ in range(reps):  # alternate A and B (and C)
         a, va = run(vanilla, prompts, sp)
         b, sb = run(spec, prompts, sp)
+        if one_row is not None:
+            c, sc = run(one_row, prompts, sp)
+            third["specroll_s"].append(c)
+            third["ratios"].append(a / c)
+            third["out"] = sc
         if va.tokens != sb.tokens:
             diff = sum(x != y for x, y in zip(va.tokens, sb.tokens))
             print(f"  WARNING {name}: {diff}/{len(va.tokens)} responses differ (near-ties of the sampled argmax "
@@ -176,6 +184,17 @@ def scenario(name, vanilla, spec, prompts, sp, reps):
            "time_split_s": sb.stats["time_split_s"], "c_hw": sb.stats["c_hw"],
            "finish_reasons": {r: va.finish_reason.count(r) for r in set(va.finish_reason)},
            "binned": binned_speedup(va.stats["per_step"], sb.stats["per_step"])}
+    if one_row is not None:
+        sc = third["out"]
+        res["one_row_curve"] = {
+            "specroll_s": third["specroll_s"], "speedup_median": statistics.median(third["ratios"]),
+            "surface_over_curve_median": statistics.median(c / b for b, c in zip(ts, third["specroll_s"])),
+            "identical_tokens": sc.tokens == va.tokens, "tau": sc.stats["tau"],
+            "nodes_per_row_mean": statistics.mean(s["nodes_per_row"] for s in sc.stats["per_step"]),
+            "time_split_s": sc.stats["time_split_s"]}
+        print(f"  sizing trees by the one-row curve: {res['one_row_curve']['speedup_median']:.2f}x, tau "
+              f"{sc.stats['tau']:.2f}; the grid over the curve {res['one_row_curve']['surface_over_curve_median']:.2f}x",
+              flush=True)
     print(f"{name}: speedup {res['speedup_median']:.2f}x (median of {reps} paired), tau {res['tau']:.2f}, "
           f"acceptance per depth {[round(a, 3) for a in res['acceptance_per_depth']]}, "
           f"{res['tokens']} tokens, identical responses {res['identical_responses']}/{res['responses']}", flush=True)
@@ -202,6 +221,9 @@ def main() -> int:
                     help="draft with the sampler's noise (SpecConfig.coupled)")
     ap.add_argument("--adaptive-nodes", action=argparse.BooleanOptionalAction, default=True,
                     help="keep each step's trees to the nodes that pay for their latency (SpecConfig.adaptive_nodes)")
+    ap.add_argument("--one-row-curve", action="store_true",
+                    help="also run SpecRoll sizing its trees by the profile's one-row curve instead of its grid over "
+                         "rows x nodes x context, alternating with the other two")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-full", action="store_true")
     ap.add_argument("--skip-batch1", action="store_true")
@@ -216,8 +238,16 @@ def main() -> int:
     eos = [tok.eos_token_id]
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
     spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=cap.latency)
-    report = {"checkpoint": str(ckpt), "hardware": hardware_name(), "dtype": str(policy.dtype).removeprefix("torch."), "spec": dataclasses.asdict(spec_cfg),
-              "latency_curve": dataclasses.asdict(cap.latency) if cap.latency is not None else None,
+    one_row = None
+    if args.one_row_curve:
+        record = cached_profile(policy, read_checkpoint_config(ckpt).get("policy_fingerprint"))
+        if record is None:
+            raise SystemExit("--one-row-curve needs a cached capacity profile (run tools/profile_capacity.py)")
+        one_row = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=LatencyCurve.from_profile(record))
+    report = {"checkpoint": str(ckpt), "hardware": hardware_name(), "dtype": str(policy.dtype).removeprefix("torch."),
+              "spec": dataclasses.asdict(spec_cfg),
+              "latency": ({"model": type(cap.latency).__name__, **dataclasses.asdict(cap.latency)}
+                          if cap.latency is not None else None),
               "threads": torch.get_num_threads(),
               "temperature": args.temperature,
               "reps": args.reps, "max_new_tokens": args.max_new_tokens}
@@ -248,7 +278,8 @@ def main() -> int:
     if not args.skip_hf:
         hf = hf_twin(args.checkpoint, ckpt, policy.dtype).to(ctx.device)
     if not args.skip_batch1:
-        report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps)
+        report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps,
+                                     one_at_a_time(one_row) if one_row is not None else None)
         if ctx.device.type == "cuda":
             report["batch1"]["time_split_synced_s"] = synced_split(spec, one_at_a_time(spec), p1[:1], sp1)
     if not args.skip_batch1 and hf is not None:
@@ -268,7 +299,8 @@ def main() -> int:
         spf = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
                              seed=2)
         pf = synthetic_chat_prompts(tok, args.prompts, seed=4242)
-        report["full"] = scenario(f"{args.prompts} prompts x {args.samples} samples", vanilla, spec, pf, spf, args.reps)
+        report["full"] = scenario(f"{args.prompts} prompts x {args.samples} samples", vanilla, spec, pf, spf, args.reps,
+                                  one_row)
         if ctx.device.type == "cuda":
             report["full"]["time_split_synced_s"] = synced_split(spec, spec, pf, spf)
         if hf is not None:

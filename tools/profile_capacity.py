@@ -7,11 +7,13 @@
 Measures the latency of a verification forward against the number of tokens in it (1 .. 512; one
 row holding an N-node tree on a 128-token context) and derives C_hw by the documented rule
 (specroll_mcore.tree.budget.capacity_from_latency): the largest N whose latency is at most
-``tolerance`` x the one-token latency. The result is cached (``$SPECROLL_CACHE/capacity_profiles.json``)
+``tolerance`` x the one-token latency; then the latency of R rows x N-node trees on 128- and
+512-token contexts (R, N powers of two up to C_hw, see rollout/profile.forward_grid), which the
+engine sizes each step's trees against. The result is cached (``$SPECROLL_CACHE/capacity_profiles.json``)
 under a key of the policy fingerprint, the dtype it computes in (``--dtype``: the checkpoint's, or
 the override a run loads it with, as ``params_dtype`` in a config), the hardware and the TP/PP
-layout, with the whole curve; the
-speculative engine reads C_hw from it when SpecConfig.c_hw is unset, and the curve to keep each
+layout, with the whole curve and grid; the
+speculative engine reads C_hw from it when SpecConfig.c_hw is unset, and the grid to keep each
 step's trees to the nodes that pay for their latency (SpecConfig.adaptive_nodes).
 """
 

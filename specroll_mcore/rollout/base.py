@@ -246,6 +246,11 @@ class RolloutState:
         """[b] each response's length so far: the response index of the token sampled next."""
         return torch.tensor([len(self.responses[s]) for s in slots.tolist()], device=slots.device)
 
+    def longest_context(self, slots: torch.Tensor) -> int:
+        """The longest committed context among ``slots``: its prompt and response tokens in the cache
+        (all but the last sampled one, which the next forward appends)."""
+        return max((self.prompt_len[s] + len(self.responses[s]) - 1 for s in slots.tolist()), default=0)
+
     def keys(self, slots: torch.Tensor, positions: torch.Tensor) -> SampleKeys:
         return SampleKeys(self.sampling.seed, self.step, self.key_prompt[slots], self.key_sample[slots], positions)
 

@@ -1,22 +1,29 @@
-"""Forward latency against the number of tokens in it: the measurement behind C_hw."""
+"""Forward latency against the number of tokens in it (the measurement behind C_hw) and against the
+forward's shape, rows x nodes per row x context (what the speculative engine sizes trees with)."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from specroll_mcore.model import PolicyModel, causal_mask
 from specroll_mcore.rollout.base import prefill
-from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, LatencyCurve
+from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, LatencyCurve, LatencySurface
 
 
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 QUICK_REPS = 5
 """The profile taken on first use (:func:`ensure_capacity`): medians of 5 alternated timings per
 size (of 3, one noisy one-token latency on a shared 2-core machine moved C_hw from 16 to 32)."""
+
+GRID_CONTEXTS = (128, 512)
+"""Committed context lengths the latency grid is measured at (:func:`forward_grid`): a step's
+longer contexts cost more attention per token, and more so in bfloat16's ordered attention."""
+
+Latency = Union[LatencyCurve, LatencySurface]
 
 
 def dtype_name(policy: PolicyModel) -> str:
@@ -29,9 +36,10 @@ class Capacity(NamedTuple):
 
     c_hw: int
     """Tokens per verification forward (the node budget's C_hw)."""
-    latency: Optional[LatencyCurve]
+    latency: Optional[Latency]
     """The profiled forward latency (None: not profiled, e.g. C_hw configured on a machine without a
-    cached profile); the engine keeps each step's trees to what pays for its latency with it."""
+    cached profile); the engine keeps each step's trees to what pays for its latency with it: the
+    profile's grid over the forward's shape, or for a profile from before grids, its one-row curve."""
 
 
 def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None, with_heads: bool = True,
@@ -51,27 +59,35 @@ def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None, with
 
 def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_fingerprint: Optional[str],
                     tolerance: float = DEFAULT_TOLERANCE) -> Capacity:
-    """C_hw and the latency curve for this policy, hardware and layout: SpecConfig.c_hw if set (with
-    the cached curve, if any; nothing is measured), else the cached profile's (C_hw derived from its
-    curve by today's rule), else a quick profile now (a few seconds to a minute, see
-    :func:`measure_capacity`)."""
-    from specroll_mcore.tree.budget import capacity_from_latency, hardware_name, load_profile, profile_key
+    """C_hw and the latency profile for this policy, hardware and layout: SpecConfig.c_hw if set
+    (with the cached profile, if any; nothing is measured), else the cached profile's (C_hw derived
+    from its one-row curve by today's rule), else a quick profile now (under a minute on a 2-core
+    CPU, see :func:`measure_capacity`)."""
+    from specroll_mcore.tree.budget import capacity_from_latency
 
-    ctx = policy.ctx
-    record = load_profile(profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size,
-                                      ctx.pp_size))
+    record = cached_profile(policy, policy_fingerprint)
     if record is None and not configured:
         record = measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=QUICK_REPS, tolerance=tolerance,
                                   quick=True)
-    latency = LatencyCurve.from_profile(record) if record is not None else None
+    curve = LatencyCurve.from_profile(record) if record is not None else None
+    latency = (LatencySurface.from_profile(record) or curve) if record is not None else None
     if configured:
         return Capacity(configured, latency)
-    return Capacity(capacity_from_latency(latency.tokens, latency.seconds, tolerance), latency)
+    return Capacity(capacity_from_latency(curve.tokens, curve.seconds, tolerance), latency)
 
 
-def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[Any, Optional[LatencyCurve]]:
+def cached_profile(policy: PolicyModel, policy_fingerprint: Optional[str]) -> Optional[dict]:
+    """The cached capacity profile of this policy, its dtype, this hardware and the layout, or None."""
+    from specroll_mcore.tree.budget import hardware_name, load_profile, profile_key
+
+    ctx = policy.ctx
+    return load_profile(profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size,
+                                    ctx.pp_size))
+
+
+def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[Any, Optional[Latency]]:
     """The SpecConfig a SpecRoll engine runs ``policy`` (loaded from ``checkpoint``) with: its head
-    count and C_hw filled in (:func:`ensure_capacity`), and the latency curve to size trees with."""
+    count and C_hw filled in (:func:`ensure_capacity`), and the latency profile to size trees with."""
     import dataclasses
 
     from specroll_mcore.checkpoint.megatron import read_checkpoint_config
@@ -83,7 +99,8 @@ def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[
 def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], sizes: Sequence[int], reps: int,
                      tolerance: float = DEFAULT_TOLERANCE, quick: bool = False, verbose: bool = False) -> dict:
     """Profile the forward latency on every rank (collective; the slowest rank's latencies decide),
-    derive C_hw by the documented rule (tree/budget.capacity_from_latency) and cache the record
+    derive C_hw by the documented rule (tree/budget.capacity_from_latency), measure the latency
+    grid over the shapes trees of that C_hw take (:func:`forward_grid`) and cache the record
     (rank 0). Returns the record."""
     from specroll_mcore.tree.budget import (capacity_from_latency, hardware_name, profile_key, save_capacity,
                                             tree_row_seconds)
@@ -94,6 +111,12 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
     for name in ("tree_row_s", "decode_rows_s"):
         curve[name] = ctx.all_reduce_max(torch.tensor(curve[name], dtype=torch.float64)).tolist()
     c_hw = capacity_from_latency(list(sizes), tree_row_seconds(curve), tolerance)
+    grid = forward_grid(policy, c_hw, reps, verbose=verbose and ctx.rank == 0)
+    seconds = torch.tensor([[[-1.0 if s is None else s for s in row] for row in c] for c in grid["seconds"]],
+                           dtype=torch.float64)  # (unmeasured: -1, the same shapes on every rank)
+    grid["seconds"] = [[[None if s < 0 else s for s in row] for row in c]
+                       for c in ctx.all_reduce_max(seconds).tolist()]
+    curve["grid"] = grid
     record = {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {tolerance} x latency(1)",
               "hardware": hardware_name(), "dtype": dtype_name(policy), "tp": ctx.tp_size, "pp": ctx.pp_size,
               "policy_fingerprint": fp, "curve": curve, "quick": quick}
@@ -102,41 +125,90 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
     return record
 
 
-def tree_forward(policy: PolicyModel, n: int, context: int = 128) -> Callable[[], None]:
-    """A verification forward to time: one row appending an ``n``-node tree (a causal chain, the
-    densest mask) to a ``context``-token committed prefix, logits gathered. Each call reruns it (the
-    tree is written to scratch positions and never committed). Call under inference mode."""
+def _committed_cache(policy: PolicyModel, rows: int, context: int, capacity: int) -> Any:
+    """A cache of ``rows`` slots, each holding the same ``context``-token committed prefix."""
     device = policy.ctx.device
-    one = torch.zeros(1, dtype=torch.long, device=device)
-    cache = policy.new_cache(num_slots=1, capacity=context + n)
-    prefill(policy, cache, [list(range(5, 5 + context))], 4096)
-    mask = causal_mask(1, n, device)
+    cache = policy.new_cache(num_slots=rows, capacity=capacity)
+    vocab = policy.config.vocab_size
+    prefill(policy, cache, [[(5 + i) % vocab for i in range(context)]], 4096)
+    if rows > 1:
+        cache.copy_slots(torch.zeros(rows - 1, dtype=torch.long, device=device),
+                         torch.arange(1, rows, device=device))
+    return cache
+
+
+def _step(policy: PolicyModel, cache: Any, rows: int, n: int) -> Callable[[], None]:
+    """A verification forward over the cache's first ``rows`` slots, each appending an ``n``-node
+    tree (a causal chain, the densest mask), logits gathered; written to scratch positions, never
+    committed, so each call reruns it."""
+    device = policy.ctx.device
+    slots = torch.arange(rows, device=device)
+    mask = causal_mask(rows, n, device)
 
     def run() -> None:
-        meta = policy.metadata(cache.lengths[one][:, None] + torch.arange(n, device=device)[None], mask, cache, one,
-                               step=True)
-        out = policy(torch.full((1, n), 7, device=device), meta)
+        meta = policy.metadata(cache.lengths[slots][:, None] + torch.arange(n, device=device)[None], mask, cache,
+                               slots, step=True)
+        out = policy(torch.full((rows, n), 7, device=device), meta)
         if out is not None:
             policy.full_logits(out)
     return run
+
+
+def tree_forward(policy: PolicyModel, n: int, context: int = 128, rows: int = 1) -> Callable[[], None]:
+    """A verification forward to time: ``rows`` rows (one by default) appending an ``n``-node tree
+    each to a ``context``-token committed prefix (see :func:`_step`). Call under inference mode."""
+    return _step(policy, _committed_cache(policy, rows, context, context + n), rows, n)
 
 
 def decode_forward(policy: PolicyModel, n: int, context: int = 128) -> Callable[[], None]:
     """A decode forward to time: ``n`` rows appending one token each to copies of a ``context``-token
     prefix. Call under inference mode."""
-    device = policy.ctx.device
-    rows = torch.arange(n, device=device)
-    cache = policy.new_cache(num_slots=n, capacity=context + 1)
-    prefill(policy, cache, [list(range(5, 5 + context))], 4096)
-    cache.copy_slots(torch.zeros(n, dtype=torch.long, device=device), rows)
-    mask = torch.ones(n, 1, 1, dtype=torch.bool, device=device)
+    return tree_forward(policy, 1, context, rows=n)
 
-    def run() -> None:
-        meta = policy.metadata(cache.lengths[rows][:, None], mask, cache, rows, step=True)
-        out = policy(torch.full((n, 1), 7, device=device), meta)
-        if out is not None:
-            policy.full_logits(out)
-    return run
+
+def grid_axes(c_hw: int) -> tuple[list[int], list[int]]:
+    """The rows and nodes per row of :func:`forward_grid`: powers of two up to C_hw (at least 1 and
+    2 nodes). Node budgets keep a step's trees to C_hw tokens (tree/budget.node_budget), so these
+    cover the shapes the engine weighs; the grid extrapolates past them."""
+    powers = [1 << i for i in range(max(1, c_hw).bit_length()) if 1 << i <= max(1, c_hw)]
+    return powers, powers if len(powers) > 1 else [1, 2]
+
+
+@torch.inference_mode()
+def forward_grid(policy: PolicyModel, c_hw: int, reps: int, contexts: Sequence[int] = GRID_CONTEXTS,
+                 verbose: bool = False) -> dict:
+    """Median seconds of a verification forward of R rows appending N-node trees each (R, N over
+    :func:`grid_axes`, the shapes with R * N <= C_hw and every row count at 1 and 2 nodes; others
+    None) on ``context``-token committed prefixes, at each of ``contexts``: the latency surface
+    (tree/budget.LatencySurface) trees are sized against. The node counts of one row count share
+    one cache and are timed alternately; each shape runs once untimed first. Run on every rank of
+    the layout; on a GPU each timing waits for the device."""
+    sync = torch.cuda.synchronize if policy.ctx.device.type == "cuda" else (lambda: None)
+    rows, nodes = grid_axes(c_hw)
+    seconds = []
+    for context in contexts:
+        per_context = []
+        for r in rows:
+            shapes = [n for n in nodes if n <= 2 or r * n <= c_hw]
+            cache = _committed_cache(policy, r, context, context + max(shapes))
+            runs = {n: _step(policy, cache, r, n) for n in shapes}
+            for run in runs.values():
+                run()
+            times: dict[int, list[float]] = {n: [] for n in shapes}
+            for _ in range(reps):
+                for n, run in runs.items():
+                    sync()
+                    t0 = time.perf_counter()
+                    run()
+                    sync()
+                    times[n].append(time.perf_counter() - t0)
+            del cache, runs
+            per_context.append([statistics.median(times[n]) if n in times else None for n in nodes])
+            if verbose:
+                print(f"  context {context:5d}, {r:4d} rows: " + "  ".join(
+                    f"{n} nodes {s * 1e3:.1f} ms" for n, s in zip(nodes, per_context[-1]) if s is not None), flush=True)
+        seconds.append(per_context)
+    return {"rows": rows, "nodes": nodes, "contexts": list(contexts), "seconds": seconds}
 
 
 @torch.inference_mode()

@@ -41,8 +41,9 @@ from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutStat
                                          in_cache_order, num_groups, run_groups, split_groups, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
-from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, LatencyCurve, TreeBatch, expansion, expected_tokens,
-                                 node_beliefs, node_budget, row_chunks, select_tree, tree_ancestor_mask, tree_size)
+from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, LatencyCurve, LatencySurface, TreeBatch, expansion,
+                                 expected_tokens, node_beliefs, node_budget, row_chunks, select_tree, tree_ancestor_mask,
+                                 tree_size)
 from specroll_mcore.tree.budget import DEFAULT_C_HW
 from specroll_mcore.verify import accept
 
@@ -71,12 +72,13 @@ class SpeculativeEngine:
 
     def __init__(self, model: PolicyModel, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
                  tokenizer: Any = None, max_prefill_tokens: int = 4096, seed: int = 0,
-                 sync_timers: bool = False, latency: Optional[LatencyCurve] = None,
+                 sync_timers: bool = False, latency: Optional[LatencyCurve | LatencySurface] = None,
                  pipeline_groups: Optional[int] = None) -> None:
         """``sync_timers``: on a GPU, wait for the device at every stage boundary so that
         ``time_split_s`` charges each stage its own kernels (slower: a profiling run, not a rollout);
         without it a stage's time is its host work plus whatever earlier GPU work it waits on.
-        ``latency``: the profiled forward latency of this policy, hardware and layout
+        ``latency``: the profiled forward latency of this policy, hardware and layout (its grid over
+        the forward's shape, or a one-row curve)
         (rollout/profile.ensure_capacity), with which each step keeps only the nodes that pay for
         themselves (``SpecConfig.adaptive_nodes``); None: every step uses its whole budget.
         ``pipeline_groups``: groups of responses interleaved over the pipeline stages, each verifying
@@ -231,21 +233,24 @@ class SpeculativeEngine:
         return Proposal(levels, q_tops, zs)
 
     # -- 2. build: keep the nodes that pay for their latency ----------------------------------------------
-    def trim(self, tree: TreeBatch, pool_index: torch.Tensor, proposal: Proposal, probe: bool = False):
+    def trim(self, tree: TreeBatch, pool_index: torch.Tensor, proposal: Proposal, probe: bool = False,
+             context: Optional[int] = None):
         """The prefix of the selected trees with the most expected tokens per second of forward
         (``SpecConfig.adaptive_nodes``; the drafts' beliefs scaled by :attr:`calibration`); on a
         ``probe`` step at least the trunk (``SpecConfig.probe_every``). Returns the trees, their pool
         indices, the drafts' summed beliefs per depth over the kept nodes [H] (what the calibration
         compares with the accepted nodes after verification) and the size the weighing chose (before
-        a probe's trunk). A latency curve flat over the step's tokens keeps every node without
+        a probe's trunk). ``context``: the longest committed context among the rows (what the
+        forward's attention reads). A latency flat over the step's tokens keeps every node without
         weighing them (no host round trip)."""
         b = tree.shape[0]
         beliefs = node_beliefs(proposal.levels, pool_index)
         depth = (tree.depth[:, 1:] - 1).clamp(min=0)  # (padding: depth 0, belief 0)
         keep_n = weighed = tree.shape[1]
-        if self.latency(b * keep_n) > self.latency(b):
+        if self.latency.step(b, keep_n, context) > self.latency.step(b, 1, context):
             scale = torch.tensor(self.calibration.factors(), device=beliefs.device)[depth]
-            keep_n = weighed = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency)
+            keep_n = weighed = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency,
+                                         context)
             if probe:  # the trunk comes first in the trees' order (select_tree)
                 keep_n = max(keep_n, min(tree.shape[1], len(proposal.levels) + 1))
             tree, pool_index = tree.prefix(keep_n), pool_index[:, :keep_n]
@@ -253,7 +258,7 @@ class SpeculativeEngine:
             0, depth[:, :keep_n - 1].flatten(), beliefs[:, :keep_n - 1].flatten())
         return tree, pool_index, believed, weighed
 
-    def drafts_can_pay(self, rows: int, budget: int) -> bool:
+    def drafts_can_pay(self, rows: int, budget: int, context: Optional[int] = None) -> bool:
         """Whether any trees of ``budget`` nodes could pay for their latency at the current
         calibration. A kept node's expected contribution is its belief times its depth's factor f_d,
         at most 1 (see trim), and the beliefs at one depth sum to at most 1: so depth d offers at most
@@ -261,12 +266,13 @@ class SpeculativeEngine:
         does not pay (stale heads: low factors), the step decodes plainly without drafting; probe
         steps draft regardless, so the factors keep being measured."""
         depth = min(self.spec.num_heads, budget - 1)
-        if self.latency is None or depth < 1 or self.latency(rows * (depth + 1)) <= self.latency(rows):
+        if (self.latency is None or depth < 1
+                or self.latency.step(rows, depth + 1, context) <= self.latency.step(rows, 1, context)):
             return True  # (as in trim: where extra tokens are free, nothing is weighed)
         offers = sorted((v for f in self.calibration.factors()[:depth] for v in [1.0] * int(f) + [f - int(f)]),
                         reverse=True)[:budget - 1]
         best = [rows * (1.0 + sum(offers[:k])) for k in range(len(offers) + 1)]
-        return tree_size(best, rows, self.latency) > 1
+        return tree_size(best, rows, self.latency, context) > 1
 
     # -- 6. feedback ----------------------------------------------------------------------------------
     def feedback(self, active: torch.Tensor, slots: list[int], counts: list[int], acc: Any, logits: torch.Tensor,
@@ -453,7 +459,8 @@ class _Rollout:
         g.nodes = n = node_budget(b, engine.c_hw, spec.n_min, spec.n_max)
         probe = spec.probe_every > 0 and g.steps % spec.probe_every == spec.probe_every - 1
         g.proposal = g.pool_index = g.believed = None
-        if n == 1 or not probe and (g.roots_only >= IDLE_AFTER or not engine.drafts_can_pay(b, n)):
+        context = state.longest_context(g.slots) if n > 1 and engine.latency is not None else None
+        if n == 1 or not probe and (g.roots_only >= IDLE_AFTER or not engine.drafts_can_pay(b, n, context)):
             # a full batch, or drafts that do not pay: plain decoding, no proposal
             t1 = self.clock()
             tree = TreeBatch(g.roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device),
@@ -464,7 +471,7 @@ class _Rollout:
             t1 = self.clock()
             tree, g.pool_index = select_tree(g.roots, g.proposal.levels, n)
             if engine.latency is not None:
-                tree, g.pool_index, g.believed, weighed = engine.trim(tree, g.pool_index, g.proposal, probe)
+                tree, g.pool_index, g.believed, weighed = engine.trim(tree, g.pool_index, g.proposal, probe, context)
                 g.roots_only = g.roots_only + 1 if weighed == 1 else 0
         else:
             t1, tree = self.clock(), None

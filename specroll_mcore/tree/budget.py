@@ -100,6 +100,92 @@ class LatencyCurve:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), min(ys))
 
+    def step(self, rows: int, nodes: int, context: Optional[int] = None) -> float:
+        """A forward of ``rows`` trees of ``nodes`` nodes each, read as one row's tree of all their
+        tokens (the curve knows neither the rows nor their contexts; see :class:`LatencySurface`)."""
+        return self(rows * nodes)
+
+
+def _along(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear through (xs, ys) (xs increasing, at least one point), and past either end
+    along the nearest segment's slope; a single point is constant."""
+    if len(xs) == 1:
+        return ys[0]
+    i = next((j for j, v in enumerate(xs) if v >= x), len(xs) - 1)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class LatencySurface:
+    """Seconds of one verification forward against its shape: ``rows`` rows each appending a tree of
+    ``nodes`` nodes to its committed context of ``context`` tokens (a capacity profile's grid, see
+    rollout/profile.forward_grid).
+
+    A forward of many rows costs more than one row's tree of as many tokens: every row attends
+    over its own context, and sampling, gathers and the cache's bookkeeping are per row. On a 2-core
+    Xeon, 16 rows x 4 nodes on 320-token contexts took 133 ms in float32 and 122 ms in bfloat16,
+    where one row's 64-token tree on a 128-token context takes 108 and 93 ms; relative to the same
+    16 rows decoding one token each, those trees cost 1.71x and 1.68x, where the one-row curve
+    says 1.88x and 1.50x. The step's trees are sized against this.
+
+    ``seconds[c][r][n]``: at ``contexts[c]``, ``rows[r]``, ``nodes[n]``; None where not measured
+    (the grid holds shapes of up to its token budget, and at least nodes 1 and 2 for every row).
+    Between measured points: linear in nodes along each measured row, then linear in rows, then
+    linear in context; past the grid, along the last segment's slope; never below the fastest
+    measured forward."""
+
+    rows: tuple[int, ...]
+    nodes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    seconds: tuple[tuple[tuple[Optional[float], ...], ...], ...]
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "nodes", "contexts"):
+            axis = getattr(self, name)
+            if not axis or axis[0] < 1 or any(a >= b for a, b in zip(axis, axis[1:])):
+                raise ValueError(f"a latency surface's {name} must be >= 1 and increasing, got {list(axis)}")
+        shape = (len(self.contexts), len(self.rows), len(self.nodes))
+        if (len(self.seconds) != shape[0] or any(len(c) != shape[1] for c in self.seconds)
+                or any(len(r) != shape[2] for c in self.seconds for r in c)):
+            raise ValueError(f"a latency surface's seconds must be [contexts][rows][nodes] = {list(shape)}")
+        for c in self.seconds:
+            for r, row in zip(self.rows, c):
+                measured = [s for s in row if s is not None]
+                if len(measured) < min(2, len(self.nodes)) or any(not s > 0 for s in measured):
+                    raise ValueError(f"a latency surface needs at least two measured node counts (seconds > 0) "
+                                     f"for every row count; {r} rows has {row}")
+
+    @classmethod
+    def from_profile(cls, record: dict) -> Optional["LatencySurface"]:
+        """From a capacity profile's record (rollout/profile.measure_capacity); None for a record
+        without a grid (profiled before there was one: its one-row curve stands in)."""
+        grid = record["curve"].get("grid")
+        if grid is None:
+            return None
+        return cls(tuple(int(r) for r in grid["rows"]), tuple(int(n) for n in grid["nodes"]),
+                   tuple(int(c) for c in grid["contexts"]),
+                   tuple(tuple(tuple(None if s is None else float(s) for s in row) for row in c)
+                         for c in grid["seconds"]))
+
+    def step(self, rows: int, nodes: int, context: Optional[int] = None) -> float:
+        """Seconds of a forward of ``rows`` trees of ``nodes`` nodes each on contexts of up to
+        ``context`` tokens (None: the grid's first context)."""
+        per_context = []
+        for c in self.seconds:
+            per_row = []
+            for row in c:
+                points = [(n, s) for n, s in zip(self.nodes, row) if s is not None]
+                per_row.append(_along([n for n, _ in points], [s for _, s in points], nodes))
+            per_context.append(_along(self.rows, per_row, rows))
+        seconds = per_context[0] if context is None else _along(self.contexts, per_context, context)
+        return max(seconds, self.fastest)
+
+    @functools.cached_property
+    def fastest(self) -> float:
+        return min(s for c in self.seconds for row in c for s in row if s is not None)
+
 
 class DepthCalibration:
     """How far the drafts' beliefs are to be trusted, per depth: accepted nodes over the beliefs'
@@ -131,17 +217,19 @@ class DepthCalibration:
         self.expected, self.accepted = list(state["expected"]), list(state["accepted"])
 
 
-def tree_size(expected: Sequence[float], rows: int, latency: LatencyCurve) -> int:
+def tree_size(expected: Sequence[float], rows: int, latency: "LatencyCurve | LatencySurface",
+              context: Optional[int] = None) -> int:
     """How many nodes per row (root included) a step keeps: ``expected[N - 1]`` is the number of
     tokens the step is expected to emit over its ``rows`` rows with trees of N nodes (from the drafts'
-    cumulative probabilities); its forward takes ``latency(rows * N)``. Returns the N with the most
+    cumulative probabilities); its forward takes ``latency.step(rows, N, context)`` (``context``: the
+    longest committed context among the rows). Returns the N with the most
     expected tokens per second of forward (the smallest on ties). The step's host time is left out:
     it is a wall-clock reading, and the choice must depend only on the drafts, the acceptance seen
     so far and the profile, so that a rollout's statistics (and the slow path they feed) are
     reproducible and a resumed run repeats them."""
     best, best_rate = 1, -1.0
     for n, e in enumerate(expected, start=1):
-        rate = e / latency(rows * n)
+        rate = e / latency.step(rows, n, context)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = n, rate
     return best

@@ -11,7 +11,7 @@ from specroll_mcore.checkpoint import random_full_state_dict
 from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
-from specroll_mcore.tree import DepthCalibration, LatencyCurve
+from specroll_mcore.tree import DepthCalibration, LatencyCurve, LatencySurface
 
 PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37], [41, 42]]
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0.0, max_new_tokens=40, num_samples=2),
@@ -185,6 +185,33 @@ def test_adaptive_nodes_follow_the_latency_curve_and_keep_the_tokens(ctx, monkey
     assert out.tokens == ref.tokens
     engine = SpeculativeEngine(model, SpecConfig(c_hw=64, adaptive_nodes=False), latency=curves["steep"])
     assert engine.latency is None  # switched off: every step uses its whole budget
+
+
+def test_trees_are_sized_by_the_latency_of_the_forwards_shape_and_context(ctx, monkeypatch):
+    """With a latency surface, a step prices its forward by its rows, nodes and the longest committed
+    context among them: on short contexts, where extra nodes are free, trees take the whole budget;
+    on long ones, where each node costs a forward, steps decode plainly but for the probes' trunks.
+    The tokens are vanilla's throughout."""
+    import specroll_mcore.rollout.speculative as engine_module
+
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    sp = SAMPLINGS["t1_top_p"]
+    ref = VanillaEngine(model).generate(PROMPTS, sp)
+    free, steep = (1.0, 1.0, 1.0), (1.0, 2.0, 4.0)
+    surface = LatencySurface((1, 16), (1, 2, 4), (8, 24), ((free, free), (steep, steep)))
+    contexts = []
+    real_tree_size = engine_module.tree_size
+    monkeypatch.setattr(engine_module, "tree_size", lambda *a: contexts.append(a[3]) or real_tree_size(*a))
+    out = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=surface).generate(PROMPTS, sp)
+    assert out.tokens == ref.tokens
+    steps = out.stats["per_step"]
+    budget = 64 // len(ref.tokens)
+    assert steps[0]["nodes_per_row"] == budget  # contexts of at most the longest prompt (7): nodes are free
+    assert contexts and min(contexts) > 8 and contexts == sorted(contexts)  # weighed once contexts grew
+    long = [p["nodes_per_row"] for p in steps[-8:]]  # past 24 committed tokens in the longest row
+    assert set(long) <= {1, 4} and long.count(4) <= 1, long
+    flat = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=LatencySurface((1, 16), (1, 2, 4), (8,), ((free, free),)))
+    assert flat.generate(PROMPTS, sp).tokens == ref.tokens
 
 
 def test_no_drafting_where_no_tree_could_pay(ctx, monkeypatch):

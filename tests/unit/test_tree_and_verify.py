@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from specroll_mcore.tree import (PAD, ROOT, DraftLevel, LatencyCurve, TreeBatch, capacity_from_latency, expansion,
-                                 expected_tokens, node_beliefs, node_budget, row_chunks, select_tree, tree_size)
+from specroll_mcore.tree import (PAD, ROOT, DraftLevel, LatencyCurve, LatencySurface, TreeBatch, capacity_from_latency,
+                                 expansion, expected_tokens, node_beliefs, node_budget, row_chunks, select_tree, tree_size)
 from specroll_mcore.tree.budget import DepthCalibration, tree_row_seconds
 from specroll_mcore.verify import accept
 
@@ -170,6 +170,52 @@ def test_tree_size_keeps_the_nodes_that_pay_for_their_latency():
     assert tree_size([2.0, 2.0, 2.0], 2, flat) == 1  # nothing to gain: the smallest
 
 
+def linear_surface(rows=(1, 2, 4, 8), nodes=(1, 2, 4, 8), contexts=(100, 300), budget=8):
+    """A grid of seconds = 1 + 0.1 * rows + 0.05 * rows * nodes * (1 + context / 100), measured where
+    rows * nodes <= budget or nodes <= 2 (as profile.forward_grid)."""
+    def f(r, n, c):
+        return 1 + 0.1 * r + 0.05 * r * n * (1 + c / 100)
+    return LatencySurface(rows, nodes, contexts, tuple(tuple(tuple(f(r, n, c) if n <= 2 or r * n <= budget else None
+                                                                   for n in nodes) for r in rows) for c in contexts)), f
+
+
+def test_latency_surface_interpolates_over_rows_nodes_and_context():
+    surface, f = linear_surface()
+    assert surface.step(4, 2, 300) == pytest.approx(f(4, 2, 300))  # a measured point
+    assert surface.step(3, 2, 200) == pytest.approx(f(3, 2, 200))  # between points (f is linear in each)
+    assert surface.step(2, 3, 100) == pytest.approx(f(2, 3, 100))
+    assert surface.step(8, 4, 300) == pytest.approx(f(8, 4, 300))  # an unmeasured shape: along its row's slope
+    assert surface.step(16, 2, 500) == pytest.approx(f(16, 2, 500))  # past the grid: along the last segments
+    assert surface.step(2, 2) == surface.step(2, 2, 100)  # no context: the grid's first
+    assert surface.step(1, 1, 0) == surface.fastest == f(1, 1, 100)  # never below the fastest measured forward
+    flat = LatencySurface((1, 2), (1, 2), (8,), (((1.0, 1.0), (1.0, 1.0)),))
+    assert flat.step(64, 64, 4096) == 1.0
+    assert LatencyCurve((1, 4, 8), (1.0, 1.6, 2.0)).step(2, 3, 4096) == pytest.approx(1.8)  # (rows x nodes tokens)
+    assert LatencySurface.from_profile({"curve": {"tokens": [1, 2], "tree_row_s": [1.0, 2.0]}}) is None
+    record = {"curve": {"grid": {"rows": [1, 2], "nodes": [1, 2], "contexts": [8],
+                                 "seconds": [[[1.0, 1.5], [1.2, 2.0]]]}}}
+    assert LatencySurface.from_profile(record).step(2, 2, 8) == 2.0
+    with pytest.raises(ValueError, match="rows must be >= 1 and increasing"):
+        LatencySurface((2, 1), (1, 2), (8,), (((1.0, 1.0), (1.0, 1.0)),))
+    with pytest.raises(ValueError, match=r"seconds must be \[contexts\]\[rows\]\[nodes\] = \[1, 2, 2\]"):
+        LatencySurface((1, 2), (1, 2), (8,), (((1.0, 1.0),),))
+    with pytest.raises(ValueError, match="at least two measured node counts.*2 rows has"):
+        LatencySurface((1, 2), (1, 2), (8,), (((1.0, 1.0), (1.0, None)),))
+    with pytest.raises(ValueError, match="seconds > 0"):
+        LatencySurface((1, 2), (1, 2), (8,), (((1.0, 0.0), (1.0, 1.0)),))
+
+
+def test_tree_size_weighs_the_forwards_rows_and_context():
+    """Trees of one row may pay where the same tokens spread over many rows on long contexts do not:
+    the surface prices the shape, a one-row curve only the token count."""
+    surface = LatencySurface((1, 16), (1, 2), (300,), (((1.0, 1.01), (2.0, 2.8)),))  # 16 rows x 2 nodes: 1.4x
+    curve = LatencyCurve((1, 32), (1.0, 1.31))  # one row's tree of 16 x 2 tokens: 1.31 / 1.15 = 1.14x 16 tokens
+    expected = [16.0, 16 * 1.3]  # 16 rows: 0.3 more tokens a row with 2 nodes
+    assert tree_size(expected, 16, surface, 300) == 1  # 1.3x the tokens for 1.4x the time
+    assert tree_size(expected, 16, curve, 300) == 2  # what the token count alone says
+    assert tree_size([1.0, 1.3], 1, surface, 300) == 2  # one row: they pay
+
+
 def test_depth_calibration_follows_the_observed_ratio():
     cal = DepthCalibration(2, decay=0.9, prior=4.0)
     assert cal.factors() == [1.0, 1.0]
@@ -230,7 +276,16 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     assert not (tmp_path / "capacity_profiles.json").exists()
     cap = profile.ensure_capacity(model, None, "fp")
     assert cap.c_hw in profile.QUICK_SIZES and (tmp_path / "capacity_profiles.json").is_file()
-    assert cap.latency.tokens == profile.QUICK_SIZES and len(cap.latency.seconds) == len(profile.QUICK_SIZES)
+    record = json.loads((tmp_path / "capacity_profiles.json").read_text())
+    (record,) = record.values()
+    assert record["curve"]["tokens"] == list(profile.QUICK_SIZES) and len(record["curve"]["tree_row_s"]) == 8
+    rows, nodes = profile.grid_axes(cap.c_hw)
+    assert isinstance(cap.latency, LatencySurface)  # the engine sizes trees against the grid
+    assert (cap.latency.rows, cap.latency.nodes, cap.latency.contexts) == (tuple(rows), tuple(nodes),
+                                                                          profile.GRID_CONTEXTS)
+    for c in record["curve"]["grid"]["seconds"]:  # shapes of up to C_hw tokens, and 1 and 2 nodes for every row
+        assert [[s is not None for s in row] for row in c] == [[n <= 2 or r * n <= cap.c_hw for n in nodes]
+                                                               for r in rows]
     monkeypatch.setattr(profile, "forward_latency", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
     assert profile.ensure_capacity(model, None, "fp") == cap  # cached
     assert profile.ensure_capacity(model, 24, "fp") == (24, cap.latency)  # configured C_hw, the cached curve
@@ -259,6 +314,56 @@ def test_latency_profile_leaves_out_each_shapes_first_forward(monkeypatch):
     cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")))
     res = profile.forward_latency(cpu_policy, [1, 4], reps=1)
     assert max(res["tree_row_s"] + res["decode_rows_s"]) < 0.04, res
+
+
+def test_latency_grid_times_every_shape_after_an_untimed_first_forward(monkeypatch):
+    """The grid runs each shape once untimed (as the one-row curve) and measures what the engine
+    weighs: rows x nodes up to C_hw tokens, and one and two nodes for every row count."""
+    import time
+    from types import SimpleNamespace
+
+    from specroll_mcore.rollout import profile
+
+    shapes = []
+
+    def fake_step(policy, cache, rows, n):
+        calls = []
+
+        def run():
+            calls.append(1)
+            shapes.append((cache, rows, n))
+            time.sleep(0.05 if len(calls) == 1 else 0.001 * n)
+        return run
+
+    monkeypatch.setattr(profile, "_committed_cache", lambda policy, rows, context, capacity: (rows, context, capacity))
+    monkeypatch.setattr(profile, "_step", fake_step)
+    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")))
+    grid = profile.forward_grid(cpu_policy, 4, reps=2, contexts=(8, 32))
+    assert (grid["rows"], grid["nodes"], grid["contexts"]) == ([1, 2, 4], [1, 2, 4], [8, 32])
+    for c in grid["seconds"]:
+        assert [[s is not None for s in row] for row in c] == [[True] * 3, [True, True, False], [True, True, False]]
+        assert max(s for row in c for s in row if s is not None) < 0.04  # the first forwards left out
+        assert c[0][2] > c[0][0]  # (the fake's 1 ms per node)
+    assert {(cache, r, n) for cache, r, n in shapes} == {((r, c, c + (4 if r == 1 else 2)), r, n)
+                                                         for c in (8, 32) for r, n in
+                                                         [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1), (4, 2)]}
+    assert len(shapes) == 2 * 7 * 3  # each shape: one untimed forward and the reps
+    assert profile.grid_axes(1) == ([1], [1, 2]) and profile.grid_axes(24) == ([1, 2, 4, 8, 16], [1, 2, 4, 8, 16])
+
+
+def test_a_profile_from_before_grids_sizes_trees_by_its_one_row_curve(ctx, tmp_path, monkeypatch):
+    from conftest import make_policy
+    from specroll_mcore.config import tiny_llama
+    from specroll_mcore.rollout import profile
+    from specroll_mcore.tree import budget
+
+    monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
+    model = make_policy(tiny_llama(), ctx)
+    key = budget.profile_key("fp", profile.dtype_name(model), budget.hardware_name(), 1, 1)
+    budget.save_capacity(key, {"c_hw": 4, "curve": {"tokens": [1, 4, 8], "tree_row_s": [1.0, 1.5, 3.0]}})
+    monkeypatch.setattr(profile, "forward_grid", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
+    cap = profile.ensure_capacity(model, None, "fp")
+    assert cap == (4, LatencyCurve((1, 4, 8), (1.0, 1.5, 3.0)))  # (tools/profile_capacity.py measures a grid)
 
 
 def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
