@@ -174,6 +174,23 @@ def grid_axes(c_hw: int) -> tuple[list[int], list[int]]:
     return powers, powers if len(powers) > 1 else [1, 2]
 
 
+def alternated_medians(runs: dict[Any, Callable[[], None]], reps: int, sync: Callable[[], None]) -> dict[Any, float]:
+    """Median seconds of each run: every run once untimed first (a process's first forward of a
+    shape is slower: allocations, kernel setup), then ``reps`` rounds timing each in turn, each
+    timing between two ``sync`` calls."""
+    for run in runs.values():
+        run()
+    times: dict[Any, list[float]] = {key: [] for key in runs}
+    for _ in range(reps):
+        for key, run in runs.items():
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 @torch.inference_mode()
 def forward_grid(policy: PolicyModel, c_hw: int, reps: int, contexts: Sequence[int] = GRID_CONTEXTS,
                  verbose: bool = False) -> dict:
@@ -191,19 +208,9 @@ def forward_grid(policy: PolicyModel, c_hw: int, reps: int, contexts: Sequence[i
         for r in rows:
             shapes = [n for n in nodes if n <= 2 or r * n <= c_hw]
             cache = _committed_cache(policy, r, context, context + max(shapes))
-            runs = {n: _step(policy, cache, r, n) for n in shapes}
-            for run in runs.values():
-                run()
-            times: dict[int, list[float]] = {n: [] for n in shapes}
-            for _ in range(reps):
-                for n, run in runs.items():
-                    sync()
-                    t0 = time.perf_counter()
-                    run()
-                    sync()
-                    times[n].append(time.perf_counter() - t0)
-            del cache, runs
-            per_context.append([statistics.median(times[n]) if n in times else None for n in nodes])
+            medians = alternated_medians({n: _step(policy, cache, r, n) for n in shapes}, reps, sync)
+            del cache
+            per_context.append([medians.get(n) for n in nodes])
             if verbose:
                 print(f"  context {context:5d}, {r:4d} rows: " + "  ".join(
                     f"{n} nodes {s * 1e3:.1f} ms" for n, s in zip(nodes, per_context[-1]) if s is not None), flush=True)
@@ -223,19 +230,10 @@ def forward_latency(policy: PolicyModel, sizes: Sequence[int], reps: int, contex
     sync = torch.cuda.synchronize if policy.ctx.device.type == "cuda" else (lambda: None)
     res = {"tokens": list(sizes), "context": context, "tree_row_s": [], "decode_rows_s": []}
     for n in sizes:
-        runs = {"tree_row_s": tree_forward(policy, n, context), "decode_rows_s": decode_forward(policy, n, context)}
-        for run in runs.values():
-            run()
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(reps):
-            for name, run in runs.items():
-                sync()
-                t0 = time.perf_counter()
-                run()
-                sync()
-                times[name].append(time.perf_counter() - t0)
-        for name in runs:
-            res[name].append(statistics.median(times[name]))
+        medians = alternated_medians({"tree_row_s": tree_forward(policy, n, context),
+                                      "decode_rows_s": decode_forward(policy, n, context)}, reps, sync)
+        for name, seconds in medians.items():
+            res[name].append(seconds)
         if verbose:
             print(f"  forward with {n:4d} tokens: tree row {res['tree_row_s'][-1] * 1e3:8.1f} ms   "
                   f"decode rows {res['decode_rows_s'][-1] * 1e3:8.1f} ms", flush=True)
