@@ -77,10 +77,9 @@ class SpeculativeEngine:
         """``sync_timers``: on a GPU, wait for the device at every stage boundary so that
         ``time_split_s`` charges each stage its own kernels (slower: a profiling run, not a rollout);
         without it a stage's time is its host work plus whatever earlier GPU work it waits on.
-        ``latency``: the profiled forward latency of this policy, hardware and layout (its grid over
-        the forward's shape, or a one-row curve)
-        (rollout/profile.ensure_capacity), with which each step keeps only the nodes that pay for
-        themselves (``SpecConfig.adaptive_nodes``); None: every step uses its whole budget.
+        ``latency``: the profiled forward latency of this policy, hardware and layout
+        (rollout/profile.ensure_capacity: its grid over the forward's shape, or a one-row curve),
+        with which each step keeps only the nodes that pay for themselves (``SpecConfig.adaptive_nodes``); None: every step uses its whole budget.
         ``pipeline_groups``: groups of responses interleaved over the pipeline stages, each verifying
         under its own node budget (as :class:`VanillaEngine`; None: one per stage).
         :meth:`state_dict` holds what a resumed run needs to repeat the same rollout statistics."""

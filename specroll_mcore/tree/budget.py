@@ -124,7 +124,7 @@ class LatencySurface:
     rollout/profile.forward_grid).
 
     A forward of many rows costs more than one row's tree of as many tokens: every row attends
-    over its own context, and sampling, gathers and the cache's bookkeeping are per row. On a 2-core
+    over its own context, and gathers and the cache's bookkeeping are per row. On a 2-core
     Xeon, 16 rows x 4 nodes on 320-token contexts took 133 ms in float32 and 122 ms in bfloat16,
     where one row's 64-token tree on a 128-token context takes 108 and 93 ms; relative to the same
     16 rows decoding one token each, those trees cost 1.71x and 1.68x, where the one-row curve
@@ -184,6 +184,7 @@ class LatencySurface:
 
     @functools.cached_property
     def fastest(self) -> float:
+        """The fastest measured forward: the floor of every reading."""
         return min(s for c in self.seconds for row in c for s in row if s is not None)
 
 
