@@ -61,8 +61,8 @@ def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_finge
                     tolerance: float = DEFAULT_TOLERANCE) -> Capacity:
     """C_hw and the latency profile for this policy, hardware and layout: SpecConfig.c_hw if set
     (with the cached profile, if any; nothing is measured), else the cached profile's (C_hw derived
-    from its one-row curve by today's rule), else a quick profile now (under a minute on a 2-core
-    CPU, see :func:`measure_capacity`)."""
+    from its one-row curve by today's rule), else a quick profile now (45-66 s for SmolLM2 on a
+    2-core CPU, most of it the grid; see :func:`measure_capacity`)."""
     from specroll_mcore.tree.budget import capacity_from_latency
 
     record = cached_profile(policy, policy_fingerprint)
