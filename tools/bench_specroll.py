@@ -156,16 +156,13 @@ def plot(rows, path: str) -> None:
 def scenario(name, vanilla, spec, prompts, sp, reps, one_row=None):
     """``one_row``: a third engine, SpecRoll sizing its trees by the profile's one-row curve, run
     after the other two in every repetition (``one_row_curve`` in the result)."""
-    ratios, tv, ts, outs = [], [], [], None
-    third = {"specroll_s": [], "ratios": []}
+    ratios, tv, ts, tc, outs, sc = [], [], [], [], None, None
     for _ in range(reps):  # alternate A and B (and C)
         a, va = run(vanilla, prompts, sp)
         b, sb = run(spec, prompts, sp)
         if one_row is not None:
             c, sc = run(one_row, prompts, sp)
-            third["specroll_s"].append(c)
-            third["ratios"].append(a / c)
-            third["out"] = sc
+            tc.append(c)
         if va.tokens != sb.tokens:
             diff = sum(x != y for x, y in zip(va.tokens, sb.tokens))
             print(f"  WARNING {name}: {diff}/{len(va.tokens)} responses differ (near-ties of the sampled argmax "
@@ -185,10 +182,9 @@ def scenario(name, vanilla, spec, prompts, sp, reps, one_row=None):
            "finish_reasons": {r: va.finish_reason.count(r) for r in set(va.finish_reason)},
            "binned": binned_speedup(va.stats["per_step"], sb.stats["per_step"])}
     if one_row is not None:
-        sc = third["out"]
         res["one_row_curve"] = {
-            "specroll_s": third["specroll_s"], "speedup_median": statistics.median(third["ratios"]),
-            "surface_over_curve_median": statistics.median(c / b for b, c in zip(ts, third["specroll_s"])),
+            "specroll_s": tc, "speedup_median": statistics.median(a / c for a, c in zip(tv, tc)),
+            "surface_over_curve_median": statistics.median(c / b for b, c in zip(ts, tc)),
             "identical_tokens": sc.tokens == va.tokens, "tau": sc.stats["tau"],
             "nodes_per_row_mean": statistics.mean(s["nodes_per_row"] for s in sc.stats["per_step"]),
             "time_split_s": sc.stats["time_split_s"]}

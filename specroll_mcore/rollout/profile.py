@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from specroll_mcore.model import PolicyModel, causal_mask
 from specroll_mcore.rollout.base import prefill
-from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, LatencyCurve, LatencySurface
+from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, Latency, LatencyCurve, LatencySurface
 
 
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -22,8 +22,6 @@ size (of 3, one noisy one-token latency on a shared 2-core machine moved C_hw fr
 GRID_CONTEXTS = (128, 512)
 """Committed context lengths the latency grid is measured at (:func:`forward_grid`): a step's
 longer contexts cost more attention per token, and more so in bfloat16's ordered attention."""
-
-Latency = Union[LatencyCurve, LatencySurface]
 
 
 def dtype_name(policy: PolicyModel) -> str:

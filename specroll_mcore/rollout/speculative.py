@@ -41,10 +41,9 @@ from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutStat
                                          in_cache_order, num_groups, run_groups, split_groups, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
-from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, LatencyCurve, LatencySurface, TreeBatch, expansion,
-                                 expected_tokens, node_beliefs, node_budget, row_chunks, select_tree, tree_ancestor_mask,
-                                 tree_size)
-from specroll_mcore.tree.budget import DEFAULT_C_HW
+from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens, node_beliefs,
+                                 node_budget, row_chunks, select_tree, tree_ancestor_mask, tree_size)
+from specroll_mcore.tree.budget import DEFAULT_C_HW, Latency
 from specroll_mcore.verify import accept
 
 
@@ -72,7 +71,7 @@ class SpeculativeEngine:
 
     def __init__(self, model: PolicyModel, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
                  tokenizer: Any = None, max_prefill_tokens: int = 4096, seed: int = 0,
-                 sync_timers: bool = False, latency: Optional[LatencyCurve | LatencySurface] = None,
+                 sync_timers: bool = False, latency: Optional[Latency] = None,
                  pipeline_groups: Optional[int] = None) -> None:
         """``sync_timers``: on a GPU, wait for the device at every stage boundary so that
         ``time_split_s`` charges each stage its own kernels (slower: a profiling run, not a rollout);

@@ -22,7 +22,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 
 def node_budget(active_rows: int, c_hw: int, n_min: int, n_max: int) -> int:
@@ -172,15 +172,15 @@ class LatencySurface:
     def step(self, rows: int, nodes: int, context: Optional[int] = None) -> float:
         """Seconds of a forward of ``rows`` trees of ``nodes`` nodes each on contexts of up to
         ``context`` tokens (None: the grid's first context)."""
-        per_context = []
-        for c in self.seconds:
-            per_row = []
-            for row in c:
-                points = [(n, s) for n, s in zip(self.nodes, row) if s is not None]
-                per_row.append(_along([n for n, _ in points], [s for _, s in points], nodes))
-            per_context.append(_along(self.rows, per_row, rows))
+        per_context = [_along(self.rows, [_along(xs, ys, nodes) for xs, ys in c], rows) for c in self._measured]
         seconds = per_context[0] if context is None else _along(self.contexts, per_context, context)
         return max(seconds, self.fastest)
+
+    @functools.cached_property
+    def _measured(self) -> list[list[tuple[list[int], list[float]]]]:
+        """Per context and row count, its measured (node counts, seconds)."""
+        return [[([n for n, s in zip(self.nodes, row) if s is not None], [s for s in row if s is not None])
+                 for row in c] for c in self.seconds]
 
     @functools.cached_property
     def fastest(self) -> float:
@@ -218,7 +218,11 @@ class DepthCalibration:
         self.expected, self.accepted = list(state["expected"]), list(state["accepted"])
 
 
-def tree_size(expected: Sequence[float], rows: int, latency: "LatencyCurve | LatencySurface",
+Latency = Union[LatencyCurve, LatencySurface]
+"""A profiled forward latency the engine sizes trees with (see rollout/profile.ensure_capacity)."""
+
+
+def tree_size(expected: Sequence[float], rows: int, latency: Latency,
               context: Optional[int] = None) -> int:
     """How many nodes per row (root included) a step keeps: ``expected[N - 1]`` is the number of
     tokens the step is expected to emit over its ``rows`` rows with trees of N nodes (from the drafts'

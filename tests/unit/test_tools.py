@@ -35,6 +35,25 @@ def test_bench_specroll_smoke(tiny_ckpt, tmp_path):
     assert report["spec"]["reflex"]["enabled"] and report["spec"]["slow_path"]["enabled"]
 
 
+def test_bench_specroll_against_the_one_row_curve(tiny_ckpt, tmp_path):
+    """--one-row-curve adds SpecRoll sized by the profile's one-row curve to every scenario; it needs
+    a cached profile, which a configured C_hw does not measure."""
+    out = tmp_path / "b.json"
+    cache = str(tmp_path / "cache")
+    args = ["--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 8, "--batch1-prompts", 1,
+            "--reps", 1, "--skip-hf", "--one-row-curve", "--out", out, "--plot", ""]
+    run_tool("bench_specroll.py", *args, SPECROLL_CACHE=cache)
+    report = json.loads(out.read_text())
+    assert report["latency"]["model"] == "LatencySurface"
+    for scenario in ("batch1", "full"):
+        third = report[scenario]["one_row_curve"]
+        assert third["identical_tokens"] and len(third["specroll_s"]) == 1 and third["speedup_median"] > 0
+    env = dict(os.environ, SPECROLL_CACHE=str(tmp_path / "empty"))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_specroll.py"), *map(str, args), "--c-hw", "16"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--one-row-curve needs a cached capacity profile" in proc.stderr
+
+
 def test_bench_drift_smoke(tiny_ckpt, tmp_path):
     out = tmp_path / "d.json"
     run_tool("bench_drift.py", "--checkpoint", tiny_ckpt, "--drift-steps", 2, "--measure-every", 2, "--batches", 1,
