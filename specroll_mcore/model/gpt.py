@@ -24,7 +24,8 @@ from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_d
 from specroll_mcore.config import ModelConfig
 from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
 from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
-from specroll_mcore.model.attention import KEY_BLOCK, AttentionMetadata, SDPACoreAttention, SpecRollSelfAttention
+from specroll_mcore.model.attention import (KEY_BLOCK, STEP_ATTENTION_DTYPES, AttentionMetadata, SDPACoreAttention,
+                                            SpecRollSelfAttention, step_attention_kernels)
 from specroll_mcore.model.kv_cache import KVCache
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
@@ -126,9 +127,14 @@ class PolicyModel(torch.nn.Module):
         return self.config.torch_dtype
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
-        if self.batch_invariant:  # steps read whole key blocks (model/attention.py)
+        """A KV cache for this stage's layers. A batch-invariant policy's steps read whole key blocks
+        (model/attention.py); where the step-attention kernel runs them, keys are stored
+        position-major for it."""
+        kernel = False
+        if self.batch_invariant:
             capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
-        return KVCache(num_slots, capacity, self.ctx.device, self.dtype)
+            kernel = self.dtype in STEP_ATTENTION_DTYPES and step_attention_kernels() is not None
+        return KVCache(num_slots, capacity, self.ctx.device, self.dtype, position_major_keys=kernel)
 
     @property
     def batch_invariant(self) -> bool:

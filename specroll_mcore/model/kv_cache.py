@@ -15,6 +15,12 @@ step). When a group of responses changes, the engine asks :meth:`KVCache.pack` f
 it in: only the rows that must move do (unfinished responses beyond the range swap with finished ones
 inside it), and the forward takes the rows in the order they lie. :meth:`KVCache.rows` arranges any
 other request (in its own order) before the forward reads it.
+
+With ``position_major_keys`` the keys are stored ``[slots, groups, head_dim, capacity]``: one row's
+keys of one group hold each head dimension's values over consecutive positions, the layout the CPU
+step-attention kernel reads 16 keys at a time from (model/attention.py; vLLM's CPU key cache is
+position-blocked likewise). Every method, and the views :meth:`write_and_read` returns, stay in the
+logical ``[slots, capacity, groups, head_dim]`` order; only the strides differ.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import torch
 class KVCache:
     """Keys/values for the layers of one pipeline stage, for ``num_slots`` responses."""
 
-    def __init__(self, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype,
+                 position_major_keys: bool = False) -> None:
         self.num_slots = num_slots
+        self.position_major_keys = position_major_keys
         self.capacity = capacity
         self.device = device
         self.dtype = dtype
@@ -37,13 +45,17 @@ class KVCache:
         self.row_of = torch.arange(num_slots, device=device)
         """The buffers' row holding each slot."""
         self._extent = 0  # positions any forward has written: what a moved row carries
-        self._k: dict[int, torch.Tensor] = {}  # layer_number -> [slots, capacity, groups, head_dim]
+        self._k: dict[int, torch.Tensor] = {}  # layer_number -> [slots, capacity, groups, head_dim] (logical order)
         self._v: dict[int, torch.Tensor] = {}
 
     def _buffers(self, layer: int, groups: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self._k:
             shape = (self.num_slots, self.capacity, groups, head_dim)
-            self._k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.position_major_keys:  # stored [slots, groups, head_dim, capacity], viewed as shape
+                self._k[layer] = torch.zeros(self.num_slots, groups, head_dim, self.capacity, dtype=self.dtype,
+                                             device=self.device).permute(0, 3, 1, 2)
+            else:
+                self._k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self._v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self._k[layer], self._v[layer]
 

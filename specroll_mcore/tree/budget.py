@@ -250,8 +250,9 @@ def profile_key(model_fingerprint: str, dtype: str, hardware: str, tp: int, pp: 
 def hardware_name() -> str:
     """The device a capacity profile was measured on (part of its cache key), with what changes its
     latency curve there: on CPU the model, the vector units torch dispatches to and whether it has
-    AMX (bfloat16 products), the core and thread counts and which packed weights products run on
-    (cpu_gemm.py: oneDNN's layout, panels). Machines sharing a home directory (a cluster's nodes)
+    AMX (bfloat16 products), the core and thread counts, which packed weights products run on
+    (cpu_gemm.py: oneDNN's layout, panels) and whether steps' attention runs on the step kernel
+    (model/attention.py). Machines sharing a home directory (a cluster's nodes)
     then do not share profiles across CPU generations."""
     import torch
 
@@ -260,7 +261,10 @@ def hardware_name() -> str:
     if torch.cuda.is_available():
         return f"cuda:{torch.cuda.get_device_name()}x{torch.cuda.device_count()}"
     name = f"cpu:{cpu_model()}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
-    return name + (":packed" if cpu_gemm.enabled() else "") + (":panels" if cpu_gemm.panel_kernels() else "")
+    from specroll_mcore.model.attention import step_attention_kernels
+
+    return (name + (":packed" if cpu_gemm.enabled() else "") + (":panels" if cpu_gemm.panel_kernels() else "")
+            + (":step-attention" if step_attention_kernels() else ""))
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,5 +1,6 @@
 """Decode with the KV cache equals full recompute (mode a: no cache, causal over the whole text)."""
 
+import pytest
 import torch
 
 from conftest import make_policy
@@ -84,10 +85,12 @@ def _context(cache, slot):
     return cache._k[1][row, :int(cache.lengths[slot]), 0, 0].tolist()
 
 
-def test_rows_move_so_that_every_forward_reads_a_view():
+@pytest.mark.parametrize("position_major", [False, True])
+def test_rows_move_so_that_every_forward_reads_a_view(position_major):
     """Slots of a forward are packed into a contiguous range of rows (views, not gathered copies);
     every slot keeps its own context, commits and prefix copies follow the moved rows."""
-    cache = KVCache(num_slots=6, capacity=16, device=torch.device("cpu"), dtype=torch.float32)
+    cache = KVCache(num_slots=6, capacity=16, device=torch.device("cpu"), dtype=torch.float32,
+                    position_major_keys=position_major)
     _write(cache, range(6), torch.tensor([[10.0 * i + t for t in range(3)] for i in range(6)]))
     cache.commit(torch.arange(6), torch.full((6,), 3))
     expected = {i: [10.0 * i + t for t in range(3)] for i in range(6)}
@@ -95,6 +98,7 @@ def test_rows_move_so_that_every_forward_reads_a_view():
         rows, k, _ = _write(cache, asked, torch.tensor([[100.0 * i] for i in asked]))
         assert rows[1] - rows[0] == len(asked) and cache.row_of[asked].tolist() == list(range(*rows))
         assert k._base is not None  # a view of the cache, no copy
+        assert (k.stride(0) == 1) == position_major  # position-major keys: a head dim's values over positions
         for j, i in enumerate(asked):  # the keys read back are each slot's own context + its new token
             assert k[:len(expected[i]) + 1, j, 0, 0].tolist() == expected[i] + [100.0 * i]
         cache.commit(torch.tensor(asked), torch.ones(len(asked), dtype=torch.long))
@@ -106,10 +110,12 @@ def test_rows_move_so_that_every_forward_reads_a_view():
     assert _context(cache, 0) == expected[3] and _context(cache, 3) == expected[3]
 
 
-def test_interleaved_groups_settle_and_shrink_in_place():
+@pytest.mark.parametrize("position_major", [False, True])
+def test_interleaved_groups_settle_and_shrink_in_place(position_major):
     """A pipeline stage's two response groups (slot s in group s % 2): packed once, after which
     alternating forwards move nothing, and a group that loses a response moves only within its rows."""
-    cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32)
+    cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
+                    position_major_keys=position_major)
     g0, g1 = [0, 2, 4, 6], [1, 3, 5, 7]
     _write(cache, range(8), torch.arange(8.0)[:, None])
     cache.commit(torch.arange(8), torch.ones(8, dtype=torch.long))
@@ -125,10 +131,12 @@ def test_interleaved_groups_settle_and_shrink_in_place():
     assert all(_context(cache, i) == [float(i)] for i in range(8))
 
 
-def test_moved_rows_keep_an_uncommitted_forward():
+@pytest.mark.parametrize("position_major", [False, True])
+def test_moved_rows_keep_an_uncommitted_forward(position_major):
     """Between a tree forward and its commit another group's forward may move the tree's rows: the
     scratch positions (the drafted tokens not yet committed) move with them."""
-    cache = KVCache(num_slots=5, capacity=8, device=torch.device("cpu"), dtype=torch.float32)
+    cache = KVCache(num_slots=5, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
+                    position_major_keys=position_major)
     _write(cache, range(5), torch.arange(5.0)[:, None])
     cache.commit(torch.arange(5), torch.ones(5, dtype=torch.long))
     assert _write(cache, [2, 3], torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))[0] == (2, 4)  # a tree each
@@ -138,10 +146,12 @@ def test_moved_rows_keep_an_uncommitted_forward():
     assert _context(cache, 2) == [2.0, 1.0, 3.0] and _context(cache, 3) == [3.0, 5.0]
 
 
-def test_pack_moves_only_the_rows_beyond_the_range():
+@pytest.mark.parametrize("position_major", [False, True])
+def test_pack_moves_only_the_rows_beyond_the_range(position_major):
     """A group that lost responses: its unfinished responses past the packed range swap rows with the
     finished ones inside it; everything else stays; the order returned is the rows' order."""
-    cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32)
+    cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
+                    position_major_keys=position_major)
     _write(cache, range(8), torch.arange(8.0)[:, None])
     cache.commit(torch.arange(8), torch.ones(8, dtype=torch.long))
     live = torch.tensor([0, 1, 3, 4, 6, 7])  # 2 and 5 finished

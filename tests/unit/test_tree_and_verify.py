@@ -407,14 +407,20 @@ def test_cpu_hardware_name_tells_cpu_generations_apart():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU products")
 def test_cpu_hardware_name_tells_product_kernels_apart(monkeypatch):
-    """Panels, oneDNN's layout and BLAS give different latency curves: their profiles get different keys."""
+    """Panels, oneDNN's layout, BLAS and the step-attention kernel give different latency curves: their
+    profiles get different keys."""
     from specroll_mcore import cpu_gemm
+    from specroll_mcore.model import attention
     from specroll_mcore.tree import budget
 
     names = {budget.hardware_name()}
     monkeypatch.setenv("SPECROLL_PANEL_GEMM", "0")
     names.add(budget.hardware_name())
-    assert not budget.hardware_name().endswith(":panels")
+    assert ":panels" not in budget.hardware_name()
     monkeypatch.setenv("SPECROLL_PACKED_GEMM", "0")
     names.add(budget.hardware_name())
-    assert len(names) == (3 if cpu_gemm._build_panel_kernels() is not None else 2)
+    monkeypatch.setenv("SPECROLL_STEP_ATTENTION", "0")  # half-precision steps on ordered attention
+    assert not budget.hardware_name().endswith(":step-attention")
+    names.add(budget.hardware_name())
+    built = (cpu_gemm._build_panel_kernels() is not None) + (attention._build_step_attention() is not None)
+    assert len(names) == 2 + built
