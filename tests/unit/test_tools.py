@@ -121,6 +121,25 @@ def test_bench_cpu_gemm_smoke_and_nothing_to_compare(tiny_ckpt, tmp_path):
     assert proc.returncode == 2 and "nothing to compare" in proc.stderr
 
 
+def test_bench_step_attention_smoke_and_its_errors(tiny_ckpt, tmp_path):
+    from specroll_mcore.model.attention import step_attention_kernels
+
+    tool = [sys.executable, str(ROOT / "tools" / "bench_step_attention.py"), "--checkpoint", str(tiny_ckpt)]
+    bad = subprocess.run(tool + ["--shapes", "4x"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--shapes must be ROWSxNODES" in bad.stderr
+    off = subprocess.run(tool, env=dict(os.environ, SPECROLL_STEP_ATTENTION="0"), capture_output=True, text=True,
+                         timeout=300)
+    assert off.returncode == 2 and "nothing to compare" in off.stderr
+    if step_attention_kernels() is None:
+        pytest.skip("no step-attention kernel on this machine")
+    out = tmp_path / "s.json"
+    run_tool("bench_step_attention.py", "--checkpoint", tiny_ckpt, "--shapes", "1x1,2x3", "--context", 20, "--reps", 1,
+             "--out", out)
+    report = json.loads(out.read_text())
+    assert set(report["shapes"]) == {"1x1", "2x3"}
+    assert all(r["step_kernel"] > 0 and r["ordered_attention"] > 0 for r in report["shapes"].values())
+
+
 def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
     """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here) and leaves their results;
     on the tiny checkpoint the transformers baseline is its own export, not SmolLM2."""
