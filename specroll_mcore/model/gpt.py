@@ -127,14 +127,15 @@ class PolicyModel(torch.nn.Module):
         return self.config.torch_dtype
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
-        """A KV cache for this stage's layers. A batch-invariant policy's steps read whole key blocks
-        (model/attention.py); where the step-attention kernel runs them, keys are stored
-        position-major for it."""
+        """A KV cache for this stage's layers, all in one buffer of keys and one of values. A
+        batch-invariant policy's steps read whole key blocks (model/attention.py); where the
+        step-attention kernel runs them, keys are stored position-major for it."""
         kernel = False
         if self.batch_invariant:
             capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
             kernel = self.dtype in STEP_ATTENTION_DTYPES and step_attention_kernels() is not None
-        return KVCache(num_slots, capacity, self.ctx.device, self.dtype, position_major_keys=kernel)
+        layers = [layer.self_attention.layer_number for layer in self.gpt.decoder.layers]
+        return KVCache(num_slots, capacity, self.ctx.device, self.dtype, position_major_keys=kernel, layers=layers)
 
     @property
     def batch_invariant(self) -> bool:

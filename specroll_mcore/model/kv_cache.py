@@ -25,7 +25,7 @@ logical ``[slots, capacity, groups, head_dim]`` order; only the strides differ.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -34,7 +34,10 @@ class KVCache:
     """Keys/values for the layers of one pipeline stage, for ``num_slots`` responses."""
 
     def __init__(self, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype,
-                 position_major_keys: bool = False) -> None:
+                 position_major_keys: bool = False, layers: Optional[Sequence[int]] = None) -> None:
+        """``layers``: the layer numbers that will use the cache (this pipeline stage's); their keys,
+        and their values, then live in one tensor each, so that moving positions or rows (commit,
+        pack, copy_slots) is one indexing operation for all layers rather than one per layer."""
         self.num_slots = num_slots
         self.position_major_keys = position_major_keys
         self.capacity = capacity
@@ -47,17 +50,36 @@ class KVCache:
         self._extent = 0  # positions any forward has written: what a moved row carries
         self._k: dict[int, torch.Tensor] = {}  # layer_number -> [slots, capacity, groups, head_dim] (logical order)
         self._v: dict[int, torch.Tensor] = {}
+        self._layers = list(layers) if layers else None
+        self._stacked: list[torch.Tensor] = []  # keys, values [layers, slots, capacity, groups, head_dim], if layers
+
+    def _zeros(self, leading: tuple[int, ...], groups: int, head_dim: int, keys: bool) -> torch.Tensor:
+        """Buffers ``[*leading, capacity, groups, head_dim]`` (position-major keys: stored with the
+        positions last, viewed in that order)."""
+        if keys and self.position_major_keys:
+            n = len(leading)
+            stored = torch.zeros(*leading, groups, head_dim, self.capacity, dtype=self.dtype, device=self.device)
+            return stored.permute(*range(n), n + 2, n, n + 1)
+        return torch.zeros(*leading, self.capacity, groups, head_dim, dtype=self.dtype, device=self.device)
 
     def _buffers(self, layer: int, groups: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self._k:
-            shape = (self.num_slots, self.capacity, groups, head_dim)
-            if self.position_major_keys:  # stored [slots, groups, head_dim, capacity], viewed as shape
-                self._k[layer] = torch.zeros(self.num_slots, groups, head_dim, self.capacity, dtype=self.dtype,
-                                             device=self.device).permute(0, 3, 1, 2)
+            if self._layers is not None and layer in self._layers and not self._stacked:
+                leading = (len(self._layers), self.num_slots)
+                self._stacked = [self._zeros(leading, groups, head_dim, keys) for keys in (True, False)]
+                for i, number in enumerate(self._layers):
+                    self._k[number], self._v[number] = self._stacked[0][i], self._stacked[1][i]
             else:
-                self._k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self._v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self._k[layer] = self._zeros((self.num_slots,), groups, head_dim, True)
+                self._v[layer] = self._zeros((self.num_slots,), groups, head_dim, False)
         return self._k[layer], self._v[layer]
+
+    def _every_layer(self) -> list[tuple[torch.Tensor, tuple]]:
+        """(buffer, index prefix) pairs covering every layer's keys and values: the two stacked
+        buffers (prefix ``[:]``, all layers) where they hold every layer, else each layer's own."""
+        if self._stacked and len(self._k) == len(self._layers):
+            return [(buf, (slice(None),)) for buf in self._stacked]
+        return [(buf, ()) for buf in (*self._k.values(), *self._v.values())]
 
     def pack(self, slots: torch.Tensor) -> torch.Tensor:
         """Make the rows holding ``slots`` [b] a contiguous range with as few moves as possible: the
@@ -103,8 +125,8 @@ class KVCache:
         src = torch.cat([rows, self.row_of[displaced]])
         dst = torch.cat([target, freed])
         n = self._extent
-        for buf in (*self._k.values(), *self._v.values()):
-            buf[dst, :n] = buf[src, :n]  # gathered first, then written: overlapping moves are safe
+        for buf, all_layers in self._every_layer():  # gathered first, then written: overlapping moves are safe
+            buf[all_layers + (dst, slice(None, n))] = buf[all_layers + (src, slice(None, n))]
         self.row_of[slots] = target
         self.row_of[displaced] = freed
 
@@ -138,8 +160,8 @@ class KVCache:
             src = base + keep_index
             dst = base + torch.arange(keep_index.shape[1], device=self.device)[None, :]
             rows = self.row_of[slots][:, None].expand_as(src)
-            for buf in (*self._k.values(), *self._v.values()):
-                buf[rows, dst] = buf[rows, src]  # gather first, then scatter: safe when ranges overlap
+            for buf, all_layers in self._every_layer():  # gather first, then scatter: safe when ranges overlap
+                buf[all_layers + (rows, dst)] = buf[all_layers + (rows, src)]
         self.lengths[slots] += num_new.to(self.lengths.device)
         if int(self.lengths.max()) > self.capacity:
             raise RuntimeError(f"KV cache overflow: a slot holds {int(self.lengths.max())} tokens, "
@@ -147,8 +169,8 @@ class KVCache:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Duplicate whole slots (shared prompt prefill: one prompt, G samples)."""
-        for buf in (*self._k.values(), *self._v.values()):
-            buf[self.row_of[dst]] = buf[self.row_of[src]]
+        for buf, all_layers in self._every_layer():
+            buf[all_layers + (self.row_of[dst],)] = buf[all_layers + (self.row_of[src],)]
         self.lengths[dst] = self.lengths[src]
 
     def reset(self) -> None:

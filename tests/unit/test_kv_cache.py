@@ -66,31 +66,32 @@ def test_shared_prefix_copy(ctx):
     assert (out - ref).abs().max() < 1e-5
 
 
-def _write(cache, slots, values, extra=0):
+def _write(cache, slots, values, extra=0, layer=1):
     """Write ``values`` [b, s] (one number per token, broadcast over a 1 x 2 head) for ``slots`` just
-    past their committed lengths, as a forward's first layer would; returns the rows used."""
+    past their committed lengths, as a forward's layer ``layer`` would; returns the rows used."""
     slots = torch.tensor(slots)
     b, s = values.shape
     rows = cache.rows(slots)
     write_index = cache.lengths[slots][:, None] + torch.arange(s)[None]
     kv = values.t()[:, :, None, None].expand(s, b, 1, 2).float()
     row_index = torch.arange(b)[:, None].expand(b, s)
-    k, v = cache.write_and_read(1, rows, row_index, write_index, int(write_index.max()) + 1 + extra, kv, -kv)
+    k, v = cache.write_and_read(layer, rows, row_index, write_index, int(write_index.max()) + 1 + extra, kv, -kv)
     return rows, k, v
 
 
-def _context(cache, slot):
+def _context(cache, slot, layer=1):
     """What ``slot`` holds: its committed keys (first channel), through the row it lives in now."""
     row = int(cache.row_of[slot])
-    return cache._k[1][row, :int(cache.lengths[slot]), 0, 0].tolist()
+    return cache._k[layer][row, :int(cache.lengths[slot]), 0, 0].tolist()
 
 
-@pytest.mark.parametrize("position_major", [False, True])
-def test_rows_move_so_that_every_forward_reads_a_view(position_major):
+@pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
+def test_rows_move_so_that_every_forward_reads_a_view(position_major, stacked):
     """Slots of a forward are packed into a contiguous range of rows (views, not gathered copies);
     every slot keeps its own context, commits and prefix copies follow the moved rows."""
     cache = KVCache(num_slots=6, capacity=16, device=torch.device("cpu"), dtype=torch.float32,
-                    position_major_keys=position_major)
+                    position_major_keys=position_major, layers=[1, 2] if stacked else None)
     _write(cache, range(6), torch.tensor([[10.0 * i + t for t in range(3)] for i in range(6)]))
     cache.commit(torch.arange(6), torch.full((6,), 3))
     expected = {i: [10.0 * i + t for t in range(3)] for i in range(6)}
@@ -110,12 +111,13 @@ def test_rows_move_so_that_every_forward_reads_a_view(position_major):
     assert _context(cache, 0) == expected[3] and _context(cache, 3) == expected[3]
 
 
-@pytest.mark.parametrize("position_major", [False, True])
-def test_interleaved_groups_settle_and_shrink_in_place(position_major):
+@pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
+def test_interleaved_groups_settle_and_shrink_in_place(position_major, stacked):
     """A pipeline stage's two response groups (slot s in group s % 2): packed once, after which
     alternating forwards move nothing, and a group that loses a response moves only within its rows."""
     cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
-                    position_major_keys=position_major)
+                    position_major_keys=position_major, layers=[1, 2] if stacked else None)
     g0, g1 = [0, 2, 4, 6], [1, 3, 5, 7]
     _write(cache, range(8), torch.arange(8.0)[:, None])
     cache.commit(torch.arange(8), torch.ones(8, dtype=torch.long))
@@ -131,12 +133,13 @@ def test_interleaved_groups_settle_and_shrink_in_place(position_major):
     assert all(_context(cache, i) == [float(i)] for i in range(8))
 
 
-@pytest.mark.parametrize("position_major", [False, True])
-def test_moved_rows_keep_an_uncommitted_forward(position_major):
+@pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
+def test_moved_rows_keep_an_uncommitted_forward(position_major, stacked):
     """Between a tree forward and its commit another group's forward may move the tree's rows: the
     scratch positions (the drafted tokens not yet committed) move with them."""
     cache = KVCache(num_slots=5, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
-                    position_major_keys=position_major)
+                    position_major_keys=position_major, layers=[1, 2] if stacked else None)
     _write(cache, range(5), torch.arange(5.0)[:, None])
     cache.commit(torch.arange(5), torch.ones(5, dtype=torch.long))
     assert _write(cache, [2, 3], torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))[0] == (2, 4)  # a tree each
@@ -146,12 +149,13 @@ def test_moved_rows_keep_an_uncommitted_forward(position_major):
     assert _context(cache, 2) == [2.0, 1.0, 3.0] and _context(cache, 3) == [3.0, 5.0]
 
 
-@pytest.mark.parametrize("position_major", [False, True])
-def test_pack_moves_only_the_rows_beyond_the_range(position_major):
+@pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
+def test_pack_moves_only_the_rows_beyond_the_range(position_major, stacked):
     """A group that lost responses: its unfinished responses past the packed range swap rows with the
     finished ones inside it; everything else stays; the order returned is the rows' order."""
     cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
-                    position_major_keys=position_major)
+                    position_major_keys=position_major, layers=[1, 2] if stacked else None)
     _write(cache, range(8), torch.arange(8.0)[:, None])
     cache.commit(torch.arange(8), torch.ones(8, dtype=torch.long))
     live = torch.tensor([0, 1, 3, 4, 6, 7])  # 2 and 5 finished
@@ -163,3 +167,24 @@ def test_pack_moves_only_the_rows_beyond_the_range(position_major):
     assert cache.pack(torch.tensor([4, 1])).tolist() == [1, 0] and cache.row_of[[1, 4]].tolist() == [1, 2]
     assert cache.pack(torch.zeros(0, dtype=torch.long)).numel() == 0
     assert all(_context(cache, i) == [float(i)] for i in range(8))
+
+
+@pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
+def test_stacked_layers_move_together(position_major):
+    """With its layers known, the cache keeps every layer's keys (and values) in one tensor: commits,
+    row moves and prefix copies move all layers at once, each layer keeping its own contents."""
+    cache = KVCache(num_slots=4, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
+                    position_major_keys=position_major, layers=[3, 4])
+    for layer, scale in ((3, 1.0), (4, -1.0)):  # a tree of 3 tokens per slot, other numbers per layer
+        _write(cache, range(4), scale * torch.tensor([[10.0 * i + t for t in range(3)] for i in range(4)]), layer=layer)
+    assert cache._k[3].data_ptr() != cache._k[4].data_ptr() and len(cache._every_layer()) == 2
+    cache.commit(torch.arange(4), torch.full((4,), 2), keep_index=torch.tensor([[0, 2]] * 4))
+    expected = {i: [10.0 * i, 10.0 * i + 2] for i in range(4)}
+    assert all(_context(cache, i, 3) == expected[i] for i in range(4))
+    assert all(_context(cache, i, 4) == [-x for x in expected[i]] for i in range(4))
+    assert _write(cache, [0, 3], torch.zeros(2, 1), layer=3)[0] == (0, 2)  # slot 3 moves to row 1
+    cache.copy_slots(torch.tensor([3]), torch.tensor([2]))
+    for i, src in ((0, 0), (1, 1), (2, 3), (3, 3)):
+        assert _context(cache, i, 3) == expected[src] and _context(cache, i, 4) == [-x for x in expected[src]]
+    values = cache._v[4][int(cache.row_of[2]), :2, 0, 0].tolist()
+    assert values == expected[3]  # values: the negated keys written by layer 4
