@@ -56,6 +56,16 @@ class SampleKeys:
                           self.position[start:end])
 
     def row_hash(self) -> torch.Tensor:
+        """[n] int64 (uint32 values): the hash of each key's fields, which every token id's noise
+        mixes in (on CPU by :func:`noise_kernel` where it is built, in one call)."""
+        kernel = noise_kernel() if self.prompt.device.type == "cpu" else None
+        if kernel is not None:
+            return kernel.counter_row_hash((self.seed ^ 0x5BD1E995) & _M32, self.step, self.prompt, self.sample,
+                                           self.position)
+        return self._torch_row_hash()
+
+    def _torch_row_hash(self) -> torch.Tensor:
+        """:meth:`row_hash` in torch's int64 ops (any device; the kernel's reference)."""
         h = _fmix32(torch.full_like(self.prompt, (self.seed ^ 0x5BD1E995) & _M32))
         for field in (torch.full_like(self.prompt, self.step), self.prompt, self.sample, self.position):
             h = _combine(h, field)
@@ -63,7 +73,16 @@ class SampleKeys:
 
 
 def _vocab_ids(keys: SampleKeys, vocab: int, start: int) -> torch.Tensor:
-    return torch.arange(start, start + vocab, dtype=torch.long, device=keys.prompt.device)[None]
+    return _id_range(start, vocab, keys.prompt.device)
+
+
+@functools.lru_cache(maxsize=8)
+def _id_range(start: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[1, vocab] ids start .. start + vocab - 1, made once (every sample reads them; an arange of a
+    vocabulary at every call cost ~20 us on CPU). A normal tensor, also when first asked for under
+    inference mode, and never written to."""
+    with torch.inference_mode(False):
+        return torch.arange(start, start + vocab, dtype=torch.long, device=device)[None]
 
 
 def _uniform(hashes: torch.Tensor) -> torch.Tensor:
@@ -139,6 +158,16 @@ def gumbel_noise_at(keys: SampleKeys, ids: torch.Tensor, dtype: torch.dtype = to
     return _noise(keys, ids, True, dtype)
 
 
+def first_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """[n, V] -> the first maximal index of each row [n] (torch's argmax, a NaN counting as the
+    maximum): for CPU float32 rows by :func:`noise_kernel`'s ``first_argmax`` where it is built,
+    else from ``max(dim).indices`` (the same indices; on CPU a faster kernel than argmax's)."""
+    kernel = noise_kernel() if scores.device.type == "cpu" and scores.dtype == torch.float32 else None
+    if kernel is not None and scores.shape[-1] > 0:
+        return kernel.first_argmax(scores)
+    return scores.max(dim=-1).indices
+
+
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """float32 for half-precision and float32 tensors; float64 stays float64 (the exact reference mode)."""
     return x if x.dtype == torch.float64 else x.float()
@@ -177,9 +206,8 @@ def sample(logits: torch.Tensor, keys: SampleKeys, temperature: float, top_p: fl
         logp = torch.log_softmax(upcast(logits), dim=-1)
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     x = filter_logits(logits, temperature, top_p, top_k)
-    # the argmax of x + g, summed into the noise's own buffer; max's indices are argmax's (the first
-    # maximal index), from a faster kernel on CPU
-    tokens = gumbel_noise(keys, x.shape[-1], x.dtype).add_(x).max(dim=-1).indices
+    # the argmax of x + g (the first maximal index), summed into the noise's own buffer
+    tokens = first_argmax(gumbel_noise(keys, x.shape[-1], x.dtype).add_(x))
     logp = torch.log_softmax(upcast(x), dim=-1)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 

@@ -44,7 +44,7 @@ from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens, node_beliefs,
                                  node_budget, row_chunks, select_tree, tree_ancestor_mask, tree_size)
 from specroll_mcore.tree.budget import DEFAULT_C_HW, Latency
-from specroll_mcore.verify import accept
+from specroll_mcore.verify import accept, node_rows
 
 
 @dataclass
@@ -170,7 +170,7 @@ class SpeculativeEngine:
             index = index.masked_fill(index >= vocab, 0)
             return index if dv is None else dv.global_ids(index)
 
-        if T > 0:
+        if T > 0 and T != 1:  # (dividing by 1 changes no value: no copy)
             logits = logits / T
         flat = logits.reshape(D * b, -1)
         ranked = (coupled_scores(flat, keys.rows(0, D * b), sampling.top_p, sampling.top_k, start, vocab, ctx,
@@ -190,9 +190,13 @@ class SpeculativeEngine:
         if D == 1:
             return Proposal(levels, q_tops, zs)
         # heads 2..D on their shortlists, under the expanded nodes of the level above
-        shortlist = vocab_parallel_topk(ranked[b:], S, start, vocab, ctx)[1].reshape(D - 1, b, S)
-        padding = shortlist >= vocab  # (dead candidates, see to_ids)
-        shortlist = to_ids(shortlist)
+        short_index = vocab_parallel_topk(ranked[b:], S, start, vocab, ctx)[1].reshape(D - 1, b, S)
+        padding = short_index >= vocab  # (dead candidates, see to_ids)
+        shortlist = to_ids(short_index)
+        # the shortlists' rows of the vocab projection, from the draft vocabulary's own compact copy where
+        # there is one (the same values; 2.3 KB a row read from a sixth of the matrix: fewer cache misses)
+        rows_of, first = (model.output_weight(), model.vocab_start) if dv is None else (dv.rows, dv.start)
+        row_ids = shortlist if dv is None else short_index
         if coupled:  # the noise of every level's position on its shortlist, in one pass
             noise = gumbel_noise_at(keys.rows(b, D * b), shortlist.reshape((D - 1) * b, S)).reshape(D - 1, b, S)
         path = hidden.new_zeros(b, 1, 0, h)  # features of the expanded nodes' paths [b, P, d, h]
@@ -211,7 +215,7 @@ class SpeculativeEngine:
 
             x, y = pre[d]
             zd = model.heads.output(d, per_node(x), per_node(y), path.reshape(b * P, d, h)).reshape(b, P, h)
-            w = vocab_rows(model.output_weight(), shortlist[d - 1], model.vocab_start)  # [b, S, h]: this rank's rows
+            w = vocab_rows(rows_of, row_ids[d - 1], first)  # [b, S, h]: this rank's rows
             lg = ctx.all_reduce_tp(torch.einsum("bsh,bph->bps", w.to(zd.dtype), zd).contiguous(), "sum")
             lg = lg.float().masked_fill(padding[d - 1][:, None], float("-inf"))
             ids = shortlist[d - 1][:, None].expand(b, P, S)
@@ -291,14 +295,16 @@ class SpeculativeEngine:
         on_path = torch.arange(acc.path.shape[1], device=logits.device)[None] < acc.counts[:, None]
         rows, depth = on_path.nonzero(as_tuple=True)  # row-major: each row's path in order
         node = acc.path[rows, depth]
-        p_logits = logits[rows, node].float()  # [m, V]: the distribution each emitted token came from
+        p_logits = node_rows(logits, rows, node).float()  # [m, V]: the distribution each emitted token came from
         tokens = acc.tokens[rows, depth]
+        top_ids = None
         if self.slow_path is not None:
             top_ids, top_probs = top_distribution(p_logits, self.spec.slow_path.target_topk)
             self.slow_path.observe(slots, counts, hidden_all[node, rows], top_ids, top_probs, tokens)
         if rstate is None or proposal is None:
             return
         cfg, model = self.reflex_cfg, self.model
+        kp = max(k, cfg.support_topk)
         # head i drafted (under path node i, if that node was expanded) the token sampled at path node i
         m = depth.numel()
         sel = torch.zeros(m, dtype=torch.bool, device=depth.device)
@@ -313,14 +319,17 @@ class SpeculativeEngine:
             slot = match.int().argmax(-1)
             sel[at] = match.any(-1)
             cand[at], q_top[at], z[at] = level.tokens[r, slot], proposal.q_top[i][r, slot], proposal.z[i][r, slot]
-        rows, depth, cand, q_top, z = rows[sel], depth[sel], cand[sel], q_top[sel], z[sel]
+        seen = sel.nonzero().squeeze(1)  # the observations Reflex reads (their rows of p_logits stay in place)
+        rows, depth, cand, q_top, z = rows[seen], depth[seen], cand[seen], q_top[seen], z[seen]
         t = temperature if temperature > 0 else 1.0
-        pl = p_logits[sel] / t
-        p_top = pl.topk(max(k, cfg.support_topk), dim=-1).indices
-        ids, valid = reflex.support(cand, q_top[:, :cfg.support_topk], p_top[:, :cfg.support_topk], tokens[sel])
+        # the policy's top ids (dividing by t > 0 keeps their order): the slow path's top-K already holds them
+        p_top = (top_ids[seen, :kp] if top_ids is not None and top_ids.shape[1] >= kp
+                 else p_logits.index_select(0, seen).topk(kp, dim=-1).indices)
+        ids, valid = reflex.support(cand, q_top[:, :cfg.support_topk], p_top[:, :cfg.support_topk], tokens[seen])
         w_s = vocab_rows(model.output_weight(), ids, model.vocab_start)  # [m, s, h], read once for both products
         q_l = support_logits(w_s, z, model.ctx).float() / t
-        coef = reflex.feedback_coefficients(pl.gather(1, ids), q_l, ids, valid, cand, p_top[:, :k],
+        p_l = p_logits[seen[:, None], ids] / t  # [m, s]: the policy's logits on S only
+        coef = reflex.feedback_coefficients(p_l, q_l, ids, valid, cand, p_top[:, :k],
                                             cfg.coverage_weight)
         e = reflex.feedback_vectors(w_s, coef, model.ctx)
         reflex.update(rstate, active[rows], depth, e, cfg.decay_for(H))

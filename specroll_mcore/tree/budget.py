@@ -111,9 +111,17 @@ def _along(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     along the nearest segment's slope; a single point is constant."""
     if len(xs) == 1:
         return ys[0]
+    i = _segment(xs, x)
+    return _lerp(xs[i - 1], xs[i], ys[i - 1], ys[i], x)
+
+
+def _segment(xs: Sequence[float], x: float) -> int:
+    """The segment (xs[i - 1], xs[i]) that :func:`_along` reads at ``x`` (at least two points): its i."""
     i = next((j for j, v in enumerate(xs) if v >= x), len(xs) - 1)
-    i = min(max(i, 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return min(max(i, 1), len(xs) - 1)
+
+
+def _lerp(x0: float, x1: float, y0: float, y1: float, x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
@@ -172,8 +180,21 @@ class LatencySurface:
     def step(self, rows: int, nodes: int, context: Optional[int] = None) -> float:
         """Seconds of a forward of ``rows`` trees of ``nodes`` nodes each on contexts of up to
         ``context`` tokens (None: the grid's first context)."""
-        per_context = [_along(self.rows, [_along(xs, ys, nodes) for xs, ys in c], rows) for c in self._measured]
-        seconds = per_context[0] if context is None else _along(self.contexts, per_context, context)
+        # (what _along over every measured point gives, reading only the two points each segment needs:
+        # a step's tree sizing reads this tens of times)
+        def at_context(c: int) -> float:
+            measured = self._measured[c]
+            if len(measured) == 1:
+                return _along(*measured[0], nodes)
+            i = _segment(self.rows, rows)
+            return _lerp(self.rows[i - 1], self.rows[i], _along(*measured[i - 1], nodes), _along(*measured[i], nodes),
+                         rows)
+
+        if context is None or len(self.contexts) == 1:
+            seconds = at_context(0)
+        else:
+            c = _segment(self.contexts, context)
+            seconds = _lerp(self.contexts[c - 1], self.contexts[c], at_context(c - 1), at_context(c), context)
         return max(seconds, self.fastest)
 
     @functools.cached_property

@@ -5,7 +5,7 @@ import torch
 
 from specroll_mcore.config import tiny_llama
 from specroll_mcore.distill import DistillRecords, draft_path, freeze_all_but_heads, head_loss, train_heads_step
-from specroll_mcore.heads import vocab_parallel_log_probs
+from specroll_mcore.heads import vocab_parallel_log_probs, vocab_rows
 from specroll_mcore.model import PolicyModel
 
 
@@ -13,6 +13,16 @@ def test_root_features_are_rows_of_the_vocab_projection(ctx):
     model = PolicyModel(tiny_llama(), ctx, num_heads=2).eval()
     ids = torch.tensor([0, 7, 299])
     assert torch.equal(model.root_features(ids), model.output_weight()[ids])
+
+
+def test_vocab_rows_of_a_shard_are_its_rows_and_zero_elsewhere():
+    """This rank's rows for global ids (ids of other ranks zero, so a sum over ranks is the true
+    product), also for a shard that holds none of them (a draft vocabulary's ids all on other ranks)."""
+    weight = torch.arange(12.0).reshape(4, 3)  # global ids 10 .. 13
+    ids = torch.tensor([[10, 13], [9, 14]])
+    assert vocab_rows(weight, ids, 10).tolist() == [[[0, 1, 2], [9, 10, 11]], [[0, 0, 0], [0, 0, 0]]]
+    assert torch.equal(vocab_rows(weight, ids[:1], 10), weight[ids[:1] - 10])
+    assert torch.equal(vocab_rows(weight[:0], ids, 10), torch.zeros(2, 2, 3))
 
 
 def test_heads_read_the_root_through_u_only(ctx):

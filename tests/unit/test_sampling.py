@@ -138,12 +138,81 @@ def test_noise_kernel_gives_torchs_values_bit_for_bit(monkeypatch):
         assert per_row[r].tolist() == [reference_uniform(int(h[r]), int(t)) for t in ids[r]]
 
 
+def reference_row_hash(seed: int, step: int, prompt: int, sample: int, position: int) -> int:
+    """A key's row hash in Python integers: fmix32 of the seed, then each field combined in turn."""
+    def fmix(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    h = fmix((seed ^ 0x5BD1E995) & 0xFFFFFFFF)
+    for x in (step, prompt, sample, position):
+        h = fmix((h * 0x9E3779B1 + (x & 0xFFFFFFFF) + 0x7F4A7C15) & 0xFFFFFFFF)
+    return h
+
+
+def test_noise_kernel_row_hashes_are_torchs():
+    """The kernel's row hashes (one call for all keys) against torch's int64 ops and Python integers,
+    over the fields' full int64 range, negative values and seeds past 32 bits included."""
+    import specroll_mcore.sampling as sampling
+
+    if sampling.noise_kernel() is None:
+        pytest.skip("the noise kernel could not be built here")
+    g = torch.Generator().manual_seed(3)
+    for seed, step in ((0, 0), (2**40 + 3, 2**33 + 1), (-7, -3), (123456789, 2**62)):
+        fields = [torch.randint(-2**62, 2**62, (50,), generator=g) for _ in range(3)]
+        keys = SampleKeys(seed, step, *fields)
+        h = keys.row_hash()
+        assert torch.equal(h, keys._torch_row_hash())
+        for r in (0, 49):
+            assert int(h[r]) == reference_row_hash(seed, step, *(int(f[r]) for f in fields))
+    empty = SampleKeys(1, 2, *[torch.zeros(0, dtype=torch.long)] * 3)
+    assert empty.row_hash().shape == (0,)
+
+
+def test_first_argmax_is_torchs_first_maximal_index():
+    """The kernel's argmax (vector lanes, then the rest of the row) against torch's max(dim).indices:
+    ties (the first index wins), NaN (the first NaN wins), rows of -inf, +inf, rows shorter than a
+    vector block and with a partial last block, vocabulary-wide rows, a non-contiguous view; other
+    dtypes take torch's path."""
+    import specroll_mcore.sampling as sampling
+
+    if sampling.noise_kernel() is None:
+        pytest.skip("the noise kernel could not be built here")
+    g = torch.Generator().manual_seed(0)
+    for width in (1, 7, 16, 17, 31, 32, 33, 100, 49152):
+        x = torch.randint(-3, 3, (12, width), generator=g).float()  # many ties
+        x[1] = float("-inf")
+        x[2, -1] = float("inf")
+        x[3, width // 2] = x[3, -1] = float("nan")
+        x[4, 0] = float("nan")
+        x[5, width // 3:] = float("inf")
+        assert torch.equal(sampling.first_argmax(x), x.max(dim=-1).indices), width
+    wide = torch.randn(40, 1000, generator=g).round(decimals=1)
+    assert torch.equal(sampling.first_argmax(wide[:, ::2]), wide[:, ::2].max(dim=-1).indices)
+    half = wide.bfloat16()
+    assert torch.equal(sampling.first_argmax(half), half.max(dim=-1).indices)
+    assert sampling.first_argmax(torch.zeros(0, 5)).shape == (0,)
+
+
 def test_noise_kernel_checks_its_inputs():
     import specroll_mcore.sampling as sampling
 
     kernel = sampling.noise_kernel()
     if kernel is None:
         pytest.skip("the noise kernel could not be built here")
+    with pytest.raises(RuntimeError, match="must be CPU int64 tensors"):
+        kernel.counter_row_hash(1, 2, torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.long),
+                                torch.zeros(2, dtype=torch.long))
+    with pytest.raises(RuntimeError, match=r"first_argmax: a CPU float32 tensor \[n, V\]"):
+        kernel.first_argmax(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"first_argmax: a CPU float32 tensor \[n, V\]"):
+        kernel.first_argmax(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="must have equal length"):
+        kernel.counter_row_hash(1, 2, torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long),
+                                torch.zeros(2, dtype=torch.long))
     with pytest.raises(RuntimeError, match="ids must have 1 or n = 2 rows, got 3"):
         kernel.counter_uniform(torch.zeros(2, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long))
     with pytest.raises(RuntimeError, match="int64 row hashes and ids"):

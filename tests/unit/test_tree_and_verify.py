@@ -10,7 +10,7 @@ import torch
 from specroll_mcore.tree import (PAD, ROOT, DraftLevel, LatencyCurve, LatencySurface, TreeBatch, capacity_from_latency,
                                  expansion, expected_tokens, node_beliefs, node_budget, row_chunks, select_tree, tree_size)
 from specroll_mcore.tree.budget import DepthCalibration, tree_row_seconds
-from specroll_mcore.verify import accept
+from specroll_mcore.verify import accept, node_rows
 
 
 def drafter(root, path, k, vocab=50):
@@ -263,6 +263,40 @@ def test_accept_walk_matches_children_and_always_emits():
     assert acc.path.tolist() == [[0, 1, 2], [0, -1, -1]]
     assert acc.last_node.tolist() == [2, 0]
     assert acc.tried.tolist() == [1, 1] and acc.accepted.tolist() == [1, 1]
+
+
+def test_node_rows_equal_advanced_indexing():
+    """Logits at tree nodes, read by index_select over merged (row, node) dimensions where they merge
+    (a view of the vocabulary slice of padded logits included), else by advanced indexing."""
+    g = torch.Generator().manual_seed(0)
+    padded = torch.randn(3, 4, 10, generator=g)
+    rows, nodes = torch.tensor([2, 0, 2, 1]), torch.tensor([3, 0, 1, 3])
+    for x in (padded, padded[..., :7], padded.transpose(0, 1), padded[:1], padded[:, :1]):
+        r, n = rows.clamp(max=x.shape[0] - 1), nodes.clamp(max=x.shape[1] - 1)
+        assert torch.equal(node_rows(x, r, n), x[r, n])
+    assert node_rows(padded, rows[:0], nodes[:0]).shape == (0, 10)
+
+
+def test_latency_surface_reads_every_shape_as_its_whole_grid_does():
+    """step() reads only the two points of each segment it interpolates; the value is that of
+    interpolating over every measured point (bit for bit), on random grids with unmeasured shapes."""
+    from specroll_mcore.tree.budget import _along
+
+    def over_all_points(s, rows, nodes, context):
+        per_context = [_along(s.rows, [_along(xs, ys, nodes) for xs, ys in c], rows) for c in s._measured]
+        return max(per_context[0] if context is None else _along(s.contexts, per_context, context), s.fastest)
+
+    rng = random.Random(0)
+    for _ in range(50):
+        rows, nodes = (1, 2, 4, 8, 16)[:rng.randint(1, 5)], (1, 2, 4, 8)[:rng.randint(2, 4)]
+        contexts = (128, 512, 1024)[:rng.randint(1, 3)]
+        seconds = tuple(tuple(tuple(rng.uniform(0.01, 0.2) if n < 2 or rng.random() < 0.7 else None
+                                    for n in range(len(nodes))) for _ in rows) for _ in contexts)
+        s = LatencySurface(rows, nodes, contexts, seconds)
+        for r in (1, 3, 16, 40):
+            for n in (1, 3, 20):
+                for c in (None, 50, 300, 2000):
+                    assert s.step(r, n, c) == over_all_points(s, r, n, c)
 
 
 def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
