@@ -140,6 +140,18 @@ def test_bench_step_attention_smoke_and_its_errors(tiny_ckpt, tmp_path):
     assert all(r["step_kernel"] > 0 and r["ordered_attention"] > 0 for r in report["shapes"].values())
 
 
+def test_bench_step_phases_smoke_and_bad_input(tiny_ckpt, tmp_path):
+    out = tmp_path / "p.json"
+    run_tool("bench_step_phases.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 8,
+             "--steps", 3, "--reps", 1, "--out", out)
+    report = json.loads(out.read_text())
+    assert set(report["phases"]) == {"propose", "accept", "feedback"}
+    assert all(p["ms_per_step"] > 0 and p["steps"] == 3 and p["rows_per_step"] >= 1 for p in report["phases"].values())
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_step_phases.py"), "--n-max", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--n-max must be >= 1, got 0" in proc.stderr
+
+
 def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
     """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here) and leaves their results;
     on the tiny checkpoint the transformers baseline is its own export, not SmolLM2."""
