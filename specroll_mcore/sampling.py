@@ -72,12 +72,8 @@ class SampleKeys:
         return h  # [n]
 
 
-def _vocab_ids(keys: SampleKeys, vocab: int, start: int) -> torch.Tensor:
-    return _id_range(start, vocab, keys.prompt.device)
-
-
 @functools.lru_cache(maxsize=8)
-def _id_range(start: int, vocab: int, device: torch.device) -> torch.Tensor:
+def _vocab_ids(start: int, vocab: int, device: torch.device) -> torch.Tensor:
     """[1, vocab] ids start .. start + vocab - 1, made once (every sample reads them; an arange of a
     vocabulary at every call cost ~20 us on CPU). A normal tensor, also when first asked for under
     inference mode, and never written to."""
@@ -144,13 +140,13 @@ def _noise(keys: SampleKeys, ids: torch.Tensor, gumbel: bool, dtype: torch.dtype
 
 def uniform_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64, start: int = 0) -> torch.Tensor:
     """[n, vocab] uniforms in (0, 1), one per (key, token id) for ids start .. start + vocab - 1."""
-    return _noise(keys, _vocab_ids(keys, vocab, start), False, dtype)
+    return _noise(keys, _vocab_ids(start, vocab, keys.prompt.device), False, dtype)
 
 
 def gumbel_noise(keys: SampleKeys, vocab: int, dtype: torch.dtype = torch.float64, start: int = 0) -> torch.Tensor:
     """[n, vocab] standard Gumbel noise, a pure function of (seed, step, prompt, sample, position, v),
     for token ids v = start .. start + vocab - 1 (a vocabulary shard reads its own slice)."""
-    return _noise(keys, _vocab_ids(keys, vocab, start), True, dtype)
+    return _noise(keys, _vocab_ids(start, vocab, keys.prompt.device), True, dtype)
 
 
 def gumbel_noise_at(keys: SampleKeys, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -202,7 +198,7 @@ def sample(logits: torch.Tensor, keys: SampleKeys, temperature: float, top_p: fl
     unfiltered softmax.
     """
     if temperature == 0:
-        tokens = logits.argmax(dim=-1)
+        tokens = first_argmax(logits)
         logp = torch.log_softmax(upcast(logits), dim=-1)
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     x = filter_logits(logits, temperature, top_p, top_k)

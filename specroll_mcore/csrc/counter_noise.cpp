@@ -155,13 +155,13 @@ torch::Tensor first_argmax(torch::Tensor x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) > 0,
               "first_argmax: a CPU float32 tensor [n, V] with V > 0");
   TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "first_argmax: rows of fewer than 2^31 entries");
-  const auto xc = x.contiguous();
-  const int64_t n = xc.size(0), v = xc.size(1);
+  const auto xc = x.stride(1) == 1 ? x : x.contiguous();  // rows read in place (a view of a forward's logits)
+  const int64_t n = xc.size(0), v = xc.size(1), row_stride = xc.stride(0);
   auto out = torch::empty({n}, torch::dtype(torch::kLong));
   const float* xp = xc.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, n, std::max<int64_t>(1, kGrain / v), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) op[r] = row_first_argmax(xp + r * v, v);
+    for (int64_t r = begin; r < end; ++r) op[r] = row_first_argmax(xp + r * row_stride, v);
   });
   return out;
 }

@@ -135,7 +135,7 @@ class PolicyModel(torch.nn.Module):
             capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
             kernel = self.dtype in STEP_ATTENTION_DTYPES and step_attention_kernels() is not None
         layers = [layer.self_attention.layer_number for layer in self.gpt.decoder.layers]
-        return KVCache(num_slots, capacity, self.ctx.device, self.dtype, position_major_keys=kernel, layers=layers)
+        return KVCache(num_slots, capacity, self.ctx.device, self.dtype, layers, position_major_keys=kernel)
 
     @property
     def batch_invariant(self) -> bool:

@@ -1,4 +1,4 @@
-"""Preallocated per-layer key/value cache with per-slot committed lengths.
+"""Preallocated key/value cache of a pipeline stage's layers with per-slot committed lengths.
 
 A *slot* is one response being generated. Row ``b`` of a forward uses slot ``slots[b]``; finished
 responses simply stop appearing in ``slots`` (they leave the compute). Every forward writes the
@@ -34,10 +34,12 @@ class KVCache:
     """Keys/values for the layers of one pipeline stage, for ``num_slots`` responses."""
 
     def __init__(self, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype,
-                 position_major_keys: bool = False, layers: Optional[Sequence[int]] = None) -> None:
-        """``layers``: the layer numbers that will use the cache (this pipeline stage's); their keys,
-        and their values, then live in one tensor each, so that moving positions or rows (commit,
-        pack, copy_slots) is one indexing operation for all layers rather than one per layer."""
+                 layers: Sequence[int], position_major_keys: bool = False) -> None:
+        """``layers``: the layer numbers that use the cache (this pipeline stage's). All their keys live
+        in one tensor and all their values in another, so that moving positions or rows (commit, pack,
+        copy_slots) is one indexing operation for every layer."""
+        if not layers:
+            raise ValueError("a KV cache needs the layer numbers that use it (layers)")
         self.num_slots = num_slots
         self.position_major_keys = position_major_keys
         self.capacity = capacity
@@ -48,38 +50,27 @@ class KVCache:
         self.row_of = torch.arange(num_slots, device=device)
         """The buffers' row holding each slot."""
         self._extent = 0  # positions any forward has written: what a moved row carries
-        self._k: dict[int, torch.Tensor] = {}  # layer_number -> [slots, capacity, groups, head_dim] (logical order)
-        self._v: dict[int, torch.Tensor] = {}
-        self._layers = list(layers) if layers else None
-        self._stacked: list[torch.Tensor] = []  # keys, values [layers, slots, capacity, groups, head_dim], if layers
-
-    def _zeros(self, leading: tuple[int, ...], groups: int, head_dim: int, keys: bool) -> torch.Tensor:
-        """Buffers ``[*leading, capacity, groups, head_dim]`` (position-major keys: stored with the
-        positions last, viewed in that order)."""
-        if keys and self.position_major_keys:
-            n = len(leading)
-            stored = torch.zeros(*leading, groups, head_dim, self.capacity, dtype=self.dtype, device=self.device)
-            return stored.permute(*range(n), n + 2, n, n + 1)
-        return torch.zeros(*leading, self.capacity, groups, head_dim, dtype=self.dtype, device=self.device)
+        self._index = {number: i for i, number in enumerate(layers)}  # layer number -> its index in the buffers
+        # keys, values [layers, slots, capacity, groups, head_dim] (logical order), made at the first write
+        self._k: Optional[torch.Tensor] = None
+        self._v: Optional[torch.Tensor] = None
 
     def _buffers(self, layer: int, groups: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer not in self._k:
-            if self._layers is not None and layer in self._layers and not self._stacked:
-                leading = (len(self._layers), self.num_slots)
-                self._stacked = [self._zeros(leading, groups, head_dim, keys) for keys in (True, False)]
-                for i, number in enumerate(self._layers):
-                    self._k[number], self._v[number] = self._stacked[0][i], self._stacked[1][i]
+        """Layer ``layer``'s keys and values [slots, capacity, groups, head_dim] (views)."""
+        if self._k is None:
+            shape = (len(self._index), self.num_slots, self.capacity, groups, head_dim)
+            self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.position_major_keys:  # stored [layers, slots, groups, head_dim, capacity], viewed in order
+                self._k = torch.zeros(*shape[:2], groups, head_dim, self.capacity, dtype=self.dtype,
+                                      device=self.device).permute(0, 1, 4, 2, 3)
             else:
-                self._k[layer] = self._zeros((self.num_slots,), groups, head_dim, True)
-                self._v[layer] = self._zeros((self.num_slots,), groups, head_dim, False)
-        return self._k[layer], self._v[layer]
+                self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        i = self._index[layer]
+        return self._k[i], self._v[i]
 
-    def _every_layer(self) -> list[tuple[torch.Tensor, tuple]]:
-        """(buffer, index prefix) pairs covering every layer's keys and values: the two stacked
-        buffers (prefix ``[:]``, all layers) where they hold every layer, else each layer's own."""
-        if self._stacked and len(self._k) == len(self._layers):
-            return [(buf, (slice(None),)) for buf in self._stacked]
-        return [(buf, ()) for buf in (*self._k.values(), *self._v.values())]
+    def _all_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The key and value buffers, [layers, slots, ...] each (none before the first write)."""
+        return () if self._k is None else (self._k, self._v)
 
     def pack(self, slots: torch.Tensor) -> torch.Tensor:
         """Make the rows holding ``slots`` [b] a contiguous range with as few moves as possible: the
@@ -125,8 +116,8 @@ class KVCache:
         src = torch.cat([rows, self.row_of[displaced]])
         dst = torch.cat([target, freed])
         n = self._extent
-        for buf, all_layers in self._every_layer():  # gathered first, then written: overlapping moves are safe
-            buf[all_layers + (dst, slice(None, n))] = buf[all_layers + (src, slice(None, n))]
+        for buf in self._all_buffers():  # gathered first, then written: overlapping moves are safe
+            buf[:, dst, :n] = buf[:, src, :n]
         self.row_of[slots] = target
         self.row_of[displaced] = freed
 
@@ -160,8 +151,8 @@ class KVCache:
             src = base + keep_index
             dst = base + torch.arange(keep_index.shape[1], device=self.device)[None, :]
             rows = self.row_of[slots][:, None].expand_as(src)
-            for buf, all_layers in self._every_layer():  # gather first, then scatter: safe when ranges overlap
-                buf[all_layers + (rows, dst)] = buf[all_layers + (rows, src)]
+            for buf in self._all_buffers():  # gather first, then scatter: safe when ranges overlap
+                buf[:, rows, dst] = buf[:, rows, src]
         self.lengths[slots] += num_new.to(self.lengths.device)
         if int(self.lengths.max()) > self.capacity:
             raise RuntimeError(f"KV cache overflow: a slot holds {int(self.lengths.max())} tokens, "
@@ -169,8 +160,8 @@ class KVCache:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Duplicate whole slots (shared prompt prefill: one prompt, G samples)."""
-        for buf, all_layers in self._every_layer():
-            buf[all_layers + (self.row_of[dst],)] = buf[all_layers + (self.row_of[src],)]
+        for buf in self._all_buffers():
+            buf[:, self.row_of[dst]] = buf[:, self.row_of[src]]
         self.lengths[dst] = self.lengths[src]
 
     def reset(self) -> None:

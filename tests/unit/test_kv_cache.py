@@ -82,16 +82,16 @@ def _write(cache, slots, values, extra=0, layer=1):
 def _context(cache, slot, layer=1):
     """What ``slot`` holds: its committed keys (first channel), through the row it lives in now."""
     row = int(cache.row_of[slot])
-    return cache._k[layer][row, :int(cache.lengths[slot]), 0, 0].tolist()
+    return cache._k[cache._index[layer]][row, :int(cache.lengths[slot]), 0, 0].tolist()
 
 
 @pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
-@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
-def test_rows_move_so_that_every_forward_reads_a_view(position_major, stacked):
+@pytest.mark.parametrize("two_layers", [False, True], ids=["one-layer", "two-layers"])
+def test_rows_move_so_that_every_forward_reads_a_view(position_major, two_layers):
     """Slots of a forward are packed into a contiguous range of rows (views, not gathered copies);
     every slot keeps its own context, commits and prefix copies follow the moved rows."""
     cache = KVCache(num_slots=6, capacity=16, device=torch.device("cpu"), dtype=torch.float32,
-                    position_major_keys=position_major, layers=[1, 2] if stacked else None)
+                    position_major_keys=position_major, layers=[1, 2] if two_layers else [1])
     _write(cache, range(6), torch.tensor([[10.0 * i + t for t in range(3)] for i in range(6)]))
     cache.commit(torch.arange(6), torch.full((6,), 3))
     expected = {i: [10.0 * i + t for t in range(3)] for i in range(6)}
@@ -112,12 +112,12 @@ def test_rows_move_so_that_every_forward_reads_a_view(position_major, stacked):
 
 
 @pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
-@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
-def test_interleaved_groups_settle_and_shrink_in_place(position_major, stacked):
+@pytest.mark.parametrize("two_layers", [False, True], ids=["one-layer", "two-layers"])
+def test_interleaved_groups_settle_and_shrink_in_place(position_major, two_layers):
     """A pipeline stage's two response groups (slot s in group s % 2): packed once, after which
     alternating forwards move nothing, and a group that loses a response moves only within its rows."""
     cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
-                    position_major_keys=position_major, layers=[1, 2] if stacked else None)
+                    position_major_keys=position_major, layers=[1, 2] if two_layers else [1])
     g0, g1 = [0, 2, 4, 6], [1, 3, 5, 7]
     _write(cache, range(8), torch.arange(8.0)[:, None])
     cache.commit(torch.arange(8), torch.ones(8, dtype=torch.long))
@@ -134,12 +134,12 @@ def test_interleaved_groups_settle_and_shrink_in_place(position_major, stacked):
 
 
 @pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
-@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
-def test_moved_rows_keep_an_uncommitted_forward(position_major, stacked):
+@pytest.mark.parametrize("two_layers", [False, True], ids=["one-layer", "two-layers"])
+def test_moved_rows_keep_an_uncommitted_forward(position_major, two_layers):
     """Between a tree forward and its commit another group's forward may move the tree's rows: the
     scratch positions (the drafted tokens not yet committed) move with them."""
     cache = KVCache(num_slots=5, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
-                    position_major_keys=position_major, layers=[1, 2] if stacked else None)
+                    position_major_keys=position_major, layers=[1, 2] if two_layers else [1])
     _write(cache, range(5), torch.arange(5.0)[:, None])
     cache.commit(torch.arange(5), torch.ones(5, dtype=torch.long))
     assert _write(cache, [2, 3], torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))[0] == (2, 4)  # a tree each
@@ -150,12 +150,12 @@ def test_moved_rows_keep_an_uncommitted_forward(position_major, stacked):
 
 
 @pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
-@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
-def test_pack_moves_only_the_rows_beyond_the_range(position_major, stacked):
+@pytest.mark.parametrize("two_layers", [False, True], ids=["one-layer", "two-layers"])
+def test_pack_moves_only_the_rows_beyond_the_range(position_major, two_layers):
     """A group that lost responses: its unfinished responses past the packed range swap rows with the
     finished ones inside it; everything else stays; the order returned is the rows' order."""
     cache = KVCache(num_slots=8, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
-                    position_major_keys=position_major, layers=[1, 2] if stacked else None)
+                    position_major_keys=position_major, layers=[1, 2] if two_layers else [1])
     _write(cache, range(8), torch.arange(8.0)[:, None])
     cache.commit(torch.arange(8), torch.ones(8, dtype=torch.long))
     live = torch.tensor([0, 1, 3, 4, 6, 7])  # 2 and 5 finished
@@ -177,7 +177,8 @@ def test_stacked_layers_move_together(position_major):
                     position_major_keys=position_major, layers=[3, 4])
     for layer, scale in ((3, 1.0), (4, -1.0)):  # a tree of 3 tokens per slot, other numbers per layer
         _write(cache, range(4), scale * torch.tensor([[10.0 * i + t for t in range(3)] for i in range(4)]), layer=layer)
-    assert cache._k[3].data_ptr() != cache._k[4].data_ptr() and len(cache._every_layer()) == 2
+    k3, k4 = cache._buffers(3, 1, 2)[0], cache._buffers(4, 1, 2)[0]
+    assert k3.data_ptr() != k4.data_ptr() and k3.untyped_storage().data_ptr() == cache._k.untyped_storage().data_ptr()
     cache.commit(torch.arange(4), torch.full((4,), 2), keep_index=torch.tensor([[0, 2]] * 4))
     expected = {i: [10.0 * i, 10.0 * i + 2] for i in range(4)}
     assert all(_context(cache, i, 3) == expected[i] for i in range(4))
@@ -186,5 +187,10 @@ def test_stacked_layers_move_together(position_major):
     cache.copy_slots(torch.tensor([3]), torch.tensor([2]))
     for i, src in ((0, 0), (1, 1), (2, 3), (3, 3)):
         assert _context(cache, i, 3) == expected[src] and _context(cache, i, 4) == [-x for x in expected[src]]
-    values = cache._v[4][int(cache.row_of[2]), :2, 0, 0].tolist()
+    values = cache._v[cache._index[4]][int(cache.row_of[2]), :2, 0, 0].tolist()
     assert values == expected[3]  # values: the negated keys written by layer 4
+
+
+def test_a_cache_needs_its_layers():
+    with pytest.raises(ValueError, match="needs the layer numbers that use it"):
+        KVCache(num_slots=2, capacity=4, device=torch.device("cpu"), dtype=torch.float32, layers=[])

@@ -192,6 +192,8 @@ def test_first_argmax_is_torchs_first_maximal_index():
         assert torch.equal(sampling.first_argmax(x), x.max(dim=-1).indices), width
     wide = torch.randn(40, 1000, generator=g).round(decimals=1)
     assert torch.equal(sampling.first_argmax(wide[:, ::2]), wide[:, ::2].max(dim=-1).indices)
+    rows = wide.view(10, 4, 1000)[:, 1]  # rows read in place: a view with a row stride of 4000
+    assert torch.equal(sampling.first_argmax(rows), rows.max(dim=-1).indices)
     half = wide.bfloat16()
     assert torch.equal(sampling.first_argmax(half), half.max(dim=-1).indices)
     assert sampling.first_argmax(torch.zeros(0, 5)).shape == (0,)

@@ -25,7 +25,7 @@ def filled_cache(committed: list[int], s: int, groups: int, d: int, dtype, g: to
     """A position-major cache whose rows hold random committed keys/values and ``s`` new tokens each,
     written as a forward writes them; returns (cache, key view, value view) [positions, b, groups, d]."""
     b = len(committed)
-    cache = KVCache(b, max(committed) + s + 5, torch.device("cpu"), dtype, position_major_keys=True)
+    cache = KVCache(b, max(committed) + s + 5, torch.device("cpu"), dtype, [1], position_major_keys=True)
     lengths = torch.tensor(committed)
     full = max(committed) + s
     k, v = (torch.randn(full, b, groups, d, generator=g).to(dtype) for _ in range(2))
@@ -120,7 +120,7 @@ def test_switch_and_layout(monkeypatch):
     """SPECROLL_STEP_ATTENTION=0 turns the kernel off; a cache not made for it keeps keys as before."""
     monkeypatch.setenv("SPECROLL_STEP_ATTENTION", "0")
     assert step_attention_kernels() is None
-    cache = KVCache(2, 8, torch.device("cpu"), torch.bfloat16)
+    cache = KVCache(2, 8, torch.device("cpu"), torch.bfloat16, [1])
     key, _ = cache.write_and_read(1, (0, 2), torch.arange(2)[:, None], torch.zeros(2, 1, dtype=torch.long), 1,
                                   torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16))
     assert not cache.position_major_keys and key.stride(-1) == 1
