@@ -22,6 +22,15 @@ def ctx():
     yield c
 
 
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    """SmolLM2 converted once per session, into the tests' private cache (~25 s). Tests that write
+    beside it (heads) work on a copy."""
+    from specroll_mcore.checkpoint.smollm2 import default_checkpoint
+
+    return default_checkpoint()
+
+
 def make_policy(cfg: ModelConfig, ctx, seed: int = 0) -> PolicyModel:
     """A policy with seeded random weights given in the full form (layout independent)."""
     model = PolicyModel(cfg, ctx).eval()

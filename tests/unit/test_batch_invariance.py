@@ -9,7 +9,6 @@ import torch
 
 from specroll_mcore import cpu_gemm
 from specroll_mcore.checkpoint.megatron import load_policy
-from specroll_mcore.checkpoint.smollm2 import default_checkpoint
 from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2
 from specroll_mcore.model.attention import KEY_BLOCK, causal_mask, one_token_key_order, step_attention_kernels
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
@@ -60,35 +59,34 @@ def random_tree(n: int, g: torch.Generator) -> tuple[list[int], torch.Tensor]:
 
 def check_trees(model, vocab_size: int, context: int, sizes: tuple[int, ...]) -> None:
     """Random trees after a ``context``-token prompt: every node's logits from the tree forward equal
-    (bit for bit) those of one-token forwards along its path."""
+    (bit for bit) those of one-token forwards along its path. The one-token forwards walk each tree
+    depth first on the prompt's cache, its committed length set back to the node's parent before the
+    node's forward: every node is decoded once, right after its ancestors, as the vanilla engine
+    decodes a response (what lies past the committed length is the scratch of other forwards)."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab_size, (1, context), generator=g)
     slots = torch.tensor([0])
-
-    def prefilled():
+    one_token = torch.ones(1, 1, 1, dtype=torch.bool)
+    with torch.inference_mode():
         cache = model.new_cache(1, context + max(sizes))
         model(prompt, model.metadata(torch.arange(context)[None], causal_mask(1, context, torch.device("cpu")),
                                      cache, slots))
         cache.commit(slots, torch.tensor([context]))
-        return cache
-
-    with torch.inference_mode():
         for n in sizes:
             parent, mask = random_tree(n, g)
             tokens = torch.randint(3, vocab_size, (1, n), generator=g)
-            tree_logits = model(tokens, model.metadata(context + mask.sum(-1) - 1, mask, prefilled(), slots,
-                                                       step=True))[0]
-            for leaf in set(range(n)) - set(parent):
-                path = [leaf]
-                while parent[path[-1]] >= 0:
-                    path.append(parent[path[-1]])
-                cache = prefilled()
-                for node in reversed(path):  # the path's tokens one at a time, as the vanilla engine decodes them
-                    one = model(tokens[:, node:node + 1], model.metadata(cache.lengths[slots][:, None],
-                                                                         torch.ones(1, 1, 1, dtype=torch.bool),
-                                                                         cache, slots, step=True))[0, 0]
-                    cache.commit(slots, torch.tensor([1]))
-                    assert torch.equal(one, tree_logits[node]), f"{n}-node tree: node {node} on the path to {leaf}"
+            depth = mask[0].sum(-1) - 1
+            tree_logits = model(tokens, model.metadata(context + depth[None], mask, cache, slots, step=True))[0]
+            children = [[i for i in range(n) if parent[i] == node] for node in range(n)]
+            stack = [0]
+            while stack:
+                node = stack.pop()
+                cache.lengths[slots] = context + depth[node]
+                one = model(tokens[:, node:node + 1], model.metadata(cache.lengths[slots][:, None], one_token,
+                                                                     cache, slots, step=True))[0, 0]
+                assert torch.equal(one, tree_logits[node]), f"{n}-node tree: node {node} (depth {int(depth[node])})"
+                stack.extend(children[node])
+            cache.lengths[slots] = context
 
 
 @needs_bf16_kernels
@@ -110,11 +108,10 @@ def test_tree_forward_equals_one_token_forwards_in_bfloat16(ctx, make_cfg, step_
 
 
 @needs_bf16_kernels
-def test_smollm2_tree_forward_equals_one_token_forwards_in_bfloat16(ctx, tmp_path_factory):
+def test_smollm2_tree_forward_equals_one_token_forwards_in_bfloat16(ctx, smollm2_checkpoint):
     """The real model's 30 layers: a rare rounding difference (a few attention outputs in 10^5)
     reaches the logits here where two tiny layers may miss it."""
-    ckpt = default_checkpoint(tmp_path_factory.mktemp("specroll-cache"))
-    model = load_policy(ckpt, ctx, params_dtype="bfloat16")
+    model = load_policy(smollm2_checkpoint, ctx, params_dtype="bfloat16")
     for context in (150, 230):
         check_trees(model, model.config.vocab_size, context, (6, 12, 16, 24))
 

