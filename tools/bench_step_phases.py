@@ -11,6 +11,15 @@ records and Reflex); each phase is then run again on the first --steps of them, 
 the median ms per step reported. The verification forward is left out: it is the same for any host
 code. Compare two versions of the code by running this tool from each, alternating; the machines
 are shared and noisy, so repeat.
+
+Each phase also reports, from one more pass, the torch operations it dispatches per step (views,
+metadata and allocations apart: they launch nothing) and the host syncs among them (scalar reads: ``.item()``, ``int()``, ``bool()`` of a tensor; ``nonzero``;
+``.tolist()``). On a GPU each operation is a kernel launch and each sync waits for the device, and a
+forward of a model the size of SmolLM2 is itself bound by its launches there, so these counts price
+the step's host work on a GPU where this CPU cannot time it. Operations of the CPU kernels
+(csrc/) are not dispatched by torch and not counted; ``SPECROLL_NOISE_KERNEL=0
+SPECROLL_PACKED_GEMM=0`` count the operations the GPU path runs instead. For scale, the report
+also counts the operations of the captured rollout's verification forwards (``verify_forward``).
 """
 
 from __future__ import annotations
@@ -21,11 +30,13 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from typing import Any, Callable
 
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
@@ -37,12 +48,61 @@ from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
 from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
 PHASES = ("propose", "accept", "feedback")
+# operations whose result the host waits for (a scalar read, a data-dependent shape)
+SYNC_OPS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero"})
+# operations that launch no kernel: views, metadata, allocation
+VIEW_OPS = frozenset({"reshape", "view", "view_as", "_unsafe_view", "unsqueeze", "squeeze", "select", "slice", "expand",
+                      "expand_as", "flatten", "alias", "detach", "detach_", "permute", "transpose", "t", "split",
+                      "split_with_sizes", "chunk", "unbind", "narrow", "as_strided", "lift_fresh", "set_", "empty",
+                      "new_empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg"})
 
 
-def capture(engine: SpeculativeEngine, prompts: list, sampling: SamplingConfig) -> tuple[dict[str, list], Any]:
-    """Run one rollout, recording each phase's calls (arguments as passed)."""
+class OpCounter(TorchDispatchMode):
+    """Counts the torch operations dispatched, and ``Tensor.tolist`` calls, while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.tolist = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        original, counter = torch.Tensor.tolist, self
+
+        def tolist(tensor):
+            counter.tolist += 1
+            return original(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        del torch.Tensor.tolist  # torch's own method again (TensorBase's)
+        return super().__exit__(*exc)
+
+    def per_step(self, steps: int) -> dict[str, Any]:
+        syncs = sum(self.ops[name] for name in SYNC_OPS) + self.tolist
+        launches = sum(n for name, n in self.ops.items() if name not in VIEW_OPS)
+        return {"ops_per_step": launches / steps, "syncs_per_step": syncs / steps,
+                "views_per_step": (sum(self.ops.values()) - launches) / steps,
+                "ops_by_name_per_step": {k: v / steps for k, v in self.ops.most_common() if k not in VIEW_OPS}}
+
+
+def capture(engine: SpeculativeEngine, prompts: list,
+            sampling: SamplingConfig) -> tuple[dict[str, list], Any, OpCounter]:
+    """Run one rollout, recording each phase's calls (arguments as passed) and counting the
+    operations of its verification forwards."""
     calls: dict[str, list] = {name: [] for name in PHASES}
-    originals = {"propose": engine.propose, "feedback": engine.feedback, "accept": speculative.accept}
+    originals = {"propose": engine.propose, "feedback": engine.feedback, "accept": speculative.accept,
+                 "verify": engine.verify}
+    forwards = OpCounter()
+
+    def counted_verify(*args, **kwargs):
+        with forwards:
+            return originals["verify"](*args, **kwargs)
 
     def recorder(name: str) -> Callable:
         def call(*args, **kwargs):
@@ -50,14 +110,14 @@ def capture(engine: SpeculativeEngine, prompts: list, sampling: SamplingConfig) 
             return originals[name](*args, **kwargs)
         return call
 
-    engine.propose, engine.feedback = recorder("propose"), recorder("feedback")
+    engine.propose, engine.feedback, engine.verify = recorder("propose"), recorder("feedback"), counted_verify
     speculative.accept = recorder("accept")
     try:
         out = engine.generate(prompts, sampling, prompt_ids=list(range(len(prompts))))
     finally:
         speculative.accept = originals["accept"]
-        del engine.propose, engine.feedback  # the class's methods again
-    return calls, out
+        del engine.propose, engine.feedback, engine.verify  # the class's methods again
+    return calls, out, forwards
 
 
 def replay(fn: Callable, calls: list, name: str) -> None:
@@ -94,7 +154,7 @@ def main() -> int:
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               num_samples=args.samples, seed=2)
     engine.generate(prompts[:1], SamplingConfig(max_new_tokens=4), prompt_ids=[0])  # warm-up (kernels, packing)
-    calls, out = capture(engine, prompts, sampling)
+    calls, out, forwards = capture(engine, prompts, sampling)
     methods = {"propose": engine.propose, "feedback": engine.feedback, "accept": speculative.accept}
     phases = {}
     for name in PHASES:
@@ -107,17 +167,28 @@ def main() -> int:
             t = time.perf_counter()
             replay(methods[name], taken, name)
             times.append((time.perf_counter() - t) / len(taken) * 1e3)
+        counter = OpCounter()
+        with counter:
+            replay(methods[name], taken, name)
         rows = [len(a[1]) if name == "feedback" else int(a[0].shape[0]) for a, _ in taken]  # slots / hidden / trees
         phases[name] = {"ms_per_step": statistics.median(times), "steps": len(taken),
-                        "rows_per_step": statistics.mean(rows)}
+                        "rows_per_step": statistics.mean(rows), **counter.per_step(len(taken))}
         print(f"{name:9s} {phases[name]['ms_per_step']:7.3f} ms a step ({len(taken)} steps, "
-              f"{phases[name]['rows_per_step']:.1f} rows)", flush=True)
+              f"{phases[name]['rows_per_step']:.1f} rows), {phases[name]['ops_per_step']:.0f} torch operations "
+              f"and {phases[name]['syncs_per_step']:.1f} host syncs a step", flush=True)
     report = {"checkpoint": str(ckpt), "hardware": hardware_name(), "dtype": str(policy.dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "args": vars(args), "tau": out.stats["tau"],
               "steps": out.stats["steps"], "phases": phases,
-              "total_ms_per_step": sum(p["ms_per_step"] for p in phases.values())}
+              "total_ms_per_step": sum(p["ms_per_step"] for p in phases.values()),
+              "total_ops_per_step": sum(p["ops_per_step"] for p in phases.values()),
+              "total_syncs_per_step": sum(p["syncs_per_step"] for p in phases.values()),
+              # the verification forwards of the captured rollout, for scale (not replayed or timed)
+              "verify_forward": forwards.per_step(out.stats["steps"])}
     write_json_atomic(args.out, report)
-    print(f"host work {report['total_ms_per_step']:.2f} ms a step (tau {out.stats['tau']:.2f}); wrote {args.out}")
+    print(f"host work {report['total_ms_per_step']:.2f} ms, {report['total_ops_per_step']:.0f} torch operations and "
+          f"{report['total_syncs_per_step']:.1f} host syncs a step (the verification forward: "
+          f"{report['verify_forward']['ops_per_step']:.0f} operations, {report['verify_forward']['syncs_per_step']:.1f} "
+          f"syncs; tau {out.stats['tau']:.2f}); wrote {args.out}")
     return 0
 
 

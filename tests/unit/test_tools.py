@@ -147,9 +147,32 @@ def test_bench_step_phases_smoke_and_bad_input(tiny_ckpt, tmp_path):
     report = json.loads(out.read_text())
     assert set(report["phases"]) == {"propose", "accept", "feedback"}
     assert all(p["ms_per_step"] > 0 and p["steps"] == 3 and p["rows_per_step"] >= 1 for p in report["phases"].values())
+    assert all(p["ops_per_step"] > 0 for p in report["phases"].values()) and report["total_syncs_per_step"] >= 0
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_step_phases.py"), "--n-max", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--n-max must be >= 1, got 0" in proc.stderr
+
+
+def test_step_phases_op_counter():
+    """The counter behind bench_step_phases' operation and sync counts, on operations counted by hand."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from bench_step_phases import OpCounter
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    x = torch.ones(4)
+    counter = OpCounter()
+    with counter, torch.inference_mode():
+        y = (x + 1) * 2  # 2 operations
+        y.view(2, 2).unsqueeze(0)  # views: no operation
+        int(y.sum())  # sum + a scalar read (sync)
+        bool(y.any())  # any + a scalar read (sync)
+        y.tolist()  # a sync (and two metadata checks, no operation)
+        (y > 3).nonzero()  # gt + nonzero (sync)
+    assert "tolist" not in torch.Tensor.__dict__  # torch's own method again
+    counts = counter.per_step(2)
+    assert counts["ops_per_step"] == 8 / 2 and counts["syncs_per_step"] == 4 / 2 and counts["views_per_step"] == 4 / 2
+    assert counts["ops_by_name_per_step"]["sum"] == 0.5
 
 
 def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
