@@ -24,8 +24,9 @@ import torch
 _M32 = 0xFFFFFFFF
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values (full avalanche).
+def _fmix32(h: Any) -> Any:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values (full avalanche), or on
+    Python integers.
 
     The products can exceed 2**63 and wrap; only the low 32 bits are kept, which wrapping preserves.
     """
@@ -36,7 +37,7 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _combine(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _combine(h: Any, x: Any) -> Any:
     return _fmix32((h * 0x9E3779B1 + (x & _M32) + 0x7F4A7C15) & _M32)
 
 
@@ -65,11 +66,12 @@ class SampleKeys:
         return self._torch_row_hash()
 
     def _torch_row_hash(self) -> torch.Tensor:
-        """:meth:`row_hash` in torch's int64 ops (any device; the kernel's reference)."""
-        h = _fmix32(torch.full_like(self.prompt, (self.seed ^ 0x5BD1E995) & _M32))
-        for field in (torch.full_like(self.prompt, self.step), self.prompt, self.sample, self.position):
-            h = _combine(h, field)
-        return h  # [n]
+        """:meth:`row_hash` in torch's int64 ops (any device; the kernel's reference). The seed and
+        step, the same for every key, are mixed in Python's integers (the same low 32 bits), so a
+        call launches 43 elementwise operations instead of 72 (on a GPU each is a kernel launch)."""
+        base = _combine(_fmix32((self.seed ^ 0x5BD1E995) & _M32), self.step)
+        h = _fmix32(((self.prompt & _M32) + ((base * 0x9E3779B1 + 0x7F4A7C15) & _M32)) & _M32)
+        return _combine(_combine(h, self.sample), self.position)  # [n]
 
 
 @functools.lru_cache(maxsize=8)
