@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,22 +43,37 @@ def _combine(h: Any, x: Any) -> Any:
 
 @dataclass(frozen=True)
 class SampleKeys:
-    """Counter keys of n tokens to sample: one (prompt, sample, position) each, shared seed/step."""
+    """Counter keys of n tokens to sample: one (prompt, sample, position) each, shared seed/step.
+    ``hashes``: their :meth:`row_hash`, where it was computed once for keys used several times
+    (:meth:`with_hashes`; subsets by :meth:`rows` and :meth:`select` carry theirs along)."""
 
     seed: int
     step: int
     prompt: torch.Tensor  # [n] long
     sample: torch.Tensor  # [n] long
     position: torch.Tensor  # [n] long, 0-based index in the response
+    hashes: Optional[torch.Tensor] = None  # [n] long, the row hashes (None: computed at each use)
 
     def rows(self, start: int, end: int) -> "SampleKeys":
         """Keys start .. end - 1."""
         return SampleKeys(self.seed, self.step, self.prompt[start:end], self.sample[start:end],
-                          self.position[start:end])
+                          self.position[start:end], None if self.hashes is None else self.hashes[start:end])
+
+    def select(self, index: torch.Tensor) -> "SampleKeys":
+        """Keys ``index`` [m] (long), in that order."""
+        return SampleKeys(self.seed, self.step, self.prompt.index_select(0, index), self.sample.index_select(0, index),
+                          self.position.index_select(0, index),
+                          None if self.hashes is None else self.hashes.index_select(0, index))
+
+    def with_hashes(self) -> "SampleKeys":
+        """These keys with their row hashes computed now, for several uses."""
+        return self if self.hashes is not None else replace(self, hashes=self.row_hash())
 
     def row_hash(self) -> torch.Tensor:
         """[n] int64 (uint32 values): the hash of each key's fields, which every token id's noise
         mixes in (on CPU by :func:`noise_kernel` where it is built, in one call)."""
+        if self.hashes is not None:
+            return self.hashes
         kernel = noise_kernel() if self.prompt.device.type == "cpu" else None
         if kernel is not None:
             return kernel.counter_row_hash((self.seed ^ 0x5BD1E995) & _M32, self.step, self.prompt, self.sample,

@@ -18,8 +18,9 @@ metadata and allocations apart: they launch nothing) and the host syncs among th
 forward of a model the size of SmolLM2 is itself bound by its launches there, so these counts price
 the step's host work on a GPU where this CPU cannot time it. Operations of the CPU kernels
 (csrc/) are not dispatched by torch and not counted; ``SPECROLL_NOISE_KERNEL=0
-SPECROLL_PACKED_GEMM=0`` count the operations the GPU path runs instead. For scale, the report
-also counts the operations of the captured rollout's verification forwards (``verify_forward``).
+SPECROLL_PACKED_GEMM=0`` count the operations the GPU path runs instead. The step's sampling keys,
+made once a step for drafting and acceptance, are counted in the captured rollout (``step_keys``,
+part of the totals; not timed), and so, for scale, are its verification forwards (``verify_forward``).
 """
 
 from __future__ import annotations
@@ -92,17 +93,22 @@ class OpCounter(TorchDispatchMode):
 
 
 def capture(engine: SpeculativeEngine, prompts: list,
-            sampling: SamplingConfig) -> tuple[dict[str, list], Any, OpCounter]:
+            sampling: SamplingConfig) -> tuple[dict[str, list], Any, OpCounter, OpCounter]:
     """Run one rollout, recording each phase's calls (arguments as passed) and counting the
-    operations of its verification forwards."""
+    operations of its verification forwards and of each step's sampling keys (made once a step for
+    drafting and acceptance; counted here, not replayed)."""
     calls: dict[str, list] = {name: [] for name in PHASES}
     originals = {"propose": engine.propose, "feedback": engine.feedback, "accept": speculative.accept,
-                 "verify": engine.verify}
-    forwards = OpCounter()
+                 "verify": engine.verify, "step_keys": speculative._Rollout.step_keys}
+    forwards, keys = OpCounter(), OpCounter()
 
     def counted_verify(*args, **kwargs):
         with forwards:
             return originals["verify"](*args, **kwargs)
+
+    def counted_keys(*args, **kwargs):
+        with keys:
+            return originals["step_keys"](*args, **kwargs)
 
     def recorder(name: str) -> Callable:
         def call(*args, **kwargs):
@@ -111,13 +117,13 @@ def capture(engine: SpeculativeEngine, prompts: list,
         return call
 
     engine.propose, engine.feedback, engine.verify = recorder("propose"), recorder("feedback"), counted_verify
-    speculative.accept = recorder("accept")
+    speculative.accept, speculative._Rollout.step_keys = recorder("accept"), counted_keys
     try:
         out = engine.generate(prompts, sampling, prompt_ids=list(range(len(prompts))))
     finally:
-        speculative.accept = originals["accept"]
+        speculative.accept, speculative._Rollout.step_keys = originals["accept"], originals["step_keys"]
         del engine.propose, engine.feedback, engine.verify  # the class's methods again
-    return calls, out, forwards
+    return calls, out, forwards, keys
 
 
 def replay(fn: Callable, calls: list, name: str) -> None:
@@ -154,7 +160,7 @@ def main() -> int:
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               num_samples=args.samples, seed=2)
     engine.generate(prompts[:1], SamplingConfig(max_new_tokens=4), prompt_ids=[0])  # warm-up (kernels, packing)
-    calls, out, forwards = capture(engine, prompts, sampling)
+    calls, out, forwards, keys = capture(engine, prompts, sampling)
     methods = {"propose": engine.propose, "feedback": engine.feedback, "accept": speculative.accept}
     phases = {}
     for name in PHASES:
@@ -176,12 +182,14 @@ def main() -> int:
         print(f"{name:9s} {phases[name]['ms_per_step']:7.3f} ms a step ({len(taken)} steps, "
               f"{phases[name]['rows_per_step']:.1f} rows), {phases[name]['ops_per_step']:.0f} torch operations "
               f"and {phases[name]['syncs_per_step']:.1f} host syncs a step", flush=True)
+    step_keys = keys.per_step(out.stats["steps"])  # counted in the rollout, not replayed
     report = {"checkpoint": str(ckpt), "hardware": hardware_name(), "dtype": str(policy.dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "args": vars(args), "tau": out.stats["tau"],
               "steps": out.stats["steps"], "phases": phases,
               "total_ms_per_step": sum(p["ms_per_step"] for p in phases.values()),
-              "total_ops_per_step": sum(p["ops_per_step"] for p in phases.values()),
-              "total_syncs_per_step": sum(p["syncs_per_step"] for p in phases.values()),
+              "step_keys": step_keys,
+              "total_ops_per_step": sum(p["ops_per_step"] for p in (*phases.values(), step_keys)),
+              "total_syncs_per_step": sum(p["syncs_per_step"] for p in (*phases.values(), step_keys)),
               # the verification forwards of the captured rollout, for scale (not replayed or timed)
               "verify_forward": forwards.per_step(out.stats["steps"])}
     write_json_atomic(args.out, report)

@@ -398,6 +398,10 @@ class _VerifyGroup:
     roots_only: int = 0  # consecutive drafted steps whose weighing kept only the roots
     # the step in flight: prepared trees, then the verification forward's output
     position: Optional[torch.Tensor] = None  # [b] response index of the token sampled at each root
+    # [(H + 1) * b] depth-major (T > 0, last stage): the sampling keys of positions position + 0 .. H,
+    # their row hashes computed once for the drafts' noise and the policy's samples along the trees
+    # (the first b only, where the step decodes plainly)
+    keys: Optional[SampleKeys] = None
     nodes: int = 1  # the node budget N_t
     tree: Optional[TreeBatch] = None
     proposal: Optional[Proposal] = None
@@ -466,6 +470,7 @@ class _Rollout:
         g.nodes = n = node_budget(b, engine.c_hw, spec.n_min, spec.n_max)
         probe = spec.probe_every > 0 and g.steps % spec.probe_every == spec.probe_every - 1
         g.proposal = g.pool_index = g.believed = None
+        g.keys = self.step_keys(g)
         context = state.longest_context(g.slots) if n > 1 and engine.latency is not None else None
         if n == 1 or not probe and (g.roots_only >= IDLE_AFTER or not engine.drafts_can_pay(b, n, context)):
             # a full batch, or drafts that do not pay: plain decoding, no proposal
@@ -483,18 +488,29 @@ class _Rollout:
         else:
             t1, tree = self.clock(), None
         g.tree = self.share_tree(tree, b, n)
+        if g.keys is not None and g.proposal is None:  # plain decoding: the roots' own samples only
+            g.keys = g.keys.rows(0, b)
         t2 = self.clock()
         self.timers["propose"] += t1 - t0
         self.timers["build"] += t2 - t1
         g.seconds = t2 - t0
 
-    def draft_keys(self, g: _VerifyGroup) -> Optional[SampleKeys]:
-        """The sampling keys of the positions the heads draft [H * b], head-major (coupled drafts)."""
-        if not self.spec.coupled or self.sampling.temperature == 0:
+    def step_keys(self, g: _VerifyGroup) -> Optional[SampleKeys]:
+        """The sampling keys of the positions a step of the group can sample at, position + 0 .. H
+        [(H + 1) * b] depth-major, with their row hashes (T > 0, last stage; None elsewhere). The
+        drafts' noise and the policy's samples at every depth take theirs from it: one row hash of
+        each key a step instead of one per use (on a GPU, ~43 kernel launches each)."""
+        if self.sampling.temperature == 0 or not self.model.ctx.is_last_stage:
             return None
         H = self.spec.num_heads
-        drafted = g.position[None] + torch.arange(H, device=self.device)[:, None]  # [H, b]
-        return self.state.keys(g.slots.repeat(H), drafted.flatten())
+        positions = g.position[None] + torch.arange(H + 1, device=self.device)[:, None]  # [H + 1, b]
+        return self.state.keys(g.slots.repeat(H + 1), positions.flatten()).with_hashes()
+
+    def draft_keys(self, g: _VerifyGroup) -> Optional[SampleKeys]:
+        """The sampling keys of the positions the heads draft [H * b], head-major (coupled drafts)."""
+        if not self.spec.coupled or g.keys is None:
+            return None
+        return g.keys.rows(0, self.spec.num_heads * g.slots.numel())
 
     def correction(self, g: _VerifyGroup) -> Optional[torch.Tensor]:
         """Reflex's correction of the group's heads' input [H, b, h] (None: Reflex off)."""
@@ -525,8 +541,10 @@ class _Rollout:
         # 4. accept (last stage), shared with every stage
         acc = next_hidden = None
         if g.logits is not None:
-            acc = accept(tree, g.logits, lambda logits, rows, positions: self.sample(slots, logits, rows, positions),
-                         g.position, max_depth=H)
+            keys, position = g.keys, g.position
+            acc = accept(tree, g.logits,
+                         lambda logits, rows, positions: self.sample(slots, keys, position, logits, rows, positions),
+                         position, max_depth=H)
             self.tried += acc.tried
             self.accepted += acc.accepted
             if g.believed is not None:
@@ -573,10 +591,16 @@ class _Rollout:
         if g.slots.numel() > 0:
             self.prepare(g)
 
-    def sample(self, slots: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
-        """The policy's own samples at tree nodes of rows ``rows`` of a group (verify.accept)."""
-        tok, lp = sample(logits, self.state.keys(slots[rows], positions), self.sampling.temperature,
-                         self.sampling.top_p, self.sampling.top_k)
+    def sample(self, slots: torch.Tensor, keys: Optional[SampleKeys], position: torch.Tensor, logits: torch.Tensor,
+               rows: torch.Tensor, positions: torch.Tensor):
+        """The policy's own samples at tree nodes of rows ``rows`` of a group's step (verify.accept):
+        ``slots`` [b], their step's ``keys`` (:meth:`step_keys`) and roots' ``position`` [b];
+        ``positions``: the response indices sampled at (depth d: ``position[rows] + d``)."""
+        if keys is None:  # greedy: the keys are not read
+            keys = self.state.keys(slots[rows], positions)
+        else:
+            keys = keys.select((positions - position[rows]) * slots.numel() + rows)
+        tok, lp = sample(logits, keys, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
         return tok, lp.float()
 
     def stats(self) -> dict[str, Any]:

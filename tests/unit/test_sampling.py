@@ -172,6 +172,23 @@ def test_row_hashes_are_python_integers_hashes():
     assert empty.row_hash().shape == empty._torch_row_hash().shape == (0,)
 
 
+def test_keys_with_hashes_computed_once_give_the_same_noise():
+    """Keys whose row hashes were computed once (with_hashes), and their subsets by rows and select,
+    give the noise of keys hashed at each use."""
+    g = torch.Generator().manual_seed(5)
+    keys = SampleKeys(11, 3, torch.randint(0, 9, (12,), generator=g), torch.randint(0, 4, (12,), generator=g),
+                      torch.randint(0, 300, (12,), generator=g))
+    hashed = keys.with_hashes()
+    assert keys.hashes is None and torch.equal(hashed.hashes, keys.row_hash()) and hashed.with_hashes() is hashed
+    index = torch.tensor([7, 0, 7, 3])
+    for a, b in ((hashed, keys), (hashed.rows(2, 9), keys.rows(2, 9)), (hashed.select(index), keys.select(index))):
+        assert a.hashes is not None and b.hashes is None
+        assert torch.equal(gumbel_noise(a, 50), gumbel_noise(b, 50))
+    picked = keys.select(index)
+    assert torch.equal(picked.position, keys.position[index]) and torch.equal(picked.prompt, keys.prompt[index])
+    assert torch.equal(gumbel_noise(picked, 50), gumbel_noise(keys, 50)[index])
+
+
 def test_first_argmax_is_torchs_first_maximal_index():
     """The kernel's argmax (vector lanes, then the rest of the row) against torch's max(dim).indices:
     ties (the first index wins), NaN (the first NaN wins), rows of -inf, +inf, rows shorter than a
