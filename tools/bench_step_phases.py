@@ -162,6 +162,7 @@ def main() -> int:
     engine.generate(prompts[:1], SamplingConfig(max_new_tokens=4), prompt_ids=[0])  # warm-up (kernels, packing)
     calls, out, forwards, keys = capture(engine, prompts, sampling)
     methods = {"propose": engine.propose, "feedback": engine.feedback, "accept": speculative.accept}
+    sync = (lambda: torch.cuda.synchronize(ctx.device)) if ctx.device.type == "cuda" else (lambda: None)
     phases = {}
     for name in PHASES:
         taken = calls[name][:args.steps]
@@ -170,8 +171,10 @@ def main() -> int:
         replay(methods[name], taken[:1], name)  # untimed
         times = []
         for _ in range(args.reps):
+            sync()
             t = time.perf_counter()
             replay(methods[name], taken, name)
+            sync()
             times.append((time.perf_counter() - t) / len(taken) * 1e3)
         counter = OpCounter()
         with counter:

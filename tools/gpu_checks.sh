@@ -9,7 +9,8 @@
 # SpecRoll against the vanilla engine and transformers at T=1 on 32 prompts x 8 samples x 256
 # tokens, the same in bfloat16 (how many responses stay identical to the vanilla engine's: cuBLAS and
 # attention kernels are not batch-invariant, so near-ties are frequent there), then at batch 1, batch
-# 1 at T=0, and a short GRPO run that times the vanilla engine on the same steps.
+# 1 at T=0, the speculative step's host work per phase at batch 1 (ms, operations and syncs a step),
+# and a short GRPO run that times the vanilla engine on the same steps.
 # Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
 # workload to a few tokens (a dry run of this script on any machine).
 set -uo pipefail
@@ -26,10 +27,12 @@ if [ "${QUICK:-0}" = 1 ]; then
   B1="--batch1-prompts 1 --max-new-tokens 8 --reps 1"; FULL="--prompts 2 --samples 2 --max-new-tokens 8 --reps 1"
   TOKENS="1,2,4"
   GRPO="--set steps=2 --set prompts_per_step=2 --set sampling.num_samples=2 --set sampling.max_new_tokens=8"
+  PHASES="--max-new-tokens 8 --steps 2 --reps 1"
 else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch 1 is the slow stage
   B1="--batch1-prompts 2 --max-new-tokens 256 --reps 3"; FULL="--prompts 32 --samples 8 --max-new-tokens 256 --reps 2"
   TOKENS="1,2,4,8,16,32,64,128,256,512,1024,2048"
   GRPO="--set steps=6 --set prompts_per_step=8 --set sampling.num_samples=8 --set sampling.max_new_tokens=256"
+  PHASES="--max-new-tokens 64 --steps 30 --reps 3"
 fi
 
 stage() {  # stage NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), log it, never abort the rest
@@ -58,6 +61,8 @@ stage bench_batch1 180 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --sk
 # shellcheck disable=SC2086
 stage bench_batch1_t0 100 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --temperature 0 --skip-full --skip-hf \
   --out "$OUT/bench_specroll_b1_t0.json"
+# shellcheck disable=SC2086
+stage step_phases 90 $PY tools/bench_step_phases.py --checkpoint "$CKPT" $PHASES --out "$OUT/step_phases_b1.json"
 GRPO_DIR=$(mktemp -d)
 # shellcheck disable=SC2086
 stage grpo 240 $PY -m specroll_mcore.cli train --config examples/configs/smollm2_gsm8k_cpu.yaml \

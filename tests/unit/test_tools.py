@@ -185,8 +185,10 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     log = (out / "gpu_checks.log").read_text()
-    for stage in ("tests", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "grpo"):
+    for stage in ("tests", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "step_phases",
+                  "grpo"):
         assert f"== {stage} rc=0" in log, log[-3000:]
+    assert json.loads((out / "step_phases_b1.json").read_text())["total_ops_per_step"] > 0
     full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
     assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
     assert json.loads((out / "bench_specroll_b1.json").read_text())["batch1"]["identical_tokens"]
