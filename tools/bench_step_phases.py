@@ -13,14 +13,15 @@ code. Compare two versions of the code by running this tool from each, alternati
 are shared and noisy, so repeat.
 
 Each phase also reports, from one more pass, the torch operations it dispatches per step (views,
-metadata and allocations apart: they launch nothing) and the host syncs among them (scalar reads: ``.item()``, ``int()``, ``bool()`` of a tensor; ``nonzero``;
-``.tolist()``). On a GPU each operation is a kernel launch and each sync waits for the device, and a
+metadata and allocations apart: they launch nothing) and the host syncs among them: scalar reads
+(``.item()``, ``int()``, ``bool()`` of a tensor), ``nonzero``, indexing by a boolean mask and
+``.tolist()``. On a GPU each operation is a kernel launch and each sync waits for the device, and a
 forward of a model the size of SmolLM2 is itself bound by its launches there, so these counts price
-the step's host work on a GPU where this CPU cannot time it. Operations of the CPU kernels
-(csrc/) are not dispatched by torch and not counted; ``SPECROLL_NOISE_KERNEL=0
-SPECROLL_PACKED_GEMM=0`` count the operations the GPU path runs instead. The step's sampling keys,
-made once a step for drafting and acceptance, are counted in the captured rollout (``step_keys``,
-part of the totals; not timed), and so, for scale, are its verification forwards (``verify_forward``).
+the step's host work on a GPU where this CPU cannot time it. Operations of the CPU kernels (csrc/)
+are not dispatched by torch and not counted; ``SPECROLL_NOISE_KERNEL=0 SPECROLL_PACKED_GEMM=0``
+count the operations the GPU path runs instead. The step's sampling keys, made once a step for
+drafting and acceptance, are counted in the captured rollout (``step_keys``, part of the totals; not
+timed), and so, for scale, are its verification forwards (``verify_forward``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
 PHASES = ("propose", "accept", "feedback")
 # operations whose result the host waits for (a scalar read, a data-dependent shape)
-SYNC_OPS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero"})
+SYNC_OPS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero", "nonzero_numpy",
+                      "masked_select"})
 # operations that launch no kernel: views, metadata, allocation
 VIEW_OPS = frozenset({"reshape", "view", "view_as", "_unsafe_view", "unsqueeze", "squeeze", "select", "slice", "expand",
                       "expand_as", "flatten", "alias", "detach", "detach_", "permute", "transpose", "t", "split",
@@ -59,15 +61,21 @@ VIEW_OPS = frozenset({"reshape", "view", "view_as", "_unsafe_view", "unsqueeze",
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the torch operations dispatched, and ``Tensor.tolist`` calls, while active."""
+    """Counts the torch operations dispatched, ``Tensor.tolist`` calls and indexing by boolean masks
+    while active."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter = Counter()
         self.tolist = 0
+        self.masks = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        if name in ("index", "index_put_", "index_put") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            self.masks += 1  # a boolean mask's positions: the host waits for them as for nonzero
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -85,7 +93,7 @@ class OpCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def per_step(self, steps: int) -> dict[str, Any]:
-        syncs = sum(self.ops[name] for name in SYNC_OPS) + self.tolist
+        syncs = sum(self.ops[name] for name in SYNC_OPS) + self.tolist + self.masks
         launches = sum(n for name, n in self.ops.items() if name not in VIEW_OPS)
         return {"ops_per_step": launches / steps, "syncs_per_step": syncs / steps,
                 "views_per_step": (sum(self.ops.values()) - launches) / steps,
@@ -99,7 +107,7 @@ def capture(engine: SpeculativeEngine, prompts: list,
     drafting and acceptance; counted here, not replayed)."""
     calls: dict[str, list] = {name: [] for name in PHASES}
     originals = {"propose": engine.propose, "feedback": engine.feedback, "accept": speculative.accept,
-                 "verify": engine.verify, "step_keys": speculative._Rollout.step_keys}
+                 "verify": engine.verify, "step_keys": getattr(speculative._Rollout, "step_keys", None)}
     forwards, keys = OpCounter(), OpCounter()
 
     def counted_verify(*args, **kwargs):
@@ -117,11 +125,15 @@ def capture(engine: SpeculativeEngine, prompts: list,
         return call
 
     engine.propose, engine.feedback, engine.verify = recorder("propose"), recorder("feedback"), counted_verify
-    speculative.accept, speculative._Rollout.step_keys = recorder("accept"), counted_keys
+    speculative.accept = recorder("accept")
+    if originals["step_keys"] is not None:  # (code before the step's key table: keys made in the phases)
+        speculative._Rollout.step_keys = counted_keys
     try:
         out = engine.generate(prompts, sampling, prompt_ids=list(range(len(prompts))))
     finally:
-        speculative.accept, speculative._Rollout.step_keys = originals["accept"], originals["step_keys"]
+        speculative.accept = originals["accept"]
+        if originals["step_keys"] is not None:
+            speculative._Rollout.step_keys = originals["step_keys"]
         del engine.propose, engine.feedback, engine.verify  # the class's methods again
     return calls, out, forwards, keys
 
@@ -196,10 +208,11 @@ def main() -> int:
               # the verification forwards of the captured rollout, for scale (not replayed or timed)
               "verify_forward": forwards.per_step(out.stats["steps"])}
     write_json_atomic(args.out, report)
+    fwd = report["verify_forward"]
     print(f"host work {report['total_ms_per_step']:.2f} ms, {report['total_ops_per_step']:.0f} torch operations and "
           f"{report['total_syncs_per_step']:.1f} host syncs a step (the verification forward: "
-          f"{report['verify_forward']['ops_per_step']:.0f} operations, {report['verify_forward']['syncs_per_step']:.1f} "
-          f"syncs; tau {out.stats['tau']:.2f}); wrote {args.out}")
+          f"{fwd['ops_per_step']:.0f} operations, {fwd['syncs_per_step']:.1f} syncs; tau {out.stats['tau']:.2f}); "
+          f"wrote {args.out}")
     return 0
 
 

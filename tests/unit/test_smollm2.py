@@ -70,8 +70,9 @@ def test_cli_generate_vanilla_and_specroll_agree(smollm2, tmp_path):
     for engine in ("vanilla", "specroll"):
         path = tmp_path / f"{engine}.jsonl"
         proc = subprocess.run([sys.executable, "-m", "specroll_mcore.cli", "generate", "--set", f"checkpoint={ckpt}",
-                               "--set", f"engine={engine}", "--set", "spec.c_hw=16", "--set", "sampling.max_new_tokens=12",
-                               "--set", "sampling.num_samples=2", "--set", "prompts=['What is 3 plus 4?', 'Name a fruit.']",
+                               "--set", f"engine={engine}", "--set", "spec.c_hw=16",
+                               "--set", "sampling.max_new_tokens=12", "--set", "sampling.num_samples=2",
+                               "--set", "prompts=['What is 3 plus 4?', 'Name a fruit.']",
                                "--set", f"output={path}"], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "prompt 1 sample 1" in proc.stdout

@@ -169,9 +169,10 @@ def test_step_phases_op_counter():
         bool(y.any())  # any + a scalar read (sync)
         y.tolist()  # a sync (and two metadata checks, no operation)
         (y > 3).nonzero()  # gt + nonzero (sync)
+        y[y > 5]  # gt + index by a boolean mask (sync)
     assert "tolist" not in torch.Tensor.__dict__  # torch's own method again
     counts = counter.per_step(2)
-    assert counts["ops_per_step"] == 8 / 2 and counts["syncs_per_step"] == 4 / 2 and counts["views_per_step"] == 4 / 2
+    assert counts["ops_per_step"] == 10 / 2 and counts["syncs_per_step"] == 5 / 2 and counts["views_per_step"] == 4 / 2
     assert counts["ops_by_name_per_step"]["sum"] == 0.5
 
 
