@@ -289,14 +289,14 @@ def vocab_rows(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> tor
     """This rank's rows of the vocab projection for global ``ids`` [...] -> [..., h]; rows another
     rank owns are zero, so a sum over TP ranks (an all-reduce of whatever the rows are multiplied
     into) gives the true product without ever gathering the vocabulary matrix."""
+    if weight.shape[0] == 0:  # (a rank holding none of a draft vocabulary's ids)
+        return weight.new_zeros(*ids.shape, weight.shape[1])
     local = ids - vocab_start
     own = (local >= 0) & (local < weight.shape[0])
 
     def take(index: torch.Tensor) -> torch.Tensor:  # index_select: a row copy each (advanced indexing
         return weight.index_select(0, index.reshape(-1)).view(*ids.shape, weight.shape[1])  # is ~4x slower on CPU)
 
-    if weight.shape[0] == 0:  # (a rank holding none of a draft vocabulary's ids)
-        return weight.new_zeros(*ids.shape, weight.shape[1])
     if ids.device.type == "cpu" and bool(own.all()):  # (no TP, or ids of one rank: no zeroing pass)
         return take(local)
     rows = take(local.clamp(0, weight.shape[0] - 1))

@@ -38,7 +38,9 @@ def _fmix32(h: Any) -> Any:
 
 
 def _combine(h: Any, x: Any) -> Any:
-    return _fmix32((h * 0x9E3779B1 + (x & _M32) + 0x7F4A7C15) & _M32)
+    """Mixes x into the hash h (tensors or Python integers; h's part reduced to 32 bits before it
+    meets x, so that a Python integer h stays within int64 when x is a tensor)."""
+    return _fmix32((((h * 0x9E3779B1 + 0x7F4A7C15) & _M32) + (x & _M32)) & _M32)
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,11 @@ class SampleKeys:
     def _torch_row_hash(self) -> torch.Tensor:
         """:meth:`row_hash` in torch's int64 ops (any device; the kernel's reference). The seed and
         step, the same for every key, are mixed in Python's integers (the same low 32 bits), so a
-        call launches 43 elementwise operations instead of 72 (on a GPU each is a kernel launch)."""
-        base = _combine(_fmix32((self.seed ^ 0x5BD1E995) & _M32), self.step)
-        h = _fmix32(((self.prompt & _M32) + ((base * 0x9E3779B1 + 0x7F4A7C15) & _M32)) & _M32)
-        return _combine(_combine(h, self.sample), self.position)  # [n]
+        call launches 45 elementwise operations instead of 72 (on a GPU each is a kernel launch)."""
+        h = _combine(_fmix32((self.seed ^ 0x5BD1E995) & _M32), self.step)
+        for field in (self.prompt, self.sample, self.position):
+            h = _combine(h, field)
+        return h  # [n]
 
 
 @functools.lru_cache(maxsize=8)

@@ -398,9 +398,9 @@ class _VerifyGroup:
     roots_only: int = 0  # consecutive drafted steps whose weighing kept only the roots
     # the step in flight: prepared trees, then the verification forward's output
     position: Optional[torch.Tensor] = None  # [b] response index of the token sampled at each root
-    # [(H + 1) * b] depth-major (T > 0, last stage): the sampling keys of positions position + 0 .. H,
-    # their row hashes computed once for the drafts' noise and the policy's samples along the trees
-    # (the first b only, where the step decodes plainly)
+    # [(H + 1) * b] depth-major (a drafted step at T > 0, last stage): the sampling keys of positions
+    # position + 0 .. H, their row hashes computed once for the drafts' noise and the policy's samples
+    # along the trees
     keys: Optional[SampleKeys] = None
     nodes: int = 1  # the node budget N_t
     tree: Optional[TreeBatch] = None
@@ -469,8 +469,7 @@ class _Rollout:
         g.position = state.positions(g.slots)
         g.nodes = n = node_budget(b, engine.c_hw, spec.n_min, spec.n_max)
         probe = spec.probe_every > 0 and g.steps % spec.probe_every == spec.probe_every - 1
-        g.proposal = g.pool_index = g.believed = None
-        g.keys = self.step_keys(g)
+        g.proposal = g.pool_index = g.believed = g.keys = None
         context = state.longest_context(g.slots) if n > 1 and engine.latency is not None else None
         if n == 1 or not probe and (g.roots_only >= IDLE_AFTER or not engine.drafts_can_pay(b, n, context)):
             # a full batch, or drafts that do not pay: plain decoding, no proposal
@@ -479,6 +478,7 @@ class _Rollout:
                              torch.zeros(b, 1, dtype=torch.long, device=device),
                              torch.ones(b, dtype=torch.long, device=device))
         elif self.model.ctx.is_last_stage:
+            g.keys = self.step_keys(g)
             g.proposal = engine.propose(g.hidden, g.roots, self.sampling, n, self.draft_keys(g), self.correction(g))
             t1 = self.clock()
             tree, g.pool_index = select_tree(g.roots, g.proposal.levels, n)
@@ -488,19 +488,17 @@ class _Rollout:
         else:
             t1, tree = self.clock(), None
         g.tree = self.share_tree(tree, b, n)
-        if g.keys is not None and g.proposal is None:  # plain decoding: the roots' own samples only
-            g.keys = g.keys.rows(0, b)
         t2 = self.clock()
         self.timers["propose"] += t1 - t0
         self.timers["build"] += t2 - t1
         g.seconds = t2 - t0
 
     def step_keys(self, g: _VerifyGroup) -> Optional[SampleKeys]:
-        """The sampling keys of the positions a step of the group can sample at, position + 0 .. H
-        [(H + 1) * b] depth-major, with their row hashes (T > 0, last stage; None elsewhere). The
-        drafts' noise and the policy's samples at every depth take theirs from it: one row hash of
-        each key a step instead of one per use (on a GPU, ~43 kernel launches each)."""
-        if self.sampling.temperature == 0 or not self.model.ctx.is_last_stage:
+        """The sampling keys of the positions a drafted step of the group can sample at, position +
+        0 .. H [(H + 1) * b] depth-major, with their row hashes (None at T = 0). The drafts' noise and
+        the policy's samples at every depth take theirs from it: one row hash of each key a step
+        instead of one per use (on a GPU, ~45 kernel launches each)."""
+        if self.sampling.temperature == 0:
             return None
         H = self.spec.num_heads
         positions = g.position[None] + torch.arange(H + 1, device=self.device)[:, None]  # [H + 1, b]
@@ -596,7 +594,7 @@ class _Rollout:
         """The policy's own samples at tree nodes of rows ``rows`` of a group's step (verify.accept):
         ``slots`` [b], their step's ``keys`` (:meth:`step_keys`) and roots' ``position`` [b];
         ``positions``: the response indices sampled at (depth d: ``position[rows] + d``)."""
-        if keys is None:  # greedy: the keys are not read
+        if keys is None:  # a plain step (one sample a row) or greedy (the keys are not read)
             keys = self.state.keys(slots[rows], positions)
         else:
             keys = keys.select((positions - position[rows]) * slots.numel() + rows)
