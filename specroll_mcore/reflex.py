@@ -123,22 +123,30 @@ def feedback_vectors(rows: torch.Tensor, coef: torch.Tensor, ctx: Any) -> torch.
 
 
 def update(state: ReflexState, slots: torch.Tensor, horizons: torch.Tensor, feedback: torch.Tensor,
-           decay: Sequence[float]) -> torch.Tensor:
+           decay: Sequence[float], observed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Score the memory against the feedback that arrived (delayed alignment), then fold the
-    feedback in. (slots, horizons) pairs are distinct. Returns the alignments [m] (NaN where the
-    memory was still empty)."""
-    m_old = state.memory[slots, horizons]  # [m, h]
+    feedback in. (slots, horizons) pairs are distinct; ``observed`` [m] (default: all) marks the pairs
+    whose feedback counts, the others change nothing. Returns the alignments [m] (NaN where the
+    memory was still empty or the pair is not observed).
+
+    Every pair is computed and the unobserved or empty ones keep their values, rather than selected
+    by a boolean mask: no host sync (each mask would wait for the device to know its size)."""
+    idx = (slots, horizons)
+    m_old = state.memory[idx]  # [m, h]
     e = feedback.float()
     has = m_old.norm(dim=-1) > 0
+    if observed is not None:
+        has = has & observed
     a = torch.nn.functional.cosine_similarity(m_old, e, dim=-1, eps=1e-12)
-    idx = (slots[has], horizons[has])
-    n = state.count[idx] + 1
-    d = a[has] - state.mean[idx]
-    mean = state.mean[idx] + d / n
-    state.m2[idx] = state.m2[idx] + d * (a[has] - mean)
-    state.mean[idx] = mean
+    mean = state.mean[idx]
+    n = state.count[idx] + has.float()
+    d = torch.where(has, a - mean, 0.0)
+    new_mean = mean + d / n.clamp(min=1)  # (d = 0 leaves the mean as it was)
+    state.m2[idx] = torch.where(has, state.m2[idx] + d * (a - new_mean), state.m2[idx])
+    state.mean[idx] = new_mean
     state.count[idx] = n
-    state.totals.index_add_(1, idx[1], torch.stack([a[has], torch.ones_like(a[has])]).double())
+    state.totals.index_add_(1, horizons, torch.stack([torch.where(has, a, 0.0), has.float()]).double())
     rho = torch.tensor(list(decay), dtype=e.dtype, device=e.device)[horizons][:, None]
-    state.memory[slots, horizons] = rho * m_old + (1 - rho) * e
-    return torch.where(has, a, torch.full_like(a, math.nan))
+    folded = rho * m_old + (1 - rho) * e
+    state.memory[idx] = folded if observed is None else torch.where(observed[:, None], folded, m_old)
+    return torch.where(has, a, math.nan)

@@ -71,8 +71,8 @@ def accept(tree: TreeBatch, logits: torch.Tensor, sample_fn: Sampler, position: 
     counts = torch.zeros(b, dtype=torch.long, device=device)
     cur = torch.zeros(b, dtype=torch.long, device=device)
     alive = torch.arange(b, device=device)
-    tried = torch.zeros(D, dtype=torch.long)
-    accepted = torch.zeros(D, dtype=torch.long)
+    tried = torch.zeros(D, dtype=torch.long, device=device)  # (on the device: counted without a host sync)
+    accepted = torch.zeros(D, dtype=torch.long, device=device)
     for d in range(max_depth + 1):
         node = cur[alive]
         # every row starts at its root: a view of the root logits, not a gathered copy of them
@@ -87,8 +87,8 @@ def accept(tree: TreeBatch, logits: torch.Tensor, sample_fn: Sampler, position: 
         is_child = tree.parents[alive] == node[:, None]  # [m, n]
         match = is_child & (tree.tokens[alive] == tok[:, None])
         has_match = match.any(-1)
-        tried[d] += int(is_child.any(-1).sum())
-        accepted[d] += int(has_match.sum())
+        tried[d] += is_child.any(-1).sum()
+        accepted[d] += has_match.sum()
         nxt = match.to(torch.int8).argmax(-1)
         alive, nxt = alive[has_match], nxt[has_match]
         if alive.numel() == 0:

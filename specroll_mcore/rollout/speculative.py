@@ -305,34 +305,39 @@ class SpeculativeEngine:
             return
         cfg, model = self.reflex_cfg, self.model
         kp = max(k, cfg.support_topk)
-        # head i drafted (under path node i, if that node was expanded) the token sampled at path node i
-        m = depth.numel()
-        sel = torch.zeros(m, dtype=torch.bool, device=depth.device)
-        cand = depth.new_zeros(m, k)
-        q_top = depth.new_zeros(m, proposal.q_top[0].shape[-1])
-        z = proposal.z[0].new_zeros(m, proposal.z[0].shape[-1])
-        node = pool_index[rows, node]
+        # Observation (row r, depth i) for every row and drafted depth, row-major: head i drafted
+        # (under path node i, where that node was expanded) the token sampled at path node i. Rows
+        # whose path stopped short of depth i, or whose node i was not expanded, are computed and
+        # not observed (masks rather than index lists: no host sync).
+        b, levels = acc.counts.numel(), len(proposal.levels)
+        ar = torch.arange(b, device=depth.device)
+        cand, q_top, z, seen = [], [], [], []
         for i, level in enumerate(proposal.levels):
-            at = (depth == i).nonzero().flatten()
-            r = rows[at]
-            match = level.parent[r] == node[at][:, None]  # [m_i, P]: the expanded node on the path
+            node_i = pool_index.gather(1, acc.path[:, i:i + 1].clamp(min=0)).squeeze(1)  # [b]
+            match = level.parent == node_i[:, None]  # [b, P]: the expanded node on the path
             slot = match.int().argmax(-1)
-            sel[at] = match.any(-1)
-            cand[at], q_top[at], z[at] = level.tokens[r, slot], proposal.q_top[i][r, slot], proposal.z[i][r, slot]
-        seen = sel.nonzero().squeeze(1)  # the observations Reflex reads (their rows of p_logits stay in place)
-        rows, depth, cand, q_top, z = rows[seen], depth[seen], cand[seen], q_top[seen], z[seen]
+            seen.append(match.any(-1) & (acc.counts > i))
+            cand.append(level.tokens[ar, slot])
+            q_top.append(proposal.q_top[i][ar, slot])
+            z.append(proposal.z[i][ar, slot])
+        seen, cand, q_top, z = (torch.stack(x, 1).flatten(0, 1) for x in (seen, cand, q_top, z))
+        # each observation's index among the path's m positions (rows' paths are consecutive there)
+        first = acc.counts.cumsum(0) - acc.counts
+        j = (first[:, None] + torch.arange(levels, device=depth.device)).flatten().clamp(max=depth.numel() - 1)
         t = temperature if temperature > 0 else 1.0
         # the policy's top ids (dividing by t > 0 keeps their order): the slow path's top-K already holds them
-        p_top = (top_ids[seen, :kp] if top_ids is not None and top_ids.shape[1] >= kp
-                 else p_logits.index_select(0, seen).topk(kp, dim=-1).indices)
-        ids, valid = reflex.support(cand, q_top[:, :cfg.support_topk], p_top[:, :cfg.support_topk], tokens[seen])
-        w_s = vocab_rows(model.output_weight(), ids, model.vocab_start)  # [m, s, h], read once for both products
+        p_top = (top_ids if top_ids is not None and top_ids.shape[1] >= kp
+                 else p_logits.topk(kp, dim=-1).indices).index_select(0, j)[:, :kp]
+        ids, valid = reflex.support(cand, q_top[:, :cfg.support_topk], p_top[:, :cfg.support_topk],
+                                    tokens.index_select(0, j))
+        w_s = vocab_rows(model.output_weight(), ids, model.vocab_start)  # [b * levels, s, h], read once for both products
         q_l = support_logits(w_s, z, model.ctx).float() / t
-        p_l = p_logits[seen[:, None], ids] / t  # [m, s]: the policy's logits on S only
+        p_l = p_logits[j[:, None], ids] / t  # the policy's logits on S only
         coef = reflex.feedback_coefficients(p_l, q_l, ids, valid, cand, p_top[:, :k],
                                             cfg.coverage_weight)
         e = reflex.feedback_vectors(w_s, coef, model.ctx)
-        reflex.update(rstate, active[rows], depth, e, cfg.decay_for(H))
+        reflex.update(rstate, active.repeat_interleave(levels), torch.arange(levels, device=depth.device).repeat(b),
+                      e, cfg.decay_for(H), observed=seen)
 
     # -- 3. verify ------------------------------------------------------------------------------------
     def verify(self, state: RolloutState, active: torch.Tensor, tree: TreeBatch):
@@ -427,8 +432,8 @@ class _Rollout:
         self.t_start = self.clock()
         self.timers = dict(prefill=0.0, propose=0.0, build=0.0, verify=0.0, accept=0.0, commit=0.0, feedback=0.0)
         self.gate_open = self.gate_total = self.steps = 0
-        self.tried = torch.zeros(H, dtype=torch.long)
-        self.accepted = torch.zeros(H, dtype=torch.long)
+        self.tried = torch.zeros(H, dtype=torch.long, device=self.device)
+        self.accepted = torch.zeros(H, dtype=torch.long, device=self.device)
         self.per_step: list[dict[str, Any]] = []
         self.state: Optional[RolloutState] = None
         self.rstate: Optional[reflex.ReflexState] = None
@@ -546,7 +551,8 @@ class _Rollout:
             self.tried += acc.tried
             self.accepted += acc.accepted
             if g.believed is not None:
-                engine.calibration.update(g.believed.tolist(), acc.accepted.tolist())
+                believed, accepted = torch.stack([g.believed, acc.accepted.to(g.believed.dtype)]).tolist()  # (one sync)
+                engine.calibration.update(believed, accepted)
             packed = [acc.tokens, acc.logprobs, acc.path, acc.counts]
             next_hidden = g.hidden_all[acc.last_node, torch.arange(b, device=device)]  # [b, h]
         else:

@@ -2,6 +2,8 @@
 streams, the bounded correction, per-trajectory state, and exactness of the engine with it on."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,6 +147,69 @@ def test_release_forgets_one_trajectory_only():
     assert all(torch.equal(t[1], k) for t, k in zip((st.memory, st.count, st.mean, st.m2), kept))
 
 
+def _reference_update(st, slots, horizons, e, decay):
+    """Welford's update and the EMA, one (slot, horizon) pair at a time."""
+    for s, h, v in zip(slots.tolist(), horizons.tolist(), e):
+        m = st.memory[s, h].clone()
+        if m.norm() > 0:
+            a = torch.nn.functional.cosine_similarity(m, v, dim=0, eps=1e-12)
+            n = st.count[s, h] + 1
+            d = a - st.mean[s, h]
+            mean = st.mean[s, h] + d / n
+            st.m2[s, h] += d * (a - mean)
+            st.mean[s, h], st.count[s, h] = mean, n
+            st.totals[:, h] += torch.stack([a, torch.ones(())]).double()
+        st.memory[s, h] = decay[h] * m + (1 - decay[h]) * v
+
+
+def test_update_observes_only_the_marked_pairs():
+    """``observed`` leaves the other pairs as they were (bit for bit) and updates the marked ones as a
+    pair-at-a-time Welford update would; their alignments come back, NaN elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    st = reflex.ReflexState.new(4, 3, 16, torch.device("cpu"))
+    ref = reflex.ReflexState.new(4, 3, 16, torch.device("cpu"))
+    slots, hz, decay = torch.arange(4).repeat_interleave(3), torch.arange(3).repeat(4), [0.5, 0.7, 0.9]
+    for step in range(6):
+        e = torch.randn(12, 16, generator=g)
+        observed = torch.rand(12, generator=g) < 0.6
+        before = [t.clone() for t in (st.memory, st.count, st.mean, st.m2)]
+        a = reflex.update(st, slots, hz, e, decay, observed=observed)
+        _reference_update(ref, slots[observed], hz[observed], e[observed], decay)
+        for t, r, old in zip((st.memory, st.count, st.mean, st.m2), (ref.memory, ref.count, ref.mean, ref.m2), before):
+            assert torch.allclose(t, r, rtol=1e-5, atol=1e-6)
+            assert torch.equal(t[slots[~observed], hz[~observed]], old[slots[~observed], hz[~observed]])
+        assert torch.allclose(st.totals, ref.totals)
+        assert a[~observed].isnan().all() and (step == 0 or not a[observed & (before[1][slots, hz] > 0)].isnan().any())
+    assert st.count.sum() > 0
+
+
+def test_feedback_reads_no_host_value_but_the_paths_length(ctx):
+    """The engine's feedback (Reflex and slow-path records) makes one host sync a step, for the
+    positions the accepted paths reached: the levels' observations, the support and the memory's
+    update are masked, not selected (on a GPU, each selection waits for the device)."""
+    tools = str(Path(__file__).resolve().parents[2] / "tools")
+    sys.path.insert(0, tools)
+    try:
+        from bench_step_phases import OpCounter
+    finally:
+        sys.path.remove(tools)
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, head_std=0.3)
+    eng = SpeculativeEngine(model, SpecConfig(c_hw=64, n_max=8, reflex=AGGRESSIVE_REFLEX))
+    counters, feedback = [], eng.feedback
+
+    def counted(*args, **kwargs):
+        counters.append(OpCounter())
+        with counters[-1]:
+            return feedback(*args, **kwargs)
+
+    eng.feedback = counted
+    out = eng.generate(PROMPTS[:2], SamplingConfig(temperature=1.0, max_new_tokens=20, seed=3), prompt_ids=[0, 1])
+    assert out.stats["reflex_alignment_per_depth"][0] is not None and len(counters) == out.stats["steps"]
+    for c in counters:
+        assert c.ops["nonzero"] + c.ops["nonzero_numpy"] == 1
+        assert c.masks == c.tolist == c.ops["item"] == c.ops["_local_scalar_dense"] == 0
+
+
 AGGRESSIVE_REFLEX = ReflexConfig(alpha=0.5, z_delta=0.0, min_observations=2)
 
 
@@ -180,8 +245,8 @@ def test_alignment_statistic_is_the_mean_of_the_delayed_alignments(ctx, monkeypa
     model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, head_std=0.3)
     seen = []
 
-    def update(*args):
-        a = real_update(*args)
+    def update(*args, **kwargs):
+        a = real_update(*args, **kwargs)
         seen.append((args[2].clone(), a.clone()))
         return a
 
