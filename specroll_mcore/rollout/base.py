@@ -166,6 +166,16 @@ def in_cache_order(cache: Any, slots: torch.Tensor, *aligned: Optional[torch.Ten
     return (slots[perm], *(t[perm] if t is not None else None for t in aligned))
 
 
+def keep_rows(keep: Sequence[bool], *tensors: Optional[torch.Tensor]) -> tuple:
+    """The rows of ``tensors`` (aligned; None passes through) whose ``keep`` is True. When every row
+    goes on (most steps) the tensors themselves: no index list is copied to the device, a copy
+    that on a GPU waits for everything queued before it."""
+    if all(keep):
+        return tensors
+    rows = torch.tensor([r for r, k in enumerate(keep) if k], dtype=torch.long, device=tensors[0].device)
+    return tuple(t if t is None else t.index_select(0, rows) for t in tensors)
+
+
 def split_groups(slots: torch.Tensor, k: int) -> list[torch.Tensor]:
     """Slots -> k groups, slot s to group s % k: a prompt's G samples spread over the groups, so
     groups of similar lengths finish together."""

@@ -38,7 +38,8 @@ from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vo
                                   vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         in_cache_order, num_groups, run_groups, split_groups, validate_prompts)
+                                         in_cache_order, keep_rows, num_groups, run_groups, split_groups,
+                                         validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens, node_beliefs,
@@ -330,7 +331,7 @@ class SpeculativeEngine:
                  else p_logits.topk(kp, dim=-1).indices).index_select(0, j)[:, :kp]
         ids, valid = reflex.support(cand, q_top[:, :cfg.support_topk], p_top[:, :cfg.support_topk],
                                     tokens.index_select(0, j))
-        w_s = vocab_rows(model.output_weight(), ids, model.vocab_start)  # [b * levels, s, h], read once for both products
+        w_s = vocab_rows(model.output_weight(), ids, model.vocab_start)  # [b * levels, s, h]: read once, used twice
         q_l = support_logits(w_s, z, model.ctx).float() / t
         p_l = p_logits[j[:, None], ids] / t  # the policy's logits on S only
         coef = reflex.feedback_coefficients(p_l, q_l, ids, valid, cand, p_top[:, :k],
@@ -568,7 +569,7 @@ class _Rollout:
             c, before = counts_l[r], len(state.responses[slot])
             keep.append(state.append(slot, emitted_l[r][:c], emitted_lp[r, :c]))
             recorded += len(state.responses[slot]) - before
-        keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
+        finished = [s for s, k in zip(slots_l, keep) if not k]
         self.row_steps[slots] += 1
         self.row_emitted[slots] += counts
         last = emitted[torch.arange(b, device=device), counts - 1]
@@ -577,10 +578,10 @@ class _Rollout:
         if acc is not None and (self.rstate is not None or engine.slow_path is not None):
             engine.feedback(slots, slots_l, counts_l, acc, g.logits, g.hidden_all, g.proposal, g.pool_index,
                             self.sampling.temperature, self.rstate, full_batch=g.nodes == 1)
-            if self.rstate is not None:
-                self.rstate.release(slots[~keep_t])
+            if self.rstate is not None and finished:
+                self.rstate.release(torch.tensor(finished, dtype=torch.long, device=device))
             if engine.slow_path is not None:
-                engine.slow_path.finished([s for s, k in zip(slots_l, keep) if not k])
+                engine.slow_path.finished(finished)
         t6 = self.clock()
         self.timers["accept"] += t4 - t3
         self.timers["commit"] += t5 - t4
@@ -589,8 +590,7 @@ class _Rollout:
                               "tokens": recorded, "seconds": g.seconds + t6 - t3})
         self.steps += 1
         g.steps += 1
-        g.slots, g.roots, g.hidden = in_cache_order(state.cache, slots[keep_t], last[keep_t],
-                                                    next_hidden[keep_t] if next_hidden is not None else None)
+        g.slots, g.roots, g.hidden = in_cache_order(state.cache, *keep_rows(keep, slots, last, next_hidden))
         g.logits = g.hidden_all = None
         if g.slots.numel() > 0:
             self.prepare(g)

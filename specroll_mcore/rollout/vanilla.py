@@ -18,7 +18,7 @@ from specroll_mcore.config import SamplingConfig
 from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         in_cache_order, num_groups, run_groups, sample_rows, split_groups,
+                                         in_cache_order, keep_rows, num_groups, run_groups, sample_rows, split_groups,
                                          validate_prompts)
 from specroll_mcore.sampling import top_distribution, upcast
 
@@ -85,9 +85,9 @@ class VanillaEngine:
             """Record one new token per row; returns the rows that go on and their tokens."""
             if collect:  # what each new token was sampled from
                 steps.append((slots, upcast(hidden), *top_distribution(logits, features_topk)))
-            keep = [state.append(slot, [tokens[r]], [logp[r]]) for r, slot in enumerate(slots.tolist())]
-            keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
-            return slots[keep_t], tokens[keep_t]
+            new = tokens.tolist()  # (one transfer, not one per row)
+            keep = [state.append(slot, [new[r]], [logp[r]]) for r, slot in enumerate(slots.tolist())]
+            return keep_rows(keep, slots, tokens)
 
         # 2. Decode in groups: feed each unfinished response's last token at its committed length.
         active, tokens = record(state.slots, tokens, logp, hidden, logits)

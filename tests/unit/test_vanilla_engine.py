@@ -78,3 +78,12 @@ def test_stop_strings(ctx):
         [[1, 2]], SamplingConfig(temperature=0, max_new_tokens=12, stop=[stop]))
     assert out.finish_reason == ["stop"]
     assert CharTok().decode(out.tokens[0]) == text[: text.index(stop) + len(stop)]
+
+
+def test_keep_rows_selects_aligned_rows_and_passes_all_kept_through():
+    from specroll_mcore.rollout.base import keep_rows
+    slots, hidden = torch.tensor([4, 7, 9]), torch.arange(6.0).view(3, 2)
+    assert all(a is b for a, b in zip(keep_rows([True] * 3, slots, hidden, None), (slots, hidden, None)))
+    kept_slots, kept_hidden, none = keep_rows([True, False, True], slots, hidden, None)
+    assert kept_slots.tolist() == [4, 9] and kept_hidden.tolist() == [[0.0, 1.0], [4.0, 5.0]] and none is None
+    assert [t.numel() for t in keep_rows([False] * 3, slots, hidden)] == [0, 0]
