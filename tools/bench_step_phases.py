@@ -138,11 +138,17 @@ def capture(engine: SpeculativeEngine, prompts: list,
     return calls, out, forwards, keys
 
 
-def replay(fn: Callable, calls: list, name: str) -> None:
+def fresh(calls: list, name: str) -> list:
+    """The calls to replay once: feedback updates Reflex's state in place, so each replay gets its
+    own copy, made here (outside the timed and counted replay)."""
+    if name != "feedback":
+        return calls
+    return [((*args[:-1], copy.deepcopy(args[-1])) if args[-1] is not None else args, kwargs) for args, kwargs in calls]
+
+
+def replay(fn: Callable, calls: list) -> None:
     with torch.inference_mode():
         for args, kwargs in calls:
-            if name == "feedback" and args[-1] is not None:  # Reflex's state is updated in place: a copy each
-                args = (*args[:-1], copy.deepcopy(args[-1]))
             fn(*args, **kwargs)
 
 
@@ -180,17 +186,18 @@ def main() -> int:
         taken = calls[name][:args.steps]
         if not taken:
             raise SystemExit(f"the rollout made no {name} call to time (raise --max-new-tokens)")
-        replay(methods[name], taken[:1], name)  # untimed
+        replay(methods[name], fresh(taken[:1], name))  # untimed
         times = []
         for _ in range(args.reps):
+            calls_once = fresh(taken, name)
             sync()
             t = time.perf_counter()
-            replay(methods[name], taken, name)
+            replay(methods[name], calls_once)
             sync()
             times.append((time.perf_counter() - t) / len(taken) * 1e3)
-        counter = OpCounter()
+        counter, calls_once = OpCounter(), fresh(taken, name)
         with counter:
-            replay(methods[name], taken, name)
+            replay(methods[name], calls_once)
         rows = [len(a[1]) if name == "feedback" else int(a[0].shape[0]) for a, _ in taken]  # slots / hidden / trees
         phases[name] = {"ms_per_step": statistics.median(times), "steps": len(taken),
                         "rows_per_step": statistics.mean(rows), **counter.per_step(len(taken))}
