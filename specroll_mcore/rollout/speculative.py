@@ -564,7 +564,8 @@ class _Rollout:
         path_len = (path >= 0).sum(-1)  # (plain decoding: the one new token is already in place)
         state.cache.commit(slots, path_len, path.clamp(min=0) if tree.shape[1] > 1 else None)
         keep, recorded = [], 0
-        emitted_l, counts_l = emitted.tolist(), counts.tolist()
+        host = torch.cat([counts[:, None], emitted], 1).tolist()  # (one transfer)
+        counts_l, emitted_l = [r[0] for r in host], [r[1:] for r in host]
         for r, slot in enumerate(slots_l):
             c, before = counts_l[r], len(state.responses[slot])
             keep.append(state.append(slot, emitted_l[r][:c], emitted_lp[r, :c]))
