@@ -285,18 +285,21 @@ def coupled_scores(logits: torch.Tensor, keys: SampleKeys, top_p: float, top_k: 
     return (x.view(noise.shape[0], n // noise.shape[0], v) + noise[:, None]).view(n, v)
 
 
-def vocab_rows(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
+def vocab_rows(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int, whole: bool = False) -> torch.Tensor:
     """This rank's rows of the vocab projection for global ``ids`` [...] -> [..., h]; rows another
     rank owns are zero, so a sum over TP ranks (an all-reduce of whatever the rows are multiplied
-    into) gives the true product without ever gathering the vocabulary matrix."""
+    into) gives the true product without ever gathering the vocabulary matrix. ``whole``: the
+    weight holds every id's row (no tensor parallelism), read without an ownership mask."""
     if weight.shape[0] == 0:  # (a rank holding none of a draft vocabulary's ids)
         return weight.new_zeros(*ids.shape, weight.shape[1])
-    local = ids - vocab_start
-    own = (local >= 0) & (local < weight.shape[0])
+    local = ids - vocab_start if vocab_start else ids
 
     def take(index: torch.Tensor) -> torch.Tensor:  # index_select: a row copy each (advanced indexing
         return weight.index_select(0, index.reshape(-1)).view(*ids.shape, weight.shape[1])  # is ~4x slower on CPU)
 
+    if whole:
+        return take(local)
+    own = (local >= 0) & (local < weight.shape[0])
     if ids.device.type == "cpu" and bool(own.all()):  # (no TP, or ids of one rank: no zeroing pass)
         return take(local)
     rows = take(local.clamp(0, weight.shape[0] - 1))

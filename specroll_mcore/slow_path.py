@@ -541,7 +541,8 @@ class SlowPath:
         hidden, root, path = self._inputs(rec, head)
         return EventBatch(
             hidden=hidden, root=root, path=path,
-            rows=vocab_rows(policy.output_weight().detach(), support, policy.vocab_start).to(dtype),
+            rows=vocab_rows(policy.output_weight().detach(), support, policy.vocab_start,
+                            whole=policy.ctx.tp_size == 1).to(dtype),
             p=p, logp=logp, top=top, want=(logp.gather(1, top) - logp).clamp(min=0, max=self.cfg.rank_margin),
             corrected=corrected, delta=rec.delta[corrected, head].to(dtype))
 

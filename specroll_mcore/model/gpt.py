@@ -295,7 +295,7 @@ class PolicyModel(torch.nn.Module):
         """e(x) for the heads (the root and the drafted path tokens): the rows of the vocab projection
         for token ids [...] -> [..., h] (each TP rank reads the rows it owns; one all-reduce; the
         matrix is never gathered)."""
-        rows = vocab_rows(self.output_weight(), ids, self.vocab_start)
+        rows = vocab_rows(self.output_weight(), ids, self.vocab_start, whole=self.ctx.tp_size == 1)
         return self.ctx.all_reduce_tp(rows.contiguous(), "sum") if self.ctx.tp_size > 1 else rows
 
     def head_logits(self, hidden: torch.Tensor, root_ids: torch.Tensor, delta: Optional[torch.Tensor] = None,

@@ -216,7 +216,7 @@ class SpeculativeEngine:
 
             x, y = pre[d]
             zd = model.heads.output(d, per_node(x), per_node(y), path.reshape(b * P, d, h)).reshape(b, P, h)
-            w = vocab_rows(rows_of, row_ids[d - 1], first)  # [b, S, h]: this rank's rows
+            w = vocab_rows(rows_of, row_ids[d - 1], first, whole=ctx.tp_size == 1)  # [b, S, h]: this rank's rows
             lg = ctx.all_reduce_tp(torch.einsum("bsh,bph->bps", w.to(zd.dtype), zd).contiguous(), "sum")
             lg = lg.float().masked_fill(padding[d - 1][:, None], float("-inf"))
             ids = shortlist[d - 1][:, None].expand(b, P, S)
@@ -331,7 +331,8 @@ class SpeculativeEngine:
                  else p_logits.topk(kp, dim=-1).indices).index_select(0, j)[:, :kp]
         ids, valid = reflex.support(cand, q_top[:, :cfg.support_topk], p_top[:, :cfg.support_topk],
                                     tokens.index_select(0, j))
-        w_s = vocab_rows(model.output_weight(), ids, model.vocab_start)  # [b * levels, s, h]: read once, used twice
+        w_s = vocab_rows(model.output_weight(), ids, model.vocab_start,  # [b * levels, s, h]: read once, used twice
+                         whole=model.ctx.tp_size == 1)
         q_l = support_logits(w_s, z, model.ctx).float() / t
         p_l = p_logits[j[:, None], ids] / t  # the policy's logits on S only
         coef = reflex.feedback_coefficients(p_l, q_l, ids, valid, cand, p_top[:, :k],

@@ -23,6 +23,9 @@ def test_vocab_rows_of_a_shard_are_its_rows_and_zero_elsewhere():
     assert vocab_rows(weight, ids, 10).tolist() == [[[0, 1, 2], [9, 10, 11]], [[0, 0, 0], [0, 0, 0]]]
     assert torch.equal(vocab_rows(weight, ids[:1], 10), weight[ids[:1] - 10])
     assert torch.equal(vocab_rows(weight[:0], ids, 10), torch.zeros(2, 2, 3))
+    # a whole vocabulary (no TP): its rows, read without an ownership mask
+    assert torch.equal(vocab_rows(weight, ids[:1], 10, whole=True), weight[ids[:1] - 10])
+    assert torch.equal(vocab_rows(weight, ids[:1] - 10, 0, whole=True), weight[ids[:1] - 10])
 
 
 def test_heads_read_the_root_through_u_only(ctx):
