@@ -22,6 +22,11 @@ are not dispatched by torch and not counted; ``SPECROLL_NOISE_KERNEL=0 SPECROLL_
 count the operations the GPU path runs instead. The step's sampling keys, made once a step for
 drafting and acceptance, are counted in the captured rollout (``step_keys``, part of the totals; not
 timed), and so, for scale, are its verification forwards (``verify_forward``).
+
+Whole rollouts are counted too: the captured SpecRoll rollout and a vanilla one of the same prompts
+(the same tokens), operations and syncs per generated token (``rollouts``). Where every operation
+costs a launch and little else (a GPU with a small model) their ratio, vanilla over SpecRoll, is
+the speedup the launches allow: what the trees' tau buys once their forwards and host work are paid.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
-from specroll_mcore.rollout import SpeculativeEngine  # noqa: E402
+from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout import speculative  # noqa: E402
 from specroll_mcore.rollout.profile import open_for_rollout  # noqa: E402
 from specroll_mcore.tree.budget import hardware_name  # noqa: E402
@@ -80,6 +85,7 @@ class OpCounter(TorchDispatchMode):
 
     def __enter__(self):
         original, counter = torch.Tensor.tolist, self
+        self._outer_tolist = torch.Tensor.__dict__.get("tolist")  # an enclosing counter's, or none
 
         def tolist(tensor):
             counter.tolist += 1
@@ -89,7 +95,10 @@ class OpCounter(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        del torch.Tensor.tolist  # torch's own method again (TensorBase's)
+        if self._outer_tolist is None:
+            del torch.Tensor.tolist  # torch's own method again (TensorBase's)
+        else:
+            torch.Tensor.tolist = self._outer_tolist
         return super().__exit__(*exc)
 
     def per_step(self, steps: int) -> dict[str, Any]:
@@ -101,14 +110,14 @@ class OpCounter(TorchDispatchMode):
 
 
 def capture(engine: SpeculativeEngine, prompts: list,
-            sampling: SamplingConfig) -> tuple[dict[str, list], Any, OpCounter, OpCounter]:
+            sampling: SamplingConfig) -> tuple[dict[str, list], Any, OpCounter, OpCounter, OpCounter]:
     """Run one rollout, recording each phase's calls (arguments as passed) and counting the
-    operations of its verification forwards and of each step's sampling keys (made once a step for
-    drafting and acceptance; counted here, not replayed)."""
+    operations of its verification forwards, of each step's sampling keys (made once a step for
+    drafting and acceptance; counted here, not replayed) and of the whole rollout."""
     calls: dict[str, list] = {name: [] for name in PHASES}
     originals = {"propose": engine.propose, "feedback": engine.feedback, "accept": speculative.accept,
                  "verify": engine.verify, "step_keys": getattr(speculative._Rollout, "step_keys", None)}
-    forwards, keys = OpCounter(), OpCounter()
+    forwards, keys, total = OpCounter(), OpCounter(), OpCounter()
 
     def counted_verify(*args, **kwargs):
         with forwards:
@@ -129,13 +138,14 @@ def capture(engine: SpeculativeEngine, prompts: list,
     if originals["step_keys"] is not None:  # (code before the step's key table: keys made in the phases)
         speculative._Rollout.step_keys = counted_keys
     try:
-        out = engine.generate(prompts, sampling, prompt_ids=list(range(len(prompts))))
+        with total:
+            out = engine.generate(prompts, sampling, prompt_ids=list(range(len(prompts))))
     finally:
         speculative.accept = originals["accept"]
         if originals["step_keys"] is not None:
             speculative._Rollout.step_keys = originals["step_keys"]
         del engine.propose, engine.feedback, engine.verify  # the class's methods again
-    return calls, out, forwards, keys
+    return calls, out, forwards, keys, total
 
 
 def fresh(calls: list, name: str) -> list:
@@ -178,7 +188,17 @@ def main() -> int:
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               num_samples=args.samples, seed=2)
     engine.generate(prompts[:1], SamplingConfig(max_new_tokens=4), prompt_ids=[0])  # warm-up (kernels, packing)
-    calls, out, forwards, keys = capture(engine, prompts, sampling)
+    calls, out, forwards, keys, total = capture(engine, prompts, sampling)
+    vanilla, vanilla_engine = OpCounter(), VanillaEngine(policy, eos_token_ids=[tok.eos_token_id])
+    with vanilla:
+        ref = vanilla_engine.generate(prompts, sampling, prompt_ids=list(range(len(prompts))))
+    tokens = out.stats["tokens"]
+    rollouts = {"tokens": tokens, "tokens_identical": ref.tokens == out.tokens,
+                "specroll": total.per_step(tokens), "vanilla": vanilla.per_step(tokens)}
+    for r in (rollouts["specroll"], rollouts["vanilla"]):  # (per_step(tokens): per generated token)
+        r["ops_per_token"], r["syncs_per_token"] = r.pop("ops_per_step"), r.pop("syncs_per_step")
+        del r["views_per_step"], r["ops_by_name_per_step"]
+    rollouts["launch_bound_speedup"] = rollouts["vanilla"]["ops_per_token"] / rollouts["specroll"]["ops_per_token"]
     methods = {"propose": engine.propose, "feedback": engine.feedback, "accept": speculative.accept}
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if ctx.device.type == "cuda" else (lambda: None)
     phases = {}
@@ -213,13 +233,17 @@ def main() -> int:
               "total_ops_per_step": sum(p["ops_per_step"] for p in (*phases.values(), step_keys)),
               "total_syncs_per_step": sum(p["syncs_per_step"] for p in (*phases.values(), step_keys)),
               # the verification forwards of the captured rollout, for scale (not replayed or timed)
-              "verify_forward": forwards.per_step(out.stats["steps"])}
+              "verify_forward": forwards.per_step(out.stats["steps"]),
+              "rollouts": rollouts}
     write_json_atomic(args.out, report)
     fwd = report["verify_forward"]
     print(f"host work {report['total_ms_per_step']:.2f} ms, {report['total_ops_per_step']:.0f} torch operations and "
           f"{report['total_syncs_per_step']:.1f} host syncs a step (the verification forward: "
-          f"{fwd['ops_per_step']:.0f} operations, {fwd['syncs_per_step']:.1f} syncs; tau {out.stats['tau']:.2f}); "
-          f"wrote {args.out}")
+          f"{fwd['ops_per_step']:.0f} operations, {fwd['syncs_per_step']:.1f} syncs; tau {out.stats['tau']:.2f})")
+    print(f"whole rollouts, a token: SpecRoll {rollouts['specroll']['ops_per_token']:.0f} operations and "
+          f"{rollouts['specroll']['syncs_per_token']:.1f} syncs, vanilla {rollouts['vanilla']['ops_per_token']:.0f} and "
+          f"{rollouts['vanilla']['syncs_per_token']:.1f} (tokens identical: {rollouts['tokens_identical']}): "
+          f"{rollouts['launch_bound_speedup']:.2f}x where launches bound both; wrote {args.out}")
     return 0
 
 

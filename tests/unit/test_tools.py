@@ -148,6 +148,10 @@ def test_bench_step_phases_smoke_and_bad_input(tiny_ckpt, tmp_path):
     assert set(report["phases"]) == {"propose", "accept", "feedback"}
     assert all(p["ms_per_step"] > 0 and p["steps"] == 3 and p["rows_per_step"] >= 1 for p in report["phases"].values())
     assert all(p["ops_per_step"] > 0 for p in report["phases"].values()) and report["total_syncs_per_step"] >= 0
+    rollouts = report["rollouts"]  # whole rollouts of both engines, the same tokens
+    assert rollouts["tokens_identical"] and rollouts["tokens"] > 0
+    assert rollouts["launch_bound_speedup"] == pytest.approx(
+        rollouts["vanilla"]["ops_per_token"] / rollouts["specroll"]["ops_per_token"])
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_step_phases.py"), "--n-max", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--n-max must be >= 1, got 0" in proc.stderr
@@ -174,6 +178,13 @@ def test_step_phases_op_counter():
     counts = counter.per_step(2)
     assert counts["ops_per_step"] == 10 / 2 and counts["syncs_per_step"] == 5 / 2 and counts["views_per_step"] == 4 / 2
     assert counts["ops_by_name_per_step"]["sum"] == 0.5
+    outer, inner = OpCounter(), OpCounter()  # nested counters: the outer one counts the inner one's too
+    with outer:
+        x + 1
+        with inner:
+            (x * 2).tolist()
+    assert "tolist" not in torch.Tensor.__dict__
+    assert (sum(outer.ops.values()), outer.tolist, sum(inner.ops.values()), inner.tolist) == (2, 1, 1, 1)
 
 
 def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
