@@ -1,6 +1,9 @@
+import importlib
 import os
+import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +39,13 @@ def make_policy(cfg: ModelConfig, ctx, seed: int = 0) -> PolicyModel:
     model = PolicyModel(cfg, ctx).eval()
     model.load_full_state_dict(random_full_state_dict(cfg, seed, std=0.08))
     return model
+
+
+def import_tool(name: str):
+    """A script of tools/ as a module (the folder is not a package)."""
+    tools = str(Path(__file__).resolve().parent.parent / "tools")
+    sys.path.insert(0, tools)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(tools)

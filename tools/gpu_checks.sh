@@ -9,8 +9,8 @@
 # SpecRoll against the vanilla engine and transformers at T=1 on 32 prompts x 8 samples x 256
 # tokens, the same in bfloat16 (how many responses stay identical to the vanilla engine's: cuBLAS and
 # attention kernels are not batch-invariant, so near-ties are frequent there), then at batch 1, batch
-# 1 at T=0, the speculative step's host work per phase at batch 1 (ms, operations and syncs a step),
-# and a short GRPO run that times the vanilla engine on the same steps.
+# 1 at T=0, the speculative step's host work per phase at batch 1 (ms, operations and syncs a step;
+# both engines' whole rollouts in operations a token), and a short GRPO run that times the vanilla engine on the same steps.
 # Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
 # workload to a few tokens (a dry run of this script on any machine).
 set -uo pipefail

@@ -311,7 +311,7 @@ class SpeculativeEngine:
         # whose path stopped short of depth i, or whose node i was not expanded, are computed and
         # not observed (masks rather than index lists: no host sync).
         b, levels = acc.counts.numel(), len(proposal.levels)
-        ar = torch.arange(b, device=depth.device)
+        ar, depths = torch.arange(b, device=depth.device), torch.arange(levels, device=depth.device)
         cand, q_top, z, seen = [], [], [], []
         for i, level in enumerate(proposal.levels):
             node_i = pool_index.gather(1, acc.path[:, i:i + 1].clamp(min=0)).squeeze(1)  # [b]
@@ -324,7 +324,7 @@ class SpeculativeEngine:
         seen, cand, q_top, z = (torch.stack(x, 1).flatten(0, 1) for x in (seen, cand, q_top, z))
         # each observation's index among the path's m positions (rows' paths are consecutive there)
         first = acc.counts.cumsum(0) - acc.counts
-        j = (first[:, None] + torch.arange(levels, device=depth.device)).flatten().clamp(max=depth.numel() - 1)
+        j = (first[:, None] + depths).flatten().clamp(max=depth.numel() - 1)
         t = temperature if temperature > 0 else 1.0
         # the policy's top ids (dividing by t > 0 keeps their order): the slow path's top-K already holds them
         p_top = (top_ids if top_ids is not None and top_ids.shape[1] >= kp
@@ -338,8 +338,7 @@ class SpeculativeEngine:
         coef = reflex.feedback_coefficients(p_l, q_l, ids, valid, cand, p_top[:, :k],
                                             cfg.coverage_weight)
         e = reflex.feedback_vectors(w_s, coef, model.ctx)
-        reflex.update(rstate, active.repeat_interleave(levels), torch.arange(levels, device=depth.device).repeat(b),
-                      e, cfg.decay_for(H), observed=seen)
+        reflex.update(rstate, active.repeat_interleave(levels), depths.repeat(b), e, cfg.decay_for(H), observed=seen)
 
     # -- 3. verify ------------------------------------------------------------------------------------
     def verify(self, state: RolloutState, active: torch.Tensor, tree: TreeBatch):

@@ -2,12 +2,11 @@
 streams, the bounded correction, per-trajectory state, and exactness of the engine with it on."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import import_tool
 from specroll_mcore import reflex
 from specroll_mcore.config import ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig, tiny_llama
 from specroll_mcore.heads import vocab_rows
@@ -187,12 +186,7 @@ def test_feedback_reads_no_host_value_but_the_paths_length(ctx):
     """The engine's feedback (Reflex and slow-path records) makes one host sync a step, for the
     positions the accepted paths reached: the levels' observations, the support and the memory's
     update are masked, not selected (on a GPU, each selection waits for the device)."""
-    tools = str(Path(__file__).resolve().parents[2] / "tools")
-    sys.path.insert(0, tools)
-    try:
-        from bench_step_phases import OpCounter
-    finally:
-        sys.path.remove(tools)
+    OpCounter = import_tool("bench_step_phases").OpCounter
     model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, head_std=0.3)
     eng = SpeculativeEngine(model, SpecConfig(c_hw=64, n_max=8, reflex=AGGRESSIVE_REFLEX))
     counters, feedback = [], eng.feedback

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import import_tool
 from grpo_fixtures import tiny_policy_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -159,11 +160,7 @@ def test_bench_step_phases_smoke_and_bad_input(tiny_ckpt, tmp_path):
 
 def test_step_phases_op_counter():
     """The counter behind bench_step_phases' operation and sync counts, on operations counted by hand."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        from bench_step_phases import OpCounter
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    OpCounter = import_tool("bench_step_phases").OpCounter
     x = torch.ones(4)
     counter = OpCounter()
     with counter, torch.inference_mode():
