@@ -20,9 +20,16 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+ROPE_SCALING_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+"""The RoPE scalings :attr:`ModelConfig.rope_scaling` supports, and the numbers each one takes."""
+
+
 @dataclass
 class ModelConfig:
-    """Architecture of a Llama / Qwen2 style decoder (RMSNorm, SwiGLU, RoPE, GQA)."""
+    """Architecture of a Llama / Qwen2 / Qwen3 style decoder (RMSNorm, SwiGLU, RoPE, GQA)."""
 
     num_layers: int
     """Number of transformer layers."""
@@ -48,11 +55,20 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base."""
 
+    rope_scaling: Optional[dict[str, Any]] = None
+    """RoPE frequency scaling, as in Hugging Face's config (see :data:`ROPE_SCALING_FIELDS`): ``{"rope_type":
+    "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``
+    (Llama 3.1+, DeepSeek-R1-Distill-Llama) or ``{"rope_type": "linear", "factor"}``; None: plain RoPE."""
+
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
 
     add_qkv_bias: bool = False
     """Bias on the fused QKV projection (Qwen2)."""
+
+    qk_layernorm: bool = False
+    """RMSNorm over each head's queries and keys before RoPE, one weight of head_dim shared by the
+    heads (Qwen3; megatron-core's ``qk_layernorm``)."""
 
     tie_word_embeddings: bool = False
     """Share the input embedding with the output projection (SmolLM2, Qwen2.5 <= 3B)."""
@@ -84,6 +100,22 @@ class ModelConfig:
         _check(self.kv_channels % 2 == 0, f"ModelConfig.kv_channels must be even for RoPE, got {self.kv_channels}")
         _check(self.params_dtype in _DTYPES,
                f"ModelConfig.params_dtype must be one of {sorted(_DTYPES)}, got {self.params_dtype!r}")
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+            kind = self.rope_scaling.get("rope_type")
+            _check(kind in ROPE_SCALING_FIELDS,
+                   f"ModelConfig.rope_scaling['rope_type'] must be one of {sorted(ROPE_SCALING_FIELDS)}, got {kind!r} "
+                   f"(other scalings are not supported: use a checkpoint without it, or plain RoPE)")
+            fields = ROPE_SCALING_FIELDS[kind]
+            missing = sorted(set(fields) - set(self.rope_scaling))
+            _check(not missing, f"ModelConfig.rope_scaling of type {kind!r} lacks {missing}")
+            for name in fields:
+                _check(isinstance(self.rope_scaling[name], (int, float)) and self.rope_scaling[name] > 0,
+                       f"ModelConfig.rope_scaling[{name!r}] must be a positive number, got {self.rope_scaling[name]!r}")
+            if kind == "llama3":
+                _check(self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"],
+                       f"ModelConfig.rope_scaling: high_freq_factor ({self.rope_scaling['high_freq_factor']}) must "
+                       f"exceed low_freq_factor ({self.rope_scaling['low_freq_factor']})")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -118,6 +150,16 @@ def tiny_qwen2(**overrides: Any) -> ModelConfig:
     base = dict(num_layers=4, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
                 num_query_groups=2, vocab_size=300, max_position_embeddings=256, rope_theta=1e6,
                 add_qkv_bias=True, tie_word_embeddings=True, norm_eps=1e-6)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_qwen3(**overrides: Any) -> ModelConfig:
+    """A random-initialised Qwen3-shaped model for tests: per-head q/k norms, no QKV bias, head_dim
+    set apart from hidden_size / heads."""
+    base = dict(num_layers=4, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
+                num_query_groups=2, vocab_size=300, max_position_embeddings=256, rope_theta=1e6,
+                qk_layernorm=True, kv_channels=24, norm_eps=1e-6)
     base.update(overrides)
     return ModelConfig(**base)
 

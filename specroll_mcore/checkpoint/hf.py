@@ -1,9 +1,10 @@
-"""Hugging Face Llama / Qwen2 <-> the full Megatron form: one name table plus named fuse helpers.
+"""Hugging Face Llama / Qwen2 / Qwen3 <-> the full Megatron form: name tables plus named fuse helpers.
 
 HF keeps q/k/v and gate/up as separate matrices; megatron-core fuses them:
   * ``linear_qkv`` rows are grouped per KV head: for each group g, its np/ng query heads, then its
     key head, then its value head (``fuse_qkv`` / ``split_qkv``);
   * ``linear_fc1`` is [gate; up] (``fuse_gate_up`` / ``split_gate_up``).
+Qwen3's per-head query/key norms are megatron-core's ``q_layernorm`` / ``k_layernorm``.
 Both use the rotate-half RoPE convention, so no permutation of q/k rows is needed.
 """
 
@@ -14,9 +15,10 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from specroll_mcore.checkpoint.shard import _LAYER, expected_full_shapes
-from specroll_mcore.config import ModelConfig
+from specroll_mcore.config import ROPE_SCALING_FIELDS, ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # Megatron name (layer-relative, after "decoder.layers.{i}.") -> HF name (after "model.layers.{i}.")
 LAYER_TABLE = {
@@ -24,6 +26,10 @@ LAYER_TABLE = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+QK_NORM_TABLE = {  # with ModelConfig.qk_layernorm (Qwen3)
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 GLOBAL_TABLE = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -62,21 +68,35 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate, up
 
 
+def layer_table(model: ModelConfig) -> dict[str, str]:
+    """The one-to-one layer names (Megatron -> HF) of ``model``'s architecture."""
+    return {**LAYER_TABLE, **QK_NORM_TABLE} if model.qk_layernorm else LAYER_TABLE
+
+
 def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> ModelConfig:
-    """ModelConfig from a transformers LlamaConfig / Qwen2Config (or its dict)."""
+    """ModelConfig from a transformers LlamaConfig / Qwen2Config / Qwen3Config (or its dict)."""
     c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
     archs = c.get("architectures") or []
     model_type = c.get("model_type")
-    if model_type not in ("llama", "qwen2") and not set(archs) & set(SUPPORTED_ARCHITECTURES):
+    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    arch = known[0] if known else _MODEL_TYPES.get(model_type)
+    if arch is None:
         raise ValueError(f"unsupported architecture {archs or model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    rope = dict(c.get("rope_parameters") or {})  # transformers >= 5
-    scaling = c.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type", scaling.get("type")) if scaling else rope.get("rope_type", "default")
-    if rope_type not in (None, "default"):
-        raise ValueError(f"RoPE scaling {rope_type!r} is not supported yet (plain RoPE only)")
-    rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    is_qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in archs
+    if c.get("use_sliding_window"):
+        raise ValueError("config.json sets use_sliding_window: sliding-window attention is not supported "
+                         "(every layer attends to the whole context); set it to false if the model was trained so")
+    rope = dict(c.get("rope_parameters") or {})  # transformers >= 5: theta and scaling in one dict
+    scaling = dict(c.get("rope_scaling") or {}) or {k: v for k, v in rope.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        rope_scaling = None
+    elif rope_type in ROPE_SCALING_FIELDS:
+        rope_scaling = {"rope_type": rope_type, **{k: scaling.get(k) for k in ROPE_SCALING_FIELDS[rope_type]}}
+    else:
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported; supported: plain RoPE, "
+                         f"{', '.join(sorted(ROPE_SCALING_FIELDS))}")
+    rope_theta = c.get("rope_theta") or rope.get("rope_theta", 10000.0)
     return ModelConfig(
         num_layers=c["num_hidden_layers"],
         hidden_size=c["hidden_size"],
@@ -86,8 +106,10 @@ def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> Model
         vocab_size=c["vocab_size"],
         max_position_embeddings=c.get("max_position_embeddings", 2048),
         rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
         norm_eps=c.get("rms_norm_eps", 1e-6),
-        add_qkv_bias=bool(c.get("attention_bias", is_qwen2)),
+        add_qkv_bias=bool(c.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        qk_layernorm=arch == "Qwen3ForCausalLM",
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         kv_channels=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
         params_dtype=params_dtype,
@@ -118,8 +140,9 @@ class HFToFull(Mapping[str, torch.Tensor]):
         if not m:
             raise KeyError(name)
         i, rel = m.group(1), m.group(2)
-        if rel in LAYER_TABLE:
-            return hf[f"model.layers.{i}.{LAYER_TABLE[rel]}"]
+        table = layer_table(model)
+        if rel in table:
+            return hf[f"model.layers.{i}.{table[rel]}"]
         a = f"model.layers.{i}.self_attn."
         if rel == "self_attention.linear_qkv.weight":
             return fuse_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], model)
@@ -144,7 +167,7 @@ def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str
         if mname in full:
             out[hname] = full[mname]
     for i in range(model.num_layers):
-        for mname, hname in LAYER_TABLE.items():
+        for mname, hname in layer_table(model).items():
             out[f"model.layers.{i}.{hname}"] = full[f"decoder.layers.{i}.{mname}"]
         a = f"model.layers.{i}.self_attn."
         q, k, v = split_qkv(full[f"decoder.layers.{i}.self_attention.linear_qkv.weight"], model)

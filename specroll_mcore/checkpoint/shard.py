@@ -130,6 +130,9 @@ def expected_full_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         if model.add_qkv_bias:
             shapes[p + "self_attention.linear_qkv.bias"] = (qkv,)
         shapes[p + "self_attention.linear_proj.weight"] = (h, model.num_attention_heads * d)
+        if model.qk_layernorm:
+            shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+            shapes[p + "self_attention.k_layernorm.weight"] = (d,)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
         shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
         shapes[p + "mlp.linear_fc2.weight"] = (h, f)

@@ -38,10 +38,11 @@ forward (masks and RoPE tables are shared by all layers).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -75,19 +76,38 @@ def _build_step_attention() -> Optional[Any]:
 
 
 # ------------------------------------------------------------------------------------------------
-# RoPE (rotate-half convention, as Megatron's default and Hugging Face Llama/Qwen2)
+# RoPE (rotate-half convention, as Megatron's default and Hugging Face Llama/Qwen2/Qwen3)
 # ------------------------------------------------------------------------------------------------
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Mapping[str, Any]], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """RoPE's angular frequency of each pair of dimensions [head_dim / 2], in ``dtype`` (float32, or
+    float64 for a float64 policy). ``scaling`` (ModelConfig.rope_scaling): ``linear`` divides every
+    frequency by ``factor``; ``llama3`` (Llama 3.1's long-context rule) divides those whose wavelength
+    exceeds ``original_max_position_embeddings / low_freq_factor`` by ``factor``, keeps those shorter
+    than ``original_max_position_embeddings / high_freq_factor``, and blends the two in between,
+    linearly in ``original_max_position_embeddings / wavelength``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(dtype) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    context, low, high = (scaling["original_max_position_embeddings"], scaling["low_freq_factor"],
+                          scaling["high_freq_factor"])
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long wavelengths, 1: short
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and the sign-folded sin for ``positions`` [b, s] -> each [s, b, 1, head_dim]: sin's first
-    half negated, so that :func:`apply_rope` rotates without negating half of its input."""
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
-                                             device=positions.device).to(compute) / head_dim))
-    freqs = positions.to(compute)[..., None] * inv_freq  # [b, s, d/2]
+    half negated, so that :func:`apply_rope` rotates without negating half of its input.
+    ``inv_freq``: :func:`rope_inv_freq`, whose dtype the angles are computed in."""
+    freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq  # [b, s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1).transpose(0, 1)[:, :, None, :]  # [s, b, 1, d]
     sin = emb.sin()
-    half = head_dim // 2
+    half = inv_freq.shape[0]
     return emb.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
 
 
@@ -214,13 +234,13 @@ class AttentionMetadata:
     (:func:`step_attention_kernels`): an ordered forward over a cache with position-major keys."""
 
     @classmethod
-    def build(cls, positions: torch.Tensor, new_token_mask: torch.Tensor, head_dim: int, theta: float,
+    def build(cls, positions: torch.Tensor, new_token_mask: torch.Tensor, inv_freq: torch.Tensor,
               dtype: torch.dtype, cache: Optional[KVCache] = None,
               slots: Optional[torch.Tensor] = None, ordered: bool = False) -> "AttentionMetadata":
-        """positions [b, s]; new_token_mask [b, s, s] (True = query i may see new token j);
-        ``ordered``: attend over each token's keys in one-token order (a forward with a cache)."""
+        """positions [b, s]; new_token_mask [b, s, s] (True = query i may see new token j); ``inv_freq``:
+        RoPE's frequencies (:func:`rope_inv_freq`); ``ordered``: attend over each token's keys in one-token order (a forward with a cache)."""
         b, s = positions.shape
-        cos, sin = rope_tables(positions, head_dim, theta, dtype)
+        cos, sin = rope_tables(positions, inv_freq, dtype)
         if cache is None:
             return cls(cos=cos, sin=sin, mask=new_token_mask[:, None], positions=positions)
         assert slots is not None and slots.shape == (b,)

@@ -25,13 +25,13 @@ from specroll_mcore.config import ModelConfig
 from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
 from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
 from specroll_mcore.model.attention import (KEY_BLOCK, STEP_ATTENTION_DTYPES, AttentionMetadata, SDPACoreAttention,
-                                            SpecRollSelfAttention, step_attention_kernels)
+                                            SpecRollSelfAttention, rope_inv_freq, step_attention_kernels)
 from specroll_mcore.model.kv_cache import KVCache
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
 
 def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerConfig:
-    """megatron-core TransformerConfig for a Llama/Qwen2 architecture under this layout."""
+    """megatron-core TransformerConfig for a Llama/Qwen2/Qwen3 architecture under this layout."""
     ctx.stage_layers(model.num_layers)  # a split that does not add up fails here, naming the fields
     dtype = model.torch_dtype
     return TransformerConfig(
@@ -47,6 +47,7 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerC
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
@@ -68,10 +69,11 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerC
     )
 
 
-def layer_spec() -> ModuleSpec:
+def layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
     """megatron-core's local GPT layer spec with our self-attention and core attention, and linears
-    whose CPU inference products run on packed weights (cpu_gemm.py)."""
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    whose CPU inference products run on packed weights (cpu_gemm.py); ``qk_layernorm``: its per-head
+    query and key RMSNorms (Qwen3), applied by megatron's ``get_query_key_value_tensors``."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     attn = spec.submodules.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPACoreAttention,
                                    linear_qkv=PackedColumnParallelLinear, linear_proj=PackedRowParallelLinear)
@@ -104,7 +106,7 @@ class PolicyModel(torch.nn.Module):
         with cpu_model_construction():
             self.gpt = GPTModel(
                 config=transformer_config(config, ctx),
-                transformer_layer_spec=layer_spec(),
+                transformer_layer_spec=layer_spec(config.qk_layernorm),
                 vocab_size=self.padded_vocab_size,
                 max_sequence_length=config.max_position_embeddings,
                 pre_process=ctx.is_first_stage,
@@ -121,6 +123,7 @@ class PolicyModel(torch.nn.Module):
             self.heads.to(device=ctx.device, dtype=config.torch_dtype)
         self.num_heads = num_heads
         self._packed_vocab = cpu_gemm.PackedWeight()  # (CPU inference, see vocab_projection)
+        self._inv_freq: dict[str, torch.Tensor] = {}  # device -> RoPE's frequencies (see rope_inv_freq)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -145,13 +148,23 @@ class PolicyModel(torch.nn.Module):
         whose results depend on the row count; SDPA there."""
         return self.dtype in (torch.bfloat16, torch.float16) and self.ctx.device.type == "cpu"
 
+    def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE's frequencies (model/attention.rope_inv_freq), made once per device: float64 for a
+        float64 policy, float32 otherwise (as Hugging Face computes them)."""
+        key = str(device)
+        if key not in self._inv_freq:
+            c = self.config
+            compute = torch.float64 if self.dtype == torch.float64 else torch.float32
+            self._inv_freq[key] = rope_inv_freq(c.kv_channels, c.rope_theta, c.rope_scaling, compute, device)
+        return self._inv_freq[key]
+
     def metadata(self, positions: torch.Tensor, new_token_mask: torch.Tensor,
                  cache: Optional[KVCache] = None, slots: Optional[torch.Tensor] = None,
                  step: bool = False) -> AttentionMetadata:
         """``step``: a decoding or verification step (tokens appended to committed responses), whose
         tokens must get the same logits in a one-token and a tree forward."""
-        return AttentionMetadata.build(positions, new_token_mask, self.config.kv_channels,
-                                       self.config.rope_theta, self.dtype, cache, slots,
+        return AttentionMetadata.build(positions, new_token_mask, self.rope_inv_freq(positions.device), self.dtype,
+                                       cache, slots,
                                        ordered=step and self.batch_invariant)
 
     def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,

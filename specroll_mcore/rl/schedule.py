@@ -146,12 +146,17 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
 
 def finalize_grads(policy: PolicyModel) -> None:
     """Sum gradients over data-parallel replicas; sum the tied embedding's two copies (first and
-    last stage) so both take the same update."""
+    last stage) so both take the same update; sum the query/key norms' gradients over the TP group
+    (replicated weights, each rank's heads giving part of their gradient: megatron-core's
+    finalize_model_grads does the same for ``qk_layernorm``)."""
     ctx = policy.ctx
-    for p in policy.gpt.parameters():
+    for name, p in policy.gpt.named_parameters():
         g = grad_of(p)
-        if g is not None:
-            ctx.all_reduce_dp(g)
+        if g is None:
+            continue
+        ctx.all_reduce_dp(g)
+        if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+            ctx.all_reduce_tp(g)
     if ctx.pp_size > 1 and policy.config.tie_word_embeddings and (ctx.is_first_stage or ctx.is_last_stage):
         w = policy.gpt.shared_embedding_or_output_weight()
         if grad_of(w) is None:  # this stage's copy took no gradient: it still joins the sum

@@ -26,7 +26,7 @@ def run_worker(ckpt: Path, tp: int, pp: int, out: Path) -> torch.Tensor:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
 def test_converted_checkpoint_at_tp2_and_pp2(tmp_path, arch, tied):
     hf = save_tiny_hf(tmp_path / "hf", arch, tied, seed=3)
     import checkpoint_worker

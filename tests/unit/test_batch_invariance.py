@@ -9,7 +9,7 @@ import torch
 
 from specroll_mcore import cpu_gemm
 from specroll_mcore.checkpoint.megatron import load_policy
-from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2
+from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3
 from specroll_mcore.model.attention import KEY_BLOCK, causal_mask, one_token_key_order, step_attention_kernels
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
 
@@ -90,7 +90,7 @@ def check_trees(model, vocab_size: int, context: int, sizes: tuple[int, ...]) ->
 
 
 @needs_bf16_kernels
-@pytest.mark.parametrize("make_cfg", [tiny_llama, tiny_qwen2])
+@pytest.mark.parametrize("make_cfg", [tiny_llama, tiny_qwen2, tiny_qwen3])
 @pytest.mark.parametrize("step_kernel", [True, False], ids=["step-kernel", "ordered-attention"])
 def test_tree_forward_equals_one_token_forwards_in_bfloat16(ctx, make_cfg, step_kernel, monkeypatch):
     """Both ways a half-precision step's attention runs: the step kernel (where it builds) and ordered
@@ -101,7 +101,7 @@ def test_tree_forward_equals_one_token_forwards_in_bfloat16(ctx, make_cfg, step_
         pytest.skip("no step-attention kernel on this machine")
     # SmolLM2's attention shape (9 heads of 64 in 3 groups) on a 150-token context
     cfg = make_cfg(params_dtype="bfloat16", num_layers=2, hidden_size=576, ffn_hidden_size=256,
-                   num_attention_heads=9, num_query_groups=3, max_position_embeddings=512)
+                   num_attention_heads=9, num_query_groups=3, kv_channels=64, max_position_embeddings=512)
     model = policy_with_heads(cfg, ctx)
     assert model.batch_invariant and model.new_cache(1, 8).position_major_keys == step_kernel
     check_trees(model, cfg.vocab_size, 150, (12, 24))

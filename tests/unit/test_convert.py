@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from hf_fixtures import save_tiny_hf
+from hf_fixtures import LLAMA3_SCALING, save_tiny_hf, tiny_hf_config
 from specroll_mcore.checkpoint import convert
 from specroll_mcore.checkpoint.hf import fuse_qkv, model_config_from_hf, split_qkv
 from specroll_mcore.checkpoint.megatron import load_policy
@@ -15,7 +15,8 @@ from specroll_mcore.config import SamplingConfig
 from specroll_mcore.model import causal_mask
 from specroll_mcore.rollout import VanillaEngine
 
-CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True)]
+CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
+         ("llama3", False)]
 
 
 def our_logits(policy, ids):
@@ -41,9 +42,9 @@ def test_logits_and_greedy_parity_with_transformers(tmp_path, ctx, arch, tied):
         assert ref.tolist() == toks
 
 
-@pytest.mark.parametrize("safe", [True, False])
-def test_round_trip_is_bit_exact(tmp_path, safe):
-    hf = save_tiny_hf(tmp_path / "hf", "qwen2", tied=False, safe=safe)
+@pytest.mark.parametrize("arch, safe", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("llama3", True)])
+def test_round_trip_is_bit_exact(tmp_path, arch, safe):
+    hf = save_tiny_hf(tmp_path / "hf", arch, tied=False, safe=safe)
     convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tensor_parallel_size=2, pipeline_parallel_size=2)
     assert (tmp_path / "mcore/release/mp_rank_01_001/model_optim_rng.pt").is_file()
     convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
@@ -52,6 +53,38 @@ def test_round_trip_is_bit_exact(tmp_path, safe):
     assert set(ref) == set(got)
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
+def test_config_written_back_describes_the_same_model(arch):
+    """A checkpoint without its source's config.json (trained from a random init, say) is written
+    back with one made from its ModelConfig: transformers reads it as the same architecture."""
+    model = model_config_from_hf(tiny_hf_config(arch, tied=False))
+    back = transformers.AutoConfig.for_model(**convert._hf_config_from_model(model))
+    assert type(back) is type(tiny_hf_config(arch, tied=False))
+    assert model_config_from_hf(back) == model
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3_SCALING],
+                         ids=["plain", "linear", "llama3"])
+def test_rope_frequencies_match_transformers(scaling):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from specroll_mcore.model.attention import rope_inv_freq
+    hf_cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, rope_theta=500000.0,
+                                      rope_scaling=dict(scaling) if scaling else None)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        ref = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    else:
+        ref = ROPE_INIT_FUNCTIONS[kind](hf_cfg, torch.device("cpu"))[0]
+    model = model_config_from_hf(hf_cfg)
+    assert model.rope_scaling == (None if scaling is None else dict(scaling))
+    ours = rope_inv_freq(128, model.rope_theta, model.rope_scaling, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0)
+    if scaling is not None:  # the scaling lowers frequencies; llama3 keeps the highest as they are
+        plain = rope_inv_freq(128, model.rope_theta, None, torch.float32, torch.device("cpu"))
+        assert (ours < plain).any() and (ours[0] == plain[0]) == (kind == "llama3")
 
 
 def test_qkv_fuse_split_inverse():
@@ -72,6 +105,19 @@ def test_unknown_architecture(tmp_path):
     (tmp_path / "hf/config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]"):
         convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+
+
+def test_unsupported_attention_variants(tmp_path):
+    save_tiny_hf(tmp_path / "hf", "qwen3", False)
+    cfg = json.loads((tmp_path / "hf/config.json").read_text())
+    (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "sliding_window": 64}))
+    with pytest.raises(ValueError, match="use_sliding_window: sliding-window attention is not supported"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, "rope_scaling": yarn}))
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported; supported: plain RoPE, linear, llama3"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_files(tmp_path):

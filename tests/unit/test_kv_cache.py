@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_policy
-from specroll_mcore.config import tiny_llama, tiny_qwen2
+from specroll_mcore.config import tiny_llama, tiny_qwen2, tiny_qwen3
 from specroll_mcore.model import causal_mask
 from specroll_mcore.model.kv_cache import KVCache
 
@@ -17,7 +17,9 @@ def full_recompute_logits(model, seq: list[int]) -> torch.Tensor:
 
 def test_cached_decode_matches_full_recompute(ctx):
     torch.manual_seed(0)
-    for cfg in (tiny_llama(), tiny_qwen2()):
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8}
+    for cfg in (tiny_llama(), tiny_qwen2(), tiny_qwen3(), tiny_llama(rope_scaling=llama3)):
         model = make_policy(cfg, ctx)
         prompts = [[3, 14, 15, 92, 65], [35], [89, 79, 32, 38, 46, 26, 43]]  # ragged
         steps = 12

@@ -108,7 +108,7 @@ def test_ancestor_mask_and_depths_match_a_walk_up_the_parents():
 def test_rope_equals_the_rotate_half_convention_bit_for_bit():
     """apply_rope on rope_tables' sign-folded sin gives x * cos + cat(-x2, x1) * sin (the Llama/Qwen2
     convention, with its own cos and sin) to the bit, in each dtype."""
-    from specroll_mcore.model.attention import apply_rope, rope_tables
+    from specroll_mcore.model.attention import apply_rope, rope_inv_freq, rope_tables
     positions = torch.tensor([[0, 1, 5, 200], [7, 8, 9, 4095]])
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         x = torch.randn(4, 2, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)  # [s, b, heads, d]
@@ -119,6 +119,7 @@ def test_rope_equals_the_rotate_half_convention_bit_for_bit():
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
         x1, x2 = x.chunk(2, -1)
         expected = x * cos + torch.cat((-x2, x1), -1) * sin
-        table_cos, table_sin = rope_tables(positions, 16, 10000.0, dtype)
+        table_cos, table_sin = rope_tables(positions, rope_inv_freq(16, 10000.0, None, compute, positions.device),
+                                           dtype)
         assert torch.equal(table_cos, cos)
         assert torch.equal(apply_rope(x, table_cos, table_sin), expected)
