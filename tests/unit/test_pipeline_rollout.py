@@ -208,6 +208,10 @@ def test_converter_writes_an_uneven_split(tmp_path, capsys):
                                                   num_attention_heads=28, num_query_groups=4), 8),
     ("qwen2.5_14b_dapo_multinode.yaml", "train", dict(num_layers=48, hidden_size=5120, ffn_hidden_size=13824,
                                                       num_attention_heads=40, num_query_groups=8), 32),
+    # Qwen3-8B (its config.json: head_dim 128 of 32 query and 8 KV heads, q/k norms), on 8 GPUs
+    ("qwen3_8b_dapo_1node.yaml", "train", dict(num_layers=36, hidden_size=4096, ffn_hidden_size=12288,
+                                               num_attention_heads=32, num_query_groups=8, kv_channels=128,
+                                               qk_layernorm=True, rope_theta=1e6), 8),
 ])
 def test_example_configs_load_and_fit_their_models(name, config, shape, world):
     from pathlib import Path
