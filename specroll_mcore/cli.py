@@ -23,7 +23,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import transformers
 
     from specroll_mcore import parallel
-    from specroll_mcore.checkpoint.megatron import load_policy
+    from specroll_mcore.checkpoint.megatron import load_policy, stop_token_ids
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
     from specroll_mcore.config import load_generate_config
     from specroll_mcore.rl.data import chat_prompt_ids
@@ -45,7 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = latency = None
     if cfg.engine == "specroll":
         spec, latency = speculative_setup(policy, cfg.spec, ckpt)
-    engine = make_engine(cfg.engine, policy, spec, latency, eos_token_ids=_eos_ids(tokenizer), tokenizer=tokenizer,
+    engine = make_engine(cfg.engine, policy, spec, latency, eos_token_ids=stop_token_ids(ckpt, tokenizer), tokenizer=tokenizer,
                          pipeline_groups=cfg.parallel.rollout_groups)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
     rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p], "response": tokenizer.decode(t, skip_special_tokens=True),
@@ -65,11 +65,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     f.write(json.dumps(r) + "\n")
     parallel.destroy()
     return 0
-
-
-def _eos_ids(tokenizer) -> list[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    return sorted(ids)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -104,8 +104,8 @@ class ModelConfig:
             self.rope_scaling = dict(self.rope_scaling)
             kind = self.rope_scaling.get("rope_type")
             _check(kind in ROPE_SCALING_FIELDS,
-                   f"ModelConfig.rope_scaling['rope_type'] must be one of {sorted(ROPE_SCALING_FIELDS)}, got {kind!r} "
-                   f"(other scalings are not supported: use a checkpoint without it, or plain RoPE)")
+                   f"ModelConfig.rope_scaling['rope_type'] must be one of {sorted(ROPE_SCALING_FIELDS)}, "
+                   f"got {kind!r} (other scalings are not supported: use a checkpoint without it, or plain RoPE)")
             fields = ROPE_SCALING_FIELDS[kind]
             missing = sorted(set(fields) - set(self.rope_scaling))
             _check(not missing, f"ModelConfig.rope_scaling of type {kind!r} lacks {missing}")

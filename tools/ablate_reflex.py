@@ -26,7 +26,7 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import stop_token_ids, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rl.drift import STYLES, SFTDrift  # noqa: E402
@@ -81,7 +81,7 @@ def main() -> int:
     reference = None
     for name, rc in variants([float(a) for a in args.alphas.split(",")]).items():
         spec = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, reflex=rc, slow_path=SlowPathConfig(enabled=False))
-        out = SpeculativeEngine(policy, spec, eos_token_ids=[tok.eos_token_id]).generate(prompts, sp)
+        out = SpeculativeEngine(policy, spec, eos_token_ids=stop_token_ids(ckpt, tok)).generate(prompts, sp)
         if reference is None:
             reference = out.tokens
         elif out.tokens != reference:

@@ -34,7 +34,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import stop_token_ids, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig  # noqa: E402
 from specroll_mcore.model import causal_mask  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
@@ -81,7 +81,7 @@ def main() -> int:
     prompts = synthetic_chat_prompts(tok, args.prompts, seed=args.seed)
     sp = SamplingConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                         num_samples=1, seed=args.seed)
-    eos = [tok.eos_token_id]
+    eos = stop_token_ids(ckpt, tok)
     out = VanillaEngine(policy, eos_token_ids=eos).generate(prompts, sp, prompt_ids=list(range(len(prompts))))
     ranks = [sampled_ranks(policy, p, r) for p, r in zip(prompts, out.tokens)]
     flat = [r for rs in ranks for r in rs]

@@ -39,7 +39,7 @@ import warnings
 warnings.filterwarnings("ignore")
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import stop_token_ids, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
 from specroll_mcore.rl.drift import STYLES, SFTDrift  # noqa: E402
@@ -97,7 +97,7 @@ def main() -> None:
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx, args.c_hw)
     c_hw = cap.c_hw
-    eos = [tok.eos_token_id]
+    eos = stop_token_ids(ckpt, tok)
     engines, heads = {}, {}
     initial_heads = copy.deepcopy(policy.heads.state_dict())
     for name, (rx, sl) in VARIANTS.items():

@@ -29,7 +29,8 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import load_policy, write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import (load_policy, stop_token_ids,  # noqa: E402
+                                                write_json_atomic)
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
@@ -71,7 +72,7 @@ def main() -> int:
         if writer:
             print(msg, flush=True)
 
-    eos = [tok.eos_token_id]
+    eos = stop_token_ids(ckpt, tok)
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=cap.c_hw)
 
     def make(name: str, model, groups: int):

@@ -28,7 +28,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from specroll_mcore import parallel, sampling  # noqa: E402
-from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import stop_token_ids, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
@@ -99,8 +99,8 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     if shapes:
         ctx = parallel.initialize(ParallelConfig())
-        _, policy, tok, cap = open_for_rollout(args.checkpoint, ctx)
-        eos = [tok.eos_token_id]
+        ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx)
+        eos = stop_token_ids(ckpt, tok)
         engines = {"vanilla": VanillaEngine(policy, eos_token_ids=eos),
                    "specroll": SpeculativeEngine(policy, SpecConfig(num_heads=policy.num_heads, c_hw=cap.c_hw),
                                                  eos_token_ids=eos, latency=cap.latency)}

@@ -33,7 +33,8 @@ import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
-from specroll_mcore.checkpoint.megatron import read_checkpoint_config, write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import (read_checkpoint_config, stop_token_ids,  # noqa: E402
+                                                write_json_atomic)
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.profile import cached_profile, open_for_rollout  # noqa: E402
@@ -231,7 +232,7 @@ def main() -> int:
     c_hw = cap.c_hw
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk,
                           coupled=args.coupled, draft_vocab=args.draft_vocab, adaptive_nodes=args.adaptive_nodes)
-    eos = [tok.eos_token_id]
+    eos = stop_token_ids(ckpt, tok)
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
     spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=cap.latency)
     one_row = None

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import stop_token_ids, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
@@ -183,13 +183,14 @@ def main() -> int:
     if policy.num_heads == 0:
         raise SystemExit(f"{ckpt} has no horizon heads: train them first (tools/train_heads.py)")
     spec = SpecConfig(num_heads=policy.num_heads, c_hw=args.c_hw, n_max=args.n_max, adaptive_nodes=False)
-    engine = SpeculativeEngine(policy, spec, eos_token_ids=[tok.eos_token_id])
+    eos = stop_token_ids(ckpt, tok)
+    engine = SpeculativeEngine(policy, spec, eos_token_ids=eos)
     prompts = synthetic_chat_prompts(tok, args.prompts, seed=4242)
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               num_samples=args.samples, seed=2)
     engine.generate(prompts[:1], SamplingConfig(max_new_tokens=4), prompt_ids=[0])  # warm-up (kernels, packing)
     calls, out, forwards, keys, total = capture(engine, prompts, sampling)
-    vanilla, vanilla_engine = OpCounter(), VanillaEngine(policy, eos_token_ids=[tok.eos_token_id])
+    vanilla, vanilla_engine = OpCounter(), VanillaEngine(policy, eos_token_ids=eos)
     with vanilla:
         ref = vanilla_engine.generate(prompts, sampling, prompt_ids=list(range(len(prompts))))
     tokens = out.stats["tokens"]

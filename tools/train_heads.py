@@ -36,7 +36,8 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import load_policy, save_atomic, save_heads  # noqa: E402
+from specroll_mcore.checkpoint.megatron import (load_policy, save_atomic, save_heads,  # noqa: E402
+                                                stop_token_ids)
 from specroll_mcore.config import ParallelConfig, SamplingConfig  # noqa: E402
 from specroll_mcore.distill import (DistillRecords, freeze_all_but_heads, full_head_state, head_accuracy,  # noqa: E402
                                     records_from_features, train_heads_step)
@@ -135,7 +136,7 @@ def main() -> int:
         # 1-2. The policy's own continuations, with the hidden states and top-K distributions sampling
         # computed for each token: the distillation records (on the last stage). Prompts go round-robin
         # to the data-parallel replicas (training and held-out alike), in chunks of 32 per replica.
-        engine = VanillaEngine(policy, eos_token_ids=[tok.eos_token_id])
+        engine = VanillaEngine(policy, eos_token_ids=stop_token_ids(ckpt, tok))
         sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
                             seed=args.seed)
         train_parts, held_parts = [], []

@@ -172,7 +172,8 @@ def _hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
             "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
             "num_key_value_heads": model.num_query_groups, "head_dim": model.kv_channels,
             "vocab_size": model.vocab_size, "max_position_embeddings": model.max_position_embeddings,
-            "rope_theta": model.rope_theta, "rope_scaling": copy.deepcopy(model.rope_scaling), "rms_norm_eps": model.norm_eps,
+            "rope_theta": model.rope_theta, "rope_scaling": copy.deepcopy(model.rope_scaling),
+            "rms_norm_eps": model.norm_eps,
             "tie_word_embeddings": model.tie_word_embeddings, "attention_bias": model.add_qkv_bias,
             "hidden_act": "silu"}
 

@@ -92,7 +92,8 @@ def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> Model
     if rope_type in (None, "default"):
         rope_scaling = None
     elif rope_type in ROPE_SCALING_FIELDS:
-        rope_scaling = {"rope_type": rope_type, **{k: scaling.get(k) for k in ROPE_SCALING_FIELDS[rope_type]}}
+        fields = ROPE_SCALING_FIELDS[rope_type]  # (a missing one is named by ModelConfig)
+        rope_scaling = {"rope_type": rope_type, **{k: scaling[k] for k in fields if k in scaling}}
     else:
         raise ValueError(f"RoPE scaling {rope_type!r} is not supported; supported: plain RoPE, "
                          f"{', '.join(sorted(ROPE_SCALING_FIELDS))}")

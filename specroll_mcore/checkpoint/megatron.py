@@ -173,6 +173,26 @@ def read_checkpoint_config(ckpt_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def stop_token_ids(ckpt_dir: Path, tokenizer: Any) -> list[int]:
+    """The token ids that end a response: the tokenizer's EOS and every ``eos_token_id`` of the
+    checkpoint's ``generation_config.json`` (the converter copies it from the Hugging Face model), the
+    ids ``transformers`` ``generate`` and vLLM stop at. An instruct model's generation config often
+    names more than its tokenizer does (Llama 3.1: end of turn, end of message and end of text)."""
+    ids = set() if getattr(tokenizer, "eos_token_id", None) is None else {int(tokenizer.eos_token_id)}
+    path = Path(ckpt_dir) / "generation_config.json"
+    if path.is_file():
+        try:
+            listed = json.loads(path.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{path} is not a JSON object ({e}); fix or delete it (the tokenizer's EOS is "
+                             f"used without it)") from e
+        listed = [] if listed is None else listed if isinstance(listed, list) else [listed]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in listed):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {listed!r}")
+        ids.update(listed)
+    return sorted(ids)
+
+
 def model_config_of(ckpt_dir: Path, params_dtype: Optional[str] = None) -> ModelConfig:
     d = dict(read_checkpoint_config(ckpt_dir)["model"])
     if params_dtype:

@@ -237,8 +237,9 @@ class AttentionMetadata:
     def build(cls, positions: torch.Tensor, new_token_mask: torch.Tensor, inv_freq: torch.Tensor,
               dtype: torch.dtype, cache: Optional[KVCache] = None,
               slots: Optional[torch.Tensor] = None, ordered: bool = False) -> "AttentionMetadata":
-        """positions [b, s]; new_token_mask [b, s, s] (True = query i may see new token j); ``inv_freq``:
-        RoPE's frequencies (:func:`rope_inv_freq`); ``ordered``: attend over each token's keys in one-token order (a forward with a cache)."""
+        """positions [b, s]; new_token_mask [b, s, s] (True = query i may see new token j);
+        ``inv_freq``: RoPE's frequencies (:func:`rope_inv_freq`); ``ordered``: attend over each
+        token's keys in one-token order (a forward with a cache)."""
         b, s = positions.shape
         cos, sin = rope_tables(positions, inv_freq, dtype)
         if cache is None:

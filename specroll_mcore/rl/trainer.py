@@ -29,7 +29,8 @@ import torch
 from specroll_mcore import parallel
 from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
 from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
-from specroll_mcore.checkpoint.megatron import CONFIG_FILE, load_policy, read_checkpoint_config, stage_layers_of
+from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, load_policy, read_checkpoint_config, stage_layers_of,
+                                                stop_token_ids)
 from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
                                                    save_training_checkpoint)
 from specroll_mcore.config import TrainConfig
@@ -65,7 +66,7 @@ class GRPOTrainer:
             for p in self.policy.heads.parameters():
                 p.requires_grad_(False)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.source)
-        self.eos = [self.tokenizer.eos_token_id]
+        self.eos = stop_token_ids(self.source, self.tokenizer)
 
         # Data: prompts that do not fit are skipped and counted (a cut question changes its answer).
         examples, self.data_report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed,

@@ -87,6 +87,30 @@ def test_rope_frequencies_match_transformers(scaling):
         assert (ours < plain).any() and (ours[0] == plain[0]) == (kind == "llama3")
 
 
+def test_stop_tokens_are_the_tokenizers_eos_and_the_generation_configs(tmp_path):
+    """The converter keeps generation_config.json; its eos_token_id (an id or a list) joins the
+    tokenizer's EOS, as transformers' generate and vLLM stop."""
+    from types import SimpleNamespace
+
+    from specroll_mcore.checkpoint.megatron import stop_token_ids
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    (tmp_path / "hf/generation_config.json").write_text(json.dumps({"eos_token_id": [7, 3]}))
+    out = convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore")
+    tok = SimpleNamespace(eos_token_id=3)
+    assert stop_token_ids(out, tok) == [3, 7]
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 9, "bos_token_id": 1}))
+    assert stop_token_ids(out, tok) == [3, 9]
+    assert stop_token_ids(out, SimpleNamespace(eos_token_id=None)) == [9]
+    (out / "generation_config.json").unlink()
+    assert stop_token_ids(out, tok) == [3]
+    (out / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"generation_config.json is not a JSON object .*fix or delete it"):
+        stop_token_ids(out, tok)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    with pytest.raises(ValueError, match=r"eos_token_id must be a token id or a list of them, got \['</s>'\]"):
+        stop_token_ids(out, tok)
+
+
 def test_qkv_fuse_split_inverse():
     cfg = model_config_from_hf(transformers.LlamaConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
                                                         intermediate_size=8, num_hidden_layers=1, vocab_size=10))

@@ -58,6 +58,18 @@ def run_rows(ckpt, out, *extra):
     return trainer.run()
 
 
+def test_rollouts_stop_at_every_eos_the_generation_config_names(tiny_ckpt, tmp_path, ctx):
+    """An instruct model's generation_config.json may name end-of-turn tokens beside the tokenizer's
+    EOS: the trainer's engines stop at all of them."""
+    import shutil
+
+    ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 17]}))
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(ckpt, tmp_path / "run", "compare_vanilla_every=1")))
+    assert trainer.tokenizer.eos_token_id == 2 and trainer.eos == [2, 17]
+    assert trainer.engine.eos_token_ids == trainer.vanilla.eos_token_ids == [2, 17]
+
+
 def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
     """The exactness contract at the RL level: same rollouts, rewards and losses for 3 steps."""
     a = run_rows(tiny_ckpt, tmp_path / "v", "engine=vanilla")
