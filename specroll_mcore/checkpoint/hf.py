@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Qwen2 / Qwen3 <-> the full Megatron form: name tables plus named fuse helpers.
+"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 <-> the full Megatron form: name tables plus named fuse helpers.
 
 HF keeps q/k/v and gate/up as separate matrices; megatron-core fuses them:
   * ``linear_qkv`` rows are grouped per KV head: for each group g, its np/ng query heads, then its
@@ -17,8 +17,9 @@ import torch
 from specroll_mcore.checkpoint.shard import _LAYER, expected_full_shapes
 from specroll_mcore.config import ROPE_SCALING_FIELDS, ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
 
 # Megatron name (layer-relative, after "decoder.layers.{i}.") -> HF name (after "model.layers.{i}.")
 LAYER_TABLE = {
@@ -74,7 +75,7 @@ def layer_table(model: ModelConfig) -> dict[str, str]:
 
 
 def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> ModelConfig:
-    """ModelConfig from a transformers LlamaConfig / Qwen2Config / Qwen3Config (or its dict)."""
+    """ModelConfig from a transformers LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (or its dict)."""
     c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
     archs = c.get("architectures") or []
     model_type = c.get("model_type")
@@ -83,9 +84,18 @@ def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> Model
     if arch is None:
         raise ValueError(f"unsupported architecture {archs or model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    if c.get("use_sliding_window"):
-        raise ValueError("config.json sets use_sliding_window: sliding-window attention is not supported "
-                         "(every layer attends to the whole context); set it to false if the model was trained so")
+    # Sliding-window attention: Mistral's whenever sliding_window is set, Qwen's where use_sliding_window
+    # (or transformers 5's layer_types) switches it on. A window no shorter than the context is full attention.
+    window, context = c.get("sliding_window"), c.get("max_position_embeddings", 2048)
+    if arch == "MistralForCausalLM":
+        sliding = window is not None
+    else:
+        sliding = bool(c.get("use_sliding_window")) or "sliding_attention" in (c.get("layer_types") or [])
+    if sliding and window is not None and window < context:
+        raise ValueError(f"config.json sets sliding-window attention over {window} tokens, shorter than the "
+                         f"{context}-token context (max_position_embeddings): not supported, every layer here "
+                         f"attends to the whole context; lower max_position_embeddings to {window} to use the model "
+                         f"within its window")
     rope = dict(c.get("rope_parameters") or {})  # transformers >= 5: theta and scaling in one dict
     scaling = dict(c.get("rope_scaling") or {}) or {k: v for k, v in rope.items() if k != "rope_theta"}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -105,7 +115,7 @@ def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> Model
         num_attention_heads=c["num_attention_heads"],
         num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"],
         vocab_size=c["vocab_size"],
-        max_position_embeddings=c.get("max_position_embeddings", 2048),
+        max_position_embeddings=context,
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         norm_eps=c.get("rms_norm_eps", 1e-6),

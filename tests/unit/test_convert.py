@@ -16,7 +16,7 @@ from specroll_mcore.model import causal_mask
 from specroll_mcore.rollout import VanillaEngine
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
-         ("llama3", False)]
+         ("llama3", False), ("mistral", False)]
 
 
 def our_logits(policy, ids):
@@ -135,8 +135,15 @@ def test_unsupported_attention_variants(tmp_path):
     save_tiny_hf(tmp_path / "hf", "qwen3", False)
     cfg = json.loads((tmp_path / "hf/config.json").read_text())
     (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "sliding_window": 64}))
-    with pytest.raises(ValueError, match="use_sliding_window: sliding-window attention is not supported"):
+    with pytest.raises(ValueError, match=r"sliding-window attention over 64 tokens, shorter than the 128-token "
+                                         r"context .* lower max_position_embeddings to 64"):
         convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    mistral = {**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
+    with pytest.raises(ValueError, match="sliding-window attention over 64 tokens"):
+        model_config_from_hf(mistral)
+    assert model_config_from_hf({**mistral, "sliding_window": None}).max_position_embeddings == 128
+    assert model_config_from_hf({**mistral, "max_position_embeddings": 64}).max_position_embeddings == 64
+    assert model_config_from_hf({**cfg, "use_sliding_window": False, "sliding_window": 64}).qk_layernorm
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, "rope_scaling": yarn}))
     with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported; supported: plain RoPE, linear, llama3"):
