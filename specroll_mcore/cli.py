@@ -36,7 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = load_policy(ckpt, ctx, cfg.params_dtype, with_heads=cfg.engine == "specroll")
     tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
     if cfg.chat:
-        prompts = [chat_prompt_ids(tokenizer, p) for p in cfg.prompts]
+        prompts = [chat_prompt_ids(tokenizer, p, cfg.chat_template_kwargs) for p in cfg.prompts]
     else:
         prompts = [tokenizer(p)["input_ids"] for p in cfg.prompts]
     # Data parallel: each DP rank takes every dp_size-th prompt; ids stay global, so the tokens do not

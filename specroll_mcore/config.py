@@ -517,6 +517,10 @@ class GenerateConfig:
     chat: bool = True
     """Wrap each prompt in the tokenizer's chat template (user turn + generation prompt)."""
 
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables the chat template reads (``{enable_thinking: false}``: Qwen3 without its thinking
+    block), passed to ``apply_chat_template``."""
+
     engine: str = "vanilla"
     """Rollout engine: ``vanilla`` or ``specroll`` (needs heads saved beside the checkpoint by
     tools/train_heads.py); both emit the same tokens for the same seed."""
@@ -531,6 +535,18 @@ class GenerateConfig:
         _check(self.engine in ("vanilla", "specroll"),
                f"GenerateConfig.engine must be 'vanilla' or 'specroll', got {self.engine!r}")
         _check(len(self.prompts) > 0, "GenerateConfig.prompts is empty; give at least one prompt")
+        _check_template_kwargs(self.chat_template_kwargs, "GenerateConfig")
+
+
+_TEMPLATE_ARGUMENTS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "tools", "documents")
+
+
+def _check_template_kwargs(kwargs: Any, owner: str) -> None:
+    _check(isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs),
+           f"{owner}.chat_template_kwargs must map variable names to values, got {kwargs!r}")
+    taken = sorted(set(kwargs) & set(_TEMPLATE_ARGUMENTS))
+    _check(not taken, f"{owner}.chat_template_kwargs sets {taken}, which the prompt rendering decides itself; "
+                      f"give only the template's own variables (such as enable_thinking)")
 
 
 def _build(cls: type, data: dict[str, Any], path: str) -> Any:
@@ -591,6 +607,13 @@ class DataConfig:
 
     chat: bool = True
     """Render prompts with the tokenizer's chat template."""
+
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables the chat template reads (``{enable_thinking: false}``: Qwen3 without its thinking
+    block), passed to ``apply_chat_template``."""
+
+    def __post_init__(self) -> None:
+        _check_template_kwargs(self.chat_template_kwargs, "DataConfig")
 
 
 @dataclass

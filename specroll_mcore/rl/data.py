@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from specroll_mcore.rl.synthetic import problems
 
@@ -94,9 +94,11 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
     return out, report
 
 
-def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of one user turn in the tokenizer's chat template, plus the generation prompt."""
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+def chat_prompt_ids(tokenizer: Any, text: str, template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
+    """Token ids of one user turn in the tokenizer's chat template, plus the generation prompt;
+    ``template_kwargs``: variables the template reads (DataConfig.chat_template_kwargs)."""
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        **(template_kwargs or {}))
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)  # transformers 5 returns an encoding
 
 
@@ -106,9 +108,10 @@ def synthetic_chat_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]
     return [chat_prompt_ids(tokenizer, p.question) for p in problems(n, seed=seed)]
 
 
-def render_prompt(tokenizer: Any, question: str, chat: bool = True) -> list[int]:
+def render_prompt(tokenizer: Any, question: str, chat: bool = True,
+                  template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
     """Token ids of a GRPO prompt: the question with the answer-format instruction, in the chat template."""
     text = f"{question}\n{SYSTEM_SUFFIX}"
     if chat and getattr(tokenizer, "chat_template", None):
-        return chat_prompt_ids(tokenizer, text)
+        return chat_prompt_ids(tokenizer, text, template_kwargs)
     return list(tokenizer(text)["input_ids"])

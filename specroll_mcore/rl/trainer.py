@@ -75,7 +75,7 @@ class GRPOTrainer:
         self.examples: list[Example] = []
         self.prompt_ids: dict[int, list[int]] = {}
         for ex in examples:
-            ids = render_prompt(self.tokenizer, ex.question, cfg.data.chat)
+            ids = render_prompt(self.tokenizer, ex.question, cfg.data.chat, cfg.data.chat_template_kwargs)
             if len(ids) > limit:
                 self.data_report.skip("prompt over the context limit")
                 continue

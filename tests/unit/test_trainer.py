@@ -70,6 +70,27 @@ def test_rollouts_stop_at_every_eos_the_generation_config_names(tiny_ckpt, tmp_p
     assert trainer.engine.eos_token_ids == trainer.vanilla.eos_token_ids == [2, 17]
 
 
+def test_chat_template_kwargs_reach_the_template(tiny_ckpt, tmp_path, ctx):
+    """data.chat_template_kwargs are the template's variables: a Qwen3-style template that closes an
+    empty thinking block when enable_thinking is false."""
+    import shutil
+
+    ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    (ckpt / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    plain = GRPOTrainer(load_config(TrainConfig, None, overrides(ckpt, tmp_path / "a", "engine=vanilla")))
+    quiet = GRPOTrainer(load_config(TrainConfig, None, overrides(ckpt, tmp_path / "b", "engine=vanilla",
+                                                                 "data.chat_template_kwargs.enable_thinking=false")))
+    closed = plain.tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert plain.prompt_ids.keys() == quiet.prompt_ids.keys()
+    for i, ids in plain.prompt_ids.items():
+        assert quiet.prompt_ids[i] == ids + closed
+    with pytest.raises(ValueError, match=r"chat_template_kwargs sets \['add_generation_prompt'\], which the prompt "):
+        load_config(TrainConfig, None, ["data.chat_template_kwargs.add_generation_prompt=false"])
+
+
 def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
     """The exactness contract at the RL level: same rollouts, rewards and losses for 3 steps."""
     a = run_rows(tiny_ckpt, tmp_path / "v", "engine=vanilla")
