@@ -23,8 +23,14 @@ def _check(cond: bool, msg: str) -> None:
 ROPE_SCALING_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
-"""The RoPE scalings :attr:`ModelConfig.rope_scaling` supports, and the numbers each one takes."""
+"""The RoPE scalings :attr:`ModelConfig.rope_scaling` supports, and the numbers each one needs."""
+
+ROPE_SCALING_OPTIONAL = {
+    "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+}
+"""Numbers a scaling may also take (Hugging Face's defaults otherwise), besides YaRN's ``truncate``."""
 
 
 @dataclass
@@ -58,7 +64,10 @@ class ModelConfig:
     rope_scaling: Optional[dict[str, Any]] = None
     """RoPE frequency scaling, as in Hugging Face's config (see :data:`ROPE_SCALING_FIELDS`): ``{"rope_type":
     "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``
-    (Llama 3.1+, DeepSeek-R1-Distill-Llama) or ``{"rope_type": "linear", "factor"}``; None: plain RoPE."""
+    (Llama 3.1+, DeepSeek-R1-Distill-Llama), ``{"rope_type": "yarn", "factor",
+    "original_max_position_embeddings"}`` (Qwen2.5 / Qwen3 beyond their native context; with optional
+    ``attention_factor``, ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``truncate``) or
+    ``{"rope_type": "linear", "factor"}``; None: plain RoPE."""
 
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
@@ -109,9 +118,17 @@ class ModelConfig:
             fields = ROPE_SCALING_FIELDS[kind]
             missing = sorted(set(fields) - set(self.rope_scaling))
             _check(not missing, f"ModelConfig.rope_scaling of type {kind!r} lacks {missing}")
-            for name in fields:
-                _check(isinstance(self.rope_scaling[name], (int, float)) and self.rope_scaling[name] > 0,
-                       f"ModelConfig.rope_scaling[{name!r}] must be a positive number, got {self.rope_scaling[name]!r}")
+            optional = ROPE_SCALING_OPTIONAL.get(kind, ())
+            unknown = sorted(set(self.rope_scaling) - {"rope_type", "truncate", *fields, *optional})
+            _check(not unknown, f"ModelConfig.rope_scaling of type {kind!r} does not take {unknown}; it takes "
+                                f"{list(fields)} and optionally {list(optional)}")
+            for name in (*fields, *(o for o in optional if o in self.rope_scaling)):
+                value = self.rope_scaling[name]
+                _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                       f"ModelConfig.rope_scaling[{name!r}] must be a positive number, got {value!r}")
+            truncate = self.rope_scaling.get("truncate", True)
+            _check(isinstance(truncate, bool),
+                   f"ModelConfig.rope_scaling['truncate'] must be true or false, got {truncate!r}")
             if kind == "llama3":
                 _check(self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"],
                        f"ModelConfig.rope_scaling: high_freq_factor ({self.rope_scaling['high_freq_factor']}) must "

@@ -2,19 +2,22 @@
 
 Architectures: ``llama``, ``mistral`` (head_dim apart, as Mistral NeMo), ``qwen2``, ``qwen3`` (per-head q/k
 norms, head_dim apart from hidden / heads)
-and ``llama3`` (Llama with Llama 3.1's RoPE scaling, its original context short enough that the
-tiny head_dim has frequencies in each of the rule's three bands)."""
+``llama3`` (Llama with Llama 3.1's RoPE scaling, its original context short enough that the
+tiny head_dim has frequencies in each of the rule's three bands) and ``qwen2_yarn`` (Qwen2 with YaRN
+over a 32-token original context)."""
 
 from pathlib import Path
 
 import torch
 import transformers
 
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
 CLASSES = {"llama": transformers.LlamaForCausalLM, "llama3": transformers.LlamaForCausalLM,
            "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen2_yarn": transformers.Qwen2ForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM}
 
 
 def tiny_hf_config(arch: str, tied: bool) -> transformers.PretrainedConfig:
@@ -26,6 +29,8 @@ def tiny_hf_config(arch: str, tied: bool) -> transformers.PretrainedConfig:
         return transformers.LlamaConfig(**common, rope_theta=10000.0, rope_scaling=dict(LLAMA3_SCALING))
     if arch == "mistral":  # a window longer than the context: full attention
         return transformers.MistralConfig(**common, rope_theta=1e6, head_dim=24, sliding_window=4096)
+    if arch == "qwen2_yarn":  # YaRN over a 32-token original context, 4x
+        return transformers.Qwen2Config(**common, rope_theta=1e6, rope_scaling=dict(YARN_SCALING))
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, rope_theta=1e6, head_dim=24)
     return transformers.Qwen2Config(**common, rope_theta=1e6)

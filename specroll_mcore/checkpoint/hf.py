@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from specroll_mcore.checkpoint.shard import _LAYER, expected_full_shapes
-from specroll_mcore.config import ROPE_SCALING_FIELDS, ModelConfig
+from specroll_mcore.config import ROPE_SCALING_FIELDS, ROPE_SCALING_OPTIONAL, ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -102,11 +102,17 @@ def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> Model
     if rope_type in (None, "default"):
         rope_scaling = None
     elif rope_type in ROPE_SCALING_FIELDS:
-        fields = ROPE_SCALING_FIELDS[rope_type]  # (a missing one is named by ModelConfig)
-        rope_scaling = {"rope_type": rope_type, **{k: scaling[k] for k in fields if k in scaling}}
+        if rope_type == "yarn" and scaling.get("factor") is None and scaling.get("original_max_position_embeddings"):
+            scaling["factor"] = context / scaling["original_max_position_embeddings"]  # (transformers' rule)
+        # (a missing field is named by ModelConfig; optional ones left unset take transformers' defaults)
+        names = (*ROPE_SCALING_FIELDS[rope_type], *ROPE_SCALING_OPTIONAL.get(rope_type, ()), "truncate")
+        rope_scaling = {"rope_type": rope_type, **{k: scaling[k] for k in names if scaling.get(k) is not None}}
     else:
         raise ValueError(f"RoPE scaling {rope_type!r} is not supported; supported: plain RoPE, "
                          f"{', '.join(sorted(ROPE_SCALING_FIELDS))}")
+    partial = scaling.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {partial} is not supported: RoPE rotates the whole head here")
     rope_theta = c.get("rope_theta") or rope.get("rope_theta", 10000.0)
     return ModelConfig(
         num_layers=c["num_hidden_layers"],

@@ -85,13 +85,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Mapping[str, An
     frequency by ``factor``; ``llama3`` (Llama 3.1's long-context rule) divides those whose wavelength
     exceeds ``original_max_position_embeddings / low_freq_factor`` by ``factor``, keeps those shorter
     than ``original_max_position_embeddings / high_freq_factor``, and blends the two in between,
-    linearly in ``original_max_position_embeddings / wavelength``."""
+    linearly in ``original_max_position_embeddings / wavelength``; ``yarn`` (YaRN's "NTK-by-parts")
+    keeps the pairs that turn more than ``beta_fast`` (32) times over the original context, divides
+    by ``factor`` those that turn less than ``beta_slow`` (1) times, and blends linearly in the pair's
+    index between the two (the bounds rounded outwards unless ``truncate`` is false)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(dtype) / head_dim))
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
+    if scaling["rope_type"] == "yarn":
+        context = scaling["original_max_position_embeddings"]
+
+        def pair_turning(turns: float) -> float:  # the pair index whose wavelength fits `turns` times in context
+            return head_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = pair_turning(scaling.get("beta_fast") or 32), pair_turning(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        high = high + 0.001 if low == high else high
+        pair = torch.arange(head_dim // 2, dtype=dtype, device=device)
+        scaled = ((pair - low) / (high - low)).clamp(0.0, 1.0)  # 0: kept, 1: divided by factor
+        return inv_freq / factor * scaled + inv_freq * (1 - scaled)
     context, low, high = (scaling["original_max_position_embeddings"], scaling["low_freq_factor"],
                           scaling["high_freq_factor"])
     wavelength = 2 * math.pi / inv_freq
@@ -99,16 +116,37 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Mapping[str, An
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_attention_factor(scaling: Optional[Mapping[str, Any]]) -> float:
+    """What YaRN multiplies cos and sin by (so queries and keys: attention logits by its square):
+    ``attention_factor``, else ``m(factor, mscale) / m(factor, mscale_all_dim)`` where both are given,
+    else ``m(factor)``, with m(s, k) = 0.1 k ln(s) + 1 (1 for s <= 1). 1 for every other RoPE."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor"):
+        return float(scaling["attention_factor"])
+
+    def m(s: float, k: float = 1.0) -> float:
+        return 1.0 if s <= 1 else 0.1 * k * math.log(s) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return m(factor, scaling["mscale"]) / m(factor, scaling["mscale_all_dim"])
+    return m(factor)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and the sign-folded sin for ``positions`` [b, s] -> each [s, b, 1, head_dim]: sin's first
     half negated, so that :func:`apply_rope` rotates without negating half of its input.
-    ``inv_freq``: :func:`rope_inv_freq`, whose dtype the angles are computed in."""
+    ``inv_freq``: :func:`rope_inv_freq`, whose dtype the angles are computed in; ``scale``:
+    :func:`rope_attention_factor`, applied to both tables."""
     freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq  # [b, s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1).transpose(0, 1)[:, :, None, :]  # [s, b, 1, d]
-    sin = emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     half = inv_freq.shape[0]
-    return emb.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
+    return cos.to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -236,12 +274,14 @@ class AttentionMetadata:
     @classmethod
     def build(cls, positions: torch.Tensor, new_token_mask: torch.Tensor, inv_freq: torch.Tensor,
               dtype: torch.dtype, cache: Optional[KVCache] = None,
-              slots: Optional[torch.Tensor] = None, ordered: bool = False) -> "AttentionMetadata":
+              slots: Optional[torch.Tensor] = None, ordered: bool = False,
+              rope_scale: float = 1.0) -> "AttentionMetadata":
         """positions [b, s]; new_token_mask [b, s, s] (True = query i may see new token j);
-        ``inv_freq``: RoPE's frequencies (:func:`rope_inv_freq`); ``ordered``: attend over each
-        token's keys in one-token order (a forward with a cache)."""
+        ``inv_freq``: RoPE's frequencies (:func:`rope_inv_freq`) and ``rope_scale`` its tables' factor
+        (:func:`rope_attention_factor`); ``ordered``: attend over each token's keys in one-token order
+        (a forward with a cache)."""
         b, s = positions.shape
-        cos, sin = rope_tables(positions, inv_freq, dtype)
+        cos, sin = rope_tables(positions, inv_freq, dtype, rope_scale)
         if cache is None:
             return cls(cos=cos, sin=sin, mask=new_token_mask[:, None], positions=positions)
         assert slots is not None and slots.shape == (b,)

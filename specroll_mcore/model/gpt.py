@@ -25,7 +25,8 @@ from specroll_mcore.config import ModelConfig
 from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
 from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
 from specroll_mcore.model.attention import (KEY_BLOCK, STEP_ATTENTION_DTYPES, AttentionMetadata, SDPACoreAttention,
-                                            SpecRollSelfAttention, rope_inv_freq, step_attention_kernels)
+                                            SpecRollSelfAttention, rope_attention_factor, rope_inv_freq,
+                                            step_attention_kernels)
 from specroll_mcore.model.kv_cache import KVCache
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
@@ -164,7 +165,7 @@ class PolicyModel(torch.nn.Module):
         """``step``: a decoding or verification step (tokens appended to committed responses), whose
         tokens must get the same logits in a one-token and a tree forward."""
         return AttentionMetadata.build(positions, new_token_mask, self.rope_inv_freq(positions.device), self.dtype,
-                                       cache, slots,
+                                       cache, slots, rope_scale=rope_attention_factor(self.config.rope_scaling),
                                        ordered=step and self.batch_invariant)
 
     def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,

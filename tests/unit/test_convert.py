@@ -16,7 +16,7 @@ from specroll_mcore.model import causal_mask
 from specroll_mcore.rollout import VanillaEngine
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
-         ("llama3", False), ("mistral", False)]
+         ("llama3", False), ("mistral", False), ("qwen2_yarn", True)]
 
 
 def our_logits(policy, ids):
@@ -55,7 +55,7 @@ def test_round_trip_is_bit_exact(tmp_path, arch, safe):
         assert torch.equal(ref[k], got[k]), k
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen2_yarn", "qwen3"])
 def test_config_written_back_describes_the_same_model(arch):
     """A checkpoint without its source's config.json (trained from a random init, say) is written
     back with one made from its ModelConfig: transformers reads it as the same architecture."""
@@ -65,26 +65,39 @@ def test_config_written_back_describes_the_same_model(arch):
     assert model_config_from_hf(back) == model
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3_SCALING],
-                         ids=["plain", "linear", "llama3"])
+YARN_VARIANTS = [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's recipe
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2,
+     "truncate": False},
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+     "mscale_all_dim": 0.8},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192, "attention_factor": 1.25},
+]
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3_SCALING, *YARN_VARIANTS],
+                         ids=["plain", "linear", "llama3", "yarn", "yarn-betas-untruncated", "yarn-mscales",
+                              "yarn-attention-factor"])
 def test_rope_frequencies_match_transformers(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from specroll_mcore.model.attention import rope_inv_freq
+    from specroll_mcore.model.attention import rope_attention_factor, rope_inv_freq
+    context = int(scaling["factor"] * scaling.get("original_max_position_embeddings", 2048)) if scaling else 2048
     hf_cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, rope_theta=500000.0,
-                                      rope_scaling=dict(scaling) if scaling else None)
+                                      max_position_embeddings=context, rope_scaling=dict(scaling) if scaling else None)
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
-        ref = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+        ref, ref_factor = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128)), 1.0
     else:
-        ref = ROPE_INIT_FUNCTIONS[kind](hf_cfg, torch.device("cpu"))[0]
+        ref, ref_factor = ROPE_INIT_FUNCTIONS[kind](hf_cfg, torch.device("cpu"))
     model = model_config_from_hf(hf_cfg)
     assert model.rope_scaling == (None if scaling is None else dict(scaling))
     ours = rope_inv_freq(128, model.rope_theta, model.rope_scaling, torch.float32, torch.device("cpu"))
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0)
+    assert rope_attention_factor(model.rope_scaling) == pytest.approx(ref_factor, rel=1e-12)
     if scaling is not None:  # the scaling lowers frequencies; llama3 keeps the highest as they are
         plain = rope_inv_freq(128, model.rope_theta, None, torch.float32, torch.device("cpu"))
-        assert (ours < plain).any() and (ours[0] == plain[0]) == (kind == "llama3")
+        assert (ours < plain).any() and (ours[0] == plain[0]) == (kind in ("llama3", "yarn"))
 
 
 def test_stop_tokens_are_the_tokenizers_eos_and_the_generation_configs(tmp_path):
@@ -144,9 +157,13 @@ def test_unsupported_attention_variants(tmp_path):
     assert model_config_from_hf({**mistral, "sliding_window": None}).max_position_embeddings == 128
     assert model_config_from_hf({**mistral, "max_position_embeddings": 64}).max_position_embeddings == 64
     assert model_config_from_hf({**cfg, "use_sliding_window": False, "sliding_window": 64}).qk_layernorm
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
-    (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, "rope_scaling": yarn}))
-    with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported; supported: plain RoPE, linear, llama3"):
+    dynamic = {"rope_type": "dynamic", "factor": 4.0}
+    (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, "rope_scaling": dynamic}))
+    with pytest.raises(ValueError, match="RoPE scaling 'dynamic' is not supported; supported: plain RoPE, linear, "
+                                         "llama3, yarn"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, "partial_rotary_factor": 0.5}))
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is not supported"):
         convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

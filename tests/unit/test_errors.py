@@ -83,8 +83,15 @@ def test_model_config_errors():
         tiny_llama(num_attention_heads=6, num_query_groups=4)
     with pytest.raises(ValueError, match="params_dtype must be one of"):
         tiny_llama(params_dtype="float8")
-    with pytest.raises(ValueError, match=r"rope_type'\] must be one of \['linear', 'llama3'\], got 'yarn'"):
+    with pytest.raises(ValueError, match=r"rope_type'\] must be one of \['linear', 'llama3', 'yarn'\], got 'dynamic'"):
+        tiny_llama(rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"of type 'yarn' lacks \['original_max_position_embeddings'\]"):
         tiny_llama(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"'linear' does not take \['low_freq_factor'\]; it takes \['factor'\]"):
+        tiny_llama(rope_scaling={"rope_type": "linear", "factor": 4.0, "low_freq_factor": 1.0})
+    with pytest.raises(ValueError, match=r"rope_scaling\['truncate'\] must be true or false, got 'no'"):
+        tiny_llama(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                 "truncate": "no"})
     with pytest.raises(ValueError, match=r"of type 'llama3' lacks \['high_freq_factor', 'low_freq_factor'\]"):
         tiny_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192})
     with pytest.raises(ValueError, match=r"rope_scaling\['factor'\] must be a positive number, got 0"):

@@ -19,7 +19,9 @@ def test_cached_decode_matches_full_recompute(ctx):
     torch.manual_seed(0)
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8}
-    for cfg in (tiny_llama(), tiny_qwen2(), tiny_qwen3(), tiny_llama(rope_scaling=llama3)):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    for cfg in (tiny_llama(), tiny_qwen2(), tiny_qwen3(), tiny_llama(rope_scaling=llama3),
+                tiny_qwen2(rope_scaling=yarn)):
         model = make_policy(cfg, ctx)
         prompts = [[3, 14, 15, 92, 65], [35], [89, 79, 32, 38, 46, 26, 43]]  # ragged
         steps = 12
