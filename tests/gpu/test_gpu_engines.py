@@ -1,11 +1,11 @@
-"""GPU checks (skipped without CUDA): the same contracts as the CPU suite, on nccl/CUDA.
-
-Run on a GPU machine with `python -m pytest tests/gpu`."""
+"""GPU checks: the same contracts as the CPU suite, on nccl/CUDA (`python -m pytest tests/gpu` on a GPU
+machine; tools/gpu_checks.sh runs them first). Without CUDA they run on the CPU, so that the CPU suite
+keeps them in step with the code they call."""
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -16,14 +16,14 @@ def gpu_ctx():
     return parallel.initialize(ParallelConfig())
 
 
-def _policy(ctx, dtype="float32"):
+def _policy(ctx, dtype="float32", make=None, **overrides):
     from specroll_mcore.checkpoint import random_full_state_dict
     from specroll_mcore.config import tiny_qwen2
     from specroll_mcore.model import PolicyModel
 
-    cfg = tiny_qwen2(params_dtype=dtype)
+    cfg = (make or tiny_qwen2)(params_dtype=dtype, **overrides)
     model = PolicyModel(cfg, ctx, num_heads=3).eval()
-    model.load_full_state_dict({k: v.cuda() for k, v in random_full_state_dict(cfg, 0, std=0.08).items()})
+    model.load_full_state_dict({k: v.to(DEVICE) for k, v in random_full_state_dict(cfg, 0, std=0.08).items()})
     return model
 
 
@@ -35,9 +35,9 @@ def test_kv_cache_matches_recompute_on_gpu(gpu_ctx):
     model = _policy(gpu_ctx)
     out = VanillaEngine(model).generate([[3, 4, 5, 6]], SamplingConfig(temperature=0, max_new_tokens=16))
     seq = [3, 4, 5, 6] + out.tokens[0]
-    ids = torch.tensor([seq], device="cuda")
+    ids = torch.tensor([seq], device=DEVICE)
     with torch.no_grad():
-        logits = model.full_logits(model(ids, model.metadata(torch.arange(len(seq), device="cuda")[None],
+        logits = model.full_logits(model(ids, model.metadata(torch.arange(len(seq), device=DEVICE)[None],
                                                               causal_mask(1, len(seq), ids.device))))[0]
     assert logits[3:-1].argmax(-1).tolist() == out.tokens[0]
 
@@ -75,6 +75,35 @@ def test_reflex_and_slow_path_on_gpu(gpu_ctx):
         assert VanillaEngine(model).generate(prompts, sp, step=step).tokens == \
             engine.generate(prompts, sp, step=step).tokens
     before = model.heads.layers[2].weight.detach().clone()
-    engine.slow_path.expected_acceptance = lambda rec, head: 0.0
+    engine.slow_path.expected_acceptance = lambda rec, head, dv=None: 0.0
     event = engine.slow_path.consolidate(2)
     assert event["kept"] and not torch.equal(before, model.heads.layers[2].weight)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama3", "qwen2_yarn"])
+def test_architectures_on_gpu(gpu_ctx, arch):
+    """Qwen3's query/key norms, Llama 3.1's and YaRN's RoPE on the device: cached decoding equals a full
+    recompute, and the speculative engine emits the vanilla engine's tokens."""
+    from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3
+    from specroll_mcore.model import causal_mask
+    from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
+
+    make, overrides = {"qwen3": (tiny_qwen3, {}), "llama3": (tiny_llama, {"rope_scaling": LLAMA3}),
+                       "qwen2_yarn": (tiny_qwen2, {"rope_scaling": YARN})}[arch]
+    model = _policy(gpu_ctx, "float64", make, **overrides)
+    out = VanillaEngine(model).generate([[3, 4, 5, 6]], SamplingConfig(temperature=0, max_new_tokens=24))
+    seq = [3, 4, 5, 6] + out.tokens[0]
+    ids = torch.tensor([seq], device=DEVICE)
+    with torch.no_grad():
+        logits = model.full_logits(model(ids, model.metadata(torch.arange(len(seq), device=DEVICE)[None],
+                                                              causal_mask(1, len(seq), ids.device))))[0]
+    assert logits[3:-1].argmax(-1).tolist() == out.tokens[0]
+    sp = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=24, num_samples=3, seed=5)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    assert SpeculativeEngine(model, SpecConfig(c_hw=64)).generate(prompts, sp).tokens == \
+        VanillaEngine(model).generate(prompts, sp).tokens
