@@ -13,6 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
+REQUIRED = ("step", "reward_mean", "accuracy", "generation_s", "training_s")
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -20,7 +22,24 @@ def main() -> int:
     ap.add_argument("--out", default="grpo_metrics.png")
     ap.add_argument("--window", type=int, default=5, help="moving-average window for the reward")
     args = ap.parse_args()
-    rows = [json.loads(line) for line in Path(args.metrics).read_text().splitlines() if line.strip()]
+    path = Path(args.metrics)
+    if not path.is_file():
+        print(f"{path} does not exist: pass the metrics.jsonl of a `specroll train` run", file=sys.stderr)
+        return 2
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            print(f"{path}, line {n}: not JSON ({e})", file=sys.stderr)
+            return 2
+        missing = [k for k in REQUIRED if k not in rows[-1]]
+        if missing:
+            print(f"{path}, line {n}: lacks {missing}; is this the metrics.jsonl of a `specroll train` run?",
+                  file=sys.stderr)
+            return 2
     if not rows:
         print(f"{args.metrics} has no rows", file=sys.stderr)
         return 2

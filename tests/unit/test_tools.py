@@ -36,6 +36,35 @@ def test_bench_specroll_smoke(tiny_ckpt, tmp_path):
     assert report["spec"]["reflex"]["enabled"] and report["spec"]["slow_path"]["enabled"]
 
 
+def test_bench_sampling_smoke(tiny_ckpt, tmp_path):
+    from specroll_mcore import sampling
+
+    if sampling.noise_kernel() is None:
+        pytest.skip("the noise kernel is not built on this machine")
+    out = tmp_path / "s.json"
+    run_tool("bench_sampling.py", "--checkpoint", tiny_ckpt, "--rows", "1,3", "--shapes", "1x2", "--max-new-tokens", 6,
+             "--reps", 1, "--out", out, SPECROLL_CACHE=str(tmp_path / "cache"))
+    report = json.loads(out.read_text())
+    assert set(report["sample_ms"]) == {"1", "3"} and report["sample_ms"]["1"]["identical"]
+    assert all(r["identical"] for r in report["rollouts"].values()) and len(report["rollouts"]) == 2
+
+
+def test_plot_metrics_plots_a_run_and_names_what_a_file_lacks(tmp_path):
+    run_tool("plot_metrics.py", ROOT / "docs" / "results" / "grpo_smollm2_30steps.jsonl", "--out", tmp_path / "m.png")
+    assert (tmp_path / "m.png").stat().st_size > 0
+    bad = tmp_path / "bad.jsonl"
+    for text, message in [('{"step": 1, "reward_mean": 0.1}\n', "line 1: lacks ['accuracy', 'generation_s', "
+                                                                  "'training_s']; is this the metrics.jsonl"),
+                          ("{not json\n", "line 1: not JSON"), ("\n", "has no rows")]:
+        bad.write_text(text)
+        proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(bad), "--out",
+                               str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "none.jsonl")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
 def test_bench_specroll_against_the_one_row_curve(tiny_ckpt, tmp_path):
     """--one-row-curve adds SpecRoll sized by the profile's one-row curve to every scenario; it needs
     a cached profile, which a configured C_hw does not measure."""
