@@ -35,7 +35,7 @@ ROPE_SCALING_OPTIONAL = {
 
 @dataclass
 class ModelConfig:
-    """Architecture of a Llama / Qwen2 / Qwen3 style decoder (RMSNorm, SwiGLU, RoPE, GQA)."""
+    """Architecture of a Llama / Mistral / Qwen2 / Qwen3 style decoder (RMSNorm, SwiGLU, RoPE, GQA)."""
 
     num_layers: int
     """Number of transformer layers."""

@@ -109,6 +109,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Mapping[str, An
         pair = torch.arange(head_dim // 2, dtype=dtype, device=device)
         scaled = ((pair - low) / (high - low)).clamp(0.0, 1.0)  # 0: kept, 1: divided by factor
         return inv_freq / factor * scaled + inv_freq * (1 - scaled)
+    # llama3
     context, low, high = (scaling["original_max_position_embeddings"], scaling["low_freq_factor"],
                           scaling["high_freq_factor"])
     wavelength = 2 * math.pi / inv_freq
