@@ -1,7 +1,7 @@
 """Random-initialised tiny Hugging Face models saved to disk: converter fixtures.
 
-Architectures: ``llama``, ``mistral`` (head_dim apart, as Mistral NeMo), ``qwen2``, ``qwen3`` (per-head q/k
-norms, head_dim apart from hidden / heads)
+Architectures: ``llama``, ``mistral`` (head_dim apart, as Mistral NeMo), ``phi3`` (fused q/k/v and gate/up
+projections, as Phi-4), ``qwen2``, ``qwen3`` (per-head q/k norms, head_dim apart from hidden / heads)
 ``llama3`` (Llama with Llama 3.1's RoPE scaling, its original context short enough that the
 tiny head_dim has frequencies in each of the rule's three bands) and ``qwen2_yarn`` (Qwen2 with YaRN
 over a 32-token original context)."""
@@ -15,7 +15,7 @@ YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embed
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
 CLASSES = {"llama": transformers.LlamaForCausalLM, "llama3": transformers.LlamaForCausalLM,
-           "mistral": transformers.MistralForCausalLM,
+           "mistral": transformers.MistralForCausalLM, "phi3": transformers.Phi3ForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM, "qwen2_yarn": transformers.Qwen2ForCausalLM,
            "qwen3": transformers.Qwen3ForCausalLM}
 
@@ -29,6 +29,8 @@ def tiny_hf_config(arch: str, tied: bool) -> transformers.PretrainedConfig:
         return transformers.LlamaConfig(**common, rope_theta=10000.0, rope_scaling=dict(LLAMA3_SCALING))
     if arch == "mistral":  # a window longer than the context: full attention
         return transformers.MistralConfig(**common, rope_theta=1e6, head_dim=24, sliding_window=4096)
+    if arch == "phi3":  # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj
+        return transformers.Phi3Config(**common, rope_theta=10000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if arch == "qwen2_yarn":  # YaRN over a 32-token original context, 4x
         return transformers.Qwen2Config(**common, rope_theta=1e6, rope_scaling=dict(YARN_SCALING))
     if arch == "qwen3":

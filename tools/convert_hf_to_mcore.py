@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint (directory or .gguf) into a Megatron checkpoint.
+"""Convert a Hugging Face Llama/Mistral/Phi-3/Qwen2/Qwen3 checkpoint (directory or .gguf) into a Megatron
+checkpoint.
 
     python tools/convert_hf_to_mcore.py HF_DIR_OR_GGUF OUT_DIR --tp 2 --pp 1 [--dtype bfloat16]
 

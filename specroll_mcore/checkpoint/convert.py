@@ -16,7 +16,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from specroll_mcore.checkpoint.hf import HFToFull, full_to_hf, model_config_from_hf
+from specroll_mcore.checkpoint.hf import (FUSED_PROJECTIONS, HFToFull, full_to_hf, hf_architecture,
+                                          model_config_from_hf)
 from specroll_mcore.checkpoint.megatron import (atomic_directory, load_full_state_dict, read_checkpoint_config,
                                                 write_checkpoint_files)
 from specroll_mcore.checkpoint.shard import check_full_state_dict
@@ -124,8 +125,9 @@ def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1,
                             num_layers_in_first_pipeline_stage=first_stage_layers,
                             num_layers_in_last_pipeline_stage=last_stage_layers)
     layout.validate(model, tensor_parallel_size * pipeline_parallel_size)
-    _check_hf_shapes(reader, model)
-    full = _CastMapping(HFToFull(reader, model), model.torch_dtype)
+    fused = hf_architecture(hf_config) in FUSED_PROJECTIONS
+    _check_hf_shapes(reader, model, fused)
+    full = _CastMapping(HFToFull(reader, model, fused), model.torch_dtype)
 
     def write(tmp: Path) -> None:
         write_checkpoint_files(tmp, full, model, tensor_parallel_size, pipeline_parallel_size,
@@ -146,8 +148,9 @@ def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False) 
     full = load_full_state_dict(Path(ckpt_dir))
     model = ModelConfig.from_dict(meta["model"])
     check_full_state_dict(full, model)
-    hf = {k: v.contiguous() for k, v in full_to_hf(full, model).items()}
     hf_config = dict(meta.get("hf_config") or _hf_config_from_model(model))
+    fused = hf_architecture(hf_config) in FUSED_PROJECTIONS
+    hf = {k: v.contiguous() for k, v in full_to_hf(full, model, fused).items()}
     hf_config["torch_dtype"] = model.params_dtype
 
     def write(tmp: Path) -> None:
@@ -178,16 +181,19 @@ def _hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
             "hidden_act": "silu"}
 
 
-def _check_hf_shapes(reader: HFCheckpointReader, model: ModelConfig) -> None:
+def _check_hf_shapes(reader: HFCheckpointReader, model: ModelConfig, fused: bool = False) -> None:
     """Shapes of the HF tensors that determine the fused ones, checked against config.json."""
     h, d = model.hidden_size, model.kv_channels
-    expect = {
-        "model.embed_tokens.weight": (model.vocab_size, h),
-        "model.layers.0.self_attn.q_proj.weight": (model.num_attention_heads * d, h),
-        "model.layers.0.self_attn.k_proj.weight": (model.num_query_groups * d, h),
-        "model.layers.0.mlp.gate_proj.weight": (model.ffn_hidden_size, h),
-        f"model.layers.{model.num_layers - 1}.mlp.down_proj.weight": (h, model.ffn_hidden_size),
-    }
+    expect = {"model.embed_tokens.weight": (model.vocab_size, h)}
+    if fused:
+        expect["model.layers.0.self_attn.qkv_proj.weight"] = ((model.num_attention_heads + 2 * model.num_query_groups)
+                                                              * d, h)
+        expect["model.layers.0.mlp.gate_up_proj.weight"] = (2 * model.ffn_hidden_size, h)
+    else:
+        expect["model.layers.0.self_attn.q_proj.weight"] = (model.num_attention_heads * d, h)
+        expect["model.layers.0.self_attn.k_proj.weight"] = (model.num_query_groups * d, h)
+        expect["model.layers.0.mlp.gate_proj.weight"] = (model.ffn_hidden_size, h)
+    expect[f"model.layers.{model.num_layers - 1}.mlp.down_proj.weight"] = (h, model.ffn_hidden_size)
     if model.qk_layernorm:
         expect["model.layers.0.self_attn.q_norm.weight"] = (d,)
     for name, shape in expect.items():

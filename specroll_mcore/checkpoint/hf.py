@@ -4,6 +4,7 @@ HF keeps q/k/v and gate/up as separate matrices; megatron-core fuses them:
   * ``linear_qkv`` rows are grouped per KV head: for each group g, its np/ng query heads, then its
     key head, then its value head (``fuse_qkv`` / ``split_qkv``);
   * ``linear_fc1`` is [gate; up] (``fuse_gate_up`` / ``split_gate_up``).
+Phi-3 / Phi-4 checkpoints fuse them their own way (:data:`FUSED_PROJECTIONS`).
 Qwen3's per-head query/key norms are megatron-core's ``q_layernorm`` / ``k_layernorm``.
 Both use the rotate-half RoPE convention, so no permutation of q/k rows is needed.
 """
@@ -17,9 +18,13 @@ import torch
 from specroll_mcore.checkpoint.shard import _LAYER, expected_full_shapes
 from specroll_mcore.config import ROPE_SCALING_FIELDS, ROPE_SCALING_OPTIONAL, ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FUSED_PROJECTIONS = ("Phi3ForCausalLM",)
+"""Architectures whose HF checkpoints keep q/k/v in one ``qkv_proj`` ([q; k; v] rows) and gate/up in
+one ``gate_up_proj`` ([gate; up] rows, megatron's ``linear_fc1`` as it is)."""
 
 # Megatron name (layer-relative, after "decoder.layers.{i}.") -> HF name (after "model.layers.{i}.")
 LAYER_TABLE = {
@@ -74,20 +79,27 @@ def layer_table(model: ModelConfig) -> dict[str, str]:
     return {**LAYER_TABLE, **QK_NORM_TABLE} if model.qk_layernorm else LAYER_TABLE
 
 
-def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> ModelConfig:
-    """ModelConfig from a transformers LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (or its dict)."""
+def hf_architecture(hf_config: Any) -> str:
+    """The supported architecture a transformers config (or its dict) describes; a clear error otherwise."""
     c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
     archs = c.get("architectures") or []
-    model_type = c.get("model_type")
     known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
-    arch = known[0] if known else _MODEL_TYPES.get(model_type)
+    arch = known[0] if known else _MODEL_TYPES.get(c.get("model_type"))
     if arch is None:
-        raise ValueError(f"unsupported architecture {archs or model_type!r}; supported: "
+        raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    # Sliding-window attention: Mistral's whenever sliding_window is set, Qwen's where use_sliding_window
-    # (or transformers 5's layer_types) switches it on. A window no shorter than the context is full attention.
+    return arch
+
+
+def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> ModelConfig:
+    """ModelConfig from a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 config (or its dict)."""
+    c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+    arch = hf_architecture(c)
+    # Sliding-window attention: Mistral's and Phi-3's whenever sliding_window is set, Qwen's where
+    # use_sliding_window (or transformers 5's layer_types) switches it on. A window no shorter than the
+    # context is full attention.
     window, context = c.get("sliding_window"), c.get("max_position_embeddings", 2048)
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         sliding = window is not None
     else:
         sliding = bool(c.get("use_sliding_window")) or "sliding_attention" in (c.get("layer_types") or [])
@@ -139,8 +151,9 @@ class HFToFull(Mapping[str, torch.Tensor]):
     With a lazy ``hf`` mapping (:class:`HFCheckpointReader`) only the HF tensors a full tensor
     needs are read, so converting a large model never holds it whole in memory."""
 
-    def __init__(self, hf: Mapping[str, torch.Tensor], model: ModelConfig) -> None:
-        self.hf, self.model = hf, model
+    def __init__(self, hf: Mapping[str, torch.Tensor], model: ModelConfig, fused: bool = False) -> None:
+        """``fused``: the checkpoint keeps Phi-3's qkv_proj and gate_up_proj (:data:`FUSED_PROJECTIONS`)."""
+        self.hf, self.model, self.fused = hf, model, fused
         self._names = list(expected_full_shapes(model))
 
     def __iter__(self) -> Iterator[str]:
@@ -161,6 +174,13 @@ class HFToFull(Mapping[str, torch.Tensor]):
         if rel in table:
             return hf[f"model.layers.{i}.{table[rel]}"]
         a = f"model.layers.{i}.self_attn."
+        if self.fused and rel == "self_attention.linear_qkv.weight":
+            d = model.kv_channels
+            q, k, v = hf[a + "qkv_proj.weight"].split(
+                [model.num_attention_heads * d, model.num_query_groups * d, model.num_query_groups * d])
+            return fuse_qkv(q, k, v, model)
+        if self.fused and rel == "mlp.linear_fc1.weight":
+            return hf[f"model.layers.{i}.mlp.gate_up_proj.weight"]
         if rel == "self_attention.linear_qkv.weight":
             return fuse_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], model)
         if rel == "self_attention.linear_qkv.bias":
@@ -171,13 +191,13 @@ class HFToFull(Mapping[str, torch.Tensor]):
         raise KeyError(name)
 
 
-def hf_to_full(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF state dict -> full Megatron form, materialised."""
-    lazy = HFToFull(hf, model)
+def hf_to_full(hf: Mapping[str, torch.Tensor], model: ModelConfig, fused: bool = False) -> dict[str, torch.Tensor]:
+    """HF state dict -> full Megatron form, materialised (``fused``: see :class:`HFToFull`)."""
+    lazy = HFToFull(hf, model, fused)
     return {name: lazy[name] for name in lazy}
 
 
-def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig, fused: bool = False) -> dict[str, torch.Tensor]:
     """Full Megatron form -> HF state dict (inverse of :func:`hf_to_full`)."""
     out: dict[str, torch.Tensor] = {}
     for mname, hname in GLOBAL_TABLE.items():
@@ -188,6 +208,10 @@ def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str
             out[f"model.layers.{i}.{hname}"] = full[f"decoder.layers.{i}.{mname}"]
         a = f"model.layers.{i}.self_attn."
         q, k, v = split_qkv(full[f"decoder.layers.{i}.self_attention.linear_qkv.weight"], model)
+        if fused:
+            out[a + "qkv_proj.weight"] = torch.cat([q, k, v])
+            out[f"model.layers.{i}.mlp.gate_up_proj.weight"] = full[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
+            continue
         out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
         if model.add_qkv_bias:
             q, k, v = split_qkv(full[f"decoder.layers.{i}.self_attention.linear_qkv.bias"], model)

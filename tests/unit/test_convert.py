@@ -16,7 +16,7 @@ from specroll_mcore.model import causal_mask
 from specroll_mcore.rollout import VanillaEngine
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
-         ("llama3", False), ("mistral", False), ("qwen2_yarn", True)]
+         ("llama3", False), ("mistral", False), ("qwen2_yarn", True), ("phi3", False)]
 
 
 def our_logits(policy, ids):
@@ -42,7 +42,8 @@ def test_logits_and_greedy_parity_with_transformers(tmp_path, ctx, arch, tied):
         assert ref.tolist() == toks
 
 
-@pytest.mark.parametrize("arch, safe", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("llama3", True)])
+@pytest.mark.parametrize("arch, safe", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("llama3", True),
+                                        ("phi3", True)])
 def test_round_trip_is_bit_exact(tmp_path, arch, safe):
     hf = save_tiny_hf(tmp_path / "hf", arch, tied=False, safe=safe)
     convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tensor_parallel_size=2, pipeline_parallel_size=2)
@@ -157,6 +158,10 @@ def test_unsupported_attention_variants(tmp_path):
     assert model_config_from_hf({**mistral, "sliding_window": None}).max_position_embeddings == 128
     assert model_config_from_hf({**mistral, "max_position_embeddings": 64}).max_position_embeddings == 64
     assert model_config_from_hf({**cfg, "use_sliding_window": False, "sliding_window": 64}).qk_layernorm
+    phi3 = {**cfg, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 2047,
+            "max_position_embeddings": 4096}  # Phi-3-mini's
+    with pytest.raises(ValueError, match="sliding-window attention over 2047 tokens, shorter than the 4096-token"):
+        model_config_from_hf(phi3)
     dynamic = {"rope_type": "dynamic", "factor": 4.0}
     (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, "rope_scaling": dynamic}))
     with pytest.raises(ValueError, match="RoPE scaling 'dynamic' is not supported; supported: plain RoPE, linear, "
@@ -190,12 +195,14 @@ def test_incomplete_checkpoint(tmp_path, ctx):
 
 
 def test_shape_that_does_not_match_config(tmp_path):
-    save_tiny_hf(tmp_path / "hf", "llama", False)
-    cfg = json.loads((tmp_path / "hf/config.json").read_text())
-    cfg["intermediate_size"] = 128
-    (tmp_path / "hf/config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"gate_proj.weight has shape \(96, 64\) but config.json implies \(128, 64\)"):
-        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    for arch, name, shape in [("llama", "gate_proj", r"\(96, 64\)"), ("phi3", "gate_up_proj", r"\(192, 64\)")]:
+        save_tiny_hf(tmp_path / arch, arch, False)
+        cfg = json.loads((tmp_path / arch / "config.json").read_text())
+        cfg["intermediate_size"] = 128
+        (tmp_path / arch / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=rf"{name}.weight has shape {shape} but config.json implies "
+                                             r"\((128|256), 64\)"):
+            convert.convert_hf_to_mcore(tmp_path / arch, tmp_path / "out")
 
 
 def test_tp_that_does_not_divide_heads(tmp_path):
