@@ -16,8 +16,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from specroll_mcore.checkpoint.hf import (FUSED_PROJECTIONS, HFToFull, full_to_hf, hf_architecture,
-                                          model_config_from_hf)
+from specroll_mcore.checkpoint.hf import HFToFull, full_to_hf, fused_projections, model_config_from_hf
 from specroll_mcore.checkpoint.megatron import (atomic_directory, load_full_state_dict, read_checkpoint_config,
                                                 write_checkpoint_files)
 from specroll_mcore.checkpoint.shard import check_full_state_dict
@@ -125,7 +124,7 @@ def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1,
                             num_layers_in_first_pipeline_stage=first_stage_layers,
                             num_layers_in_last_pipeline_stage=last_stage_layers)
     layout.validate(model, tensor_parallel_size * pipeline_parallel_size)
-    fused = hf_architecture(hf_config) in FUSED_PROJECTIONS
+    fused = fused_projections(hf_config)
     _check_hf_shapes(reader, model, fused)
     full = _CastMapping(HFToFull(reader, model, fused), model.torch_dtype)
 
@@ -149,8 +148,7 @@ def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False) 
     model = ModelConfig.from_dict(meta["model"])
     check_full_state_dict(full, model)
     hf_config = dict(meta.get("hf_config") or _hf_config_from_model(model))
-    fused = hf_architecture(hf_config) in FUSED_PROJECTIONS
-    hf = {k: v.contiguous() for k, v in full_to_hf(full, model, fused).items()}
+    hf = {k: v.contiguous() for k, v in full_to_hf(full, model, fused_projections(hf_config)).items()}
     hf_config["torch_dtype"] = model.params_dtype
 
     def write(tmp: Path) -> None:

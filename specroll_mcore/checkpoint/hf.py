@@ -91,6 +91,11 @@ def hf_architecture(hf_config: Any) -> str:
     return arch
 
 
+def fused_projections(hf_config: Any) -> bool:
+    """Whether the checkpoint of ``hf_config`` keeps Phi-3's fused projections (:data:`FUSED_PROJECTIONS`)."""
+    return hf_architecture(hf_config) in FUSED_PROJECTIONS
+
+
 def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> ModelConfig:
     """ModelConfig from a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 config (or its dict)."""
     c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()

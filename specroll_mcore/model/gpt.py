@@ -125,6 +125,7 @@ class PolicyModel(torch.nn.Module):
         self.num_heads = num_heads
         self._packed_vocab = cpu_gemm.PackedWeight()  # (CPU inference, see vocab_projection)
         self._inv_freq: dict[str, torch.Tensor] = {}  # device -> RoPE's frequencies (see rope_inv_freq)
+        self._rope_scale = rope_attention_factor(config.rope_scaling)  # (YaRN's factor on cos and sin; else 1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,7 +166,7 @@ class PolicyModel(torch.nn.Module):
         """``step``: a decoding or verification step (tokens appended to committed responses), whose
         tokens must get the same logits in a one-token and a tree forward."""
         return AttentionMetadata.build(positions, new_token_mask, self.rope_inv_freq(positions.device), self.dtype,
-                                       cache, slots, rope_scale=rope_attention_factor(self.config.rope_scaling),
+                                       cache, slots, rope_scale=self._rope_scale,
                                        ordered=step and self.batch_invariant)
 
     def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,

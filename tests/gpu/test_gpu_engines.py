@@ -27,19 +27,23 @@ def _policy(ctx, dtype="float32", make=None, **overrides):
     return model
 
 
-def test_kv_cache_matches_recompute_on_gpu(gpu_ctx):
+def _check_cache_against_recompute(model, new_tokens):
+    """Greedy decoding with the KV cache picks what one full forward over the result picks."""
     from specroll_mcore.config import SamplingConfig
     from specroll_mcore.model import causal_mask
     from specroll_mcore.rollout import VanillaEngine
 
-    model = _policy(gpu_ctx)
-    out = VanillaEngine(model).generate([[3, 4, 5, 6]], SamplingConfig(temperature=0, max_new_tokens=16))
+    out = VanillaEngine(model).generate([[3, 4, 5, 6]], SamplingConfig(temperature=0, max_new_tokens=new_tokens))
     seq = [3, 4, 5, 6] + out.tokens[0]
     ids = torch.tensor([seq], device=DEVICE)
     with torch.no_grad():
         logits = model.full_logits(model(ids, model.metadata(torch.arange(len(seq), device=DEVICE)[None],
                                                               causal_mask(1, len(seq), ids.device))))[0]
     assert logits[3:-1].argmax(-1).tolist() == out.tokens[0]
+
+
+def test_kv_cache_matches_recompute_on_gpu(gpu_ctx):
+    _check_cache_against_recompute(_policy(gpu_ctx), 16)
 
 
 def test_speculative_equals_vanilla_on_gpu(gpu_ctx):
@@ -90,19 +94,12 @@ def test_architectures_on_gpu(gpu_ctx, arch):
     """Qwen3's query/key norms, Llama 3.1's and YaRN's RoPE on the device: cached decoding equals a full
     recompute, and the speculative engine emits the vanilla engine's tokens."""
     from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3
-    from specroll_mcore.model import causal_mask
     from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
 
     make, overrides = {"qwen3": (tiny_qwen3, {}), "llama3": (tiny_llama, {"rope_scaling": LLAMA3}),
                        "qwen2_yarn": (tiny_qwen2, {"rope_scaling": YARN})}[arch]
     model = _policy(gpu_ctx, "float64", make, **overrides)
-    out = VanillaEngine(model).generate([[3, 4, 5, 6]], SamplingConfig(temperature=0, max_new_tokens=24))
-    seq = [3, 4, 5, 6] + out.tokens[0]
-    ids = torch.tensor([seq], device=DEVICE)
-    with torch.no_grad():
-        logits = model.full_logits(model(ids, model.metadata(torch.arange(len(seq), device=DEVICE)[None],
-                                                              causal_mask(1, len(seq), ids.device))))[0]
-    assert logits[3:-1].argmax(-1).tolist() == out.tokens[0]
+    _check_cache_against_recompute(model, 24)
     sp = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=24, num_samples=3, seed=5)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     assert SpeculativeEngine(model, SpecConfig(c_hw=64)).generate(prompts, sp).tokens == \

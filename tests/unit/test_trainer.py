@@ -3,6 +3,7 @@ contract at the RL level (vanilla vs SpecRoll), resume after SIGKILL, bad input.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,8 +62,6 @@ def run_rows(ckpt, out, *extra):
 def test_rollouts_stop_at_every_eos_the_generation_config_names(tiny_ckpt, tmp_path, ctx):
     """An instruct model's generation_config.json may name end-of-turn tokens beside the tokenizer's
     EOS: the trainer's engines stop at all of them."""
-    import shutil
-
     ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 17]}))
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(ckpt, tmp_path / "run", "compare_vanilla_every=1")))
@@ -73,8 +72,6 @@ def test_rollouts_stop_at_every_eos_the_generation_config_names(tiny_ckpt, tmp_p
 def test_chat_template_kwargs_reach_the_template(tiny_ckpt, tmp_path, ctx):
     """data.chat_template_kwargs are the template's variables: a Qwen3-style template that closes an
     empty thinking block when enable_thinking is false."""
-    import shutil
-
     ckpt = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
     (ckpt / "chat_template.jinja").write_text(
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
