@@ -34,6 +34,7 @@ def test_bench_pipeline_rollout_smoke(tmp_path):
                                                                                         "last1/interleaved"}
 
 
+@pytest.mark.slow  # (~80 s on a fresh clone: `make test-slow`)
 def test_multinode_launcher_runs_a_grpo_step(tmp_path):
     """examples/launch_multinode.sh as one node of 2 processes (gloo, DP=2): the launch line users copy."""
     import socket
