@@ -37,9 +37,14 @@ def run(ckpt, out, tp, pp, nproc, *extra):
 
 
 def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
-    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
+    """On a Qwen3 (the other layout tests run Llamas): its q/k norms are replicated over TP, but each
+    rank's heads give only part of their gradient; without the TP sum the two ranks' copies would
+    take different updates (2 x lr apart after one step)."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, arch="qwen3")
     ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
     ref_w = load_full_state_dict(tmp_path / "tp1")
+    norms = [k for k in ref_w if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+    assert len(norms) == 4 and all((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in norms)  # they moved
     # PP=2 also with one sequence per micro-batch (6 micro-batches of different lengths through
     # 1F1B) and activation recomputation
     for tp, pp, extra in [(2, 1, ()), (1, 2, ()), (1, 2, ("--set=micro_batch_size=1", "--set=recompute_activations=true"))]:
@@ -54,23 +59,6 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
         print(f"TP={tp} PP={pp} {extra}: max |weight diff| after one step = {diff:.2e}")
         assert diff < 1e-4
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
-
-
-def test_grpo_step_with_query_key_norms_tp2_equals_tp1(tmp_path):
-    """Qwen3's q/k norms are replicated over TP, but each rank's heads give only part of their
-    gradient: without the TP sum the two ranks' copies would take different updates."""
-    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, arch="qwen3")
-    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
-    got = run(ckpt, tmp_path / "tp2", 2, 1, 2)
-    assert got[0]["reward_mean"] == ref[0]["reward_mean"]
-    for k in ("loss", "grad_norm"):
-        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
-    ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(tmp_path / "tp2")
-    norms = [k for k in ref_w if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
-    assert len(norms) == 4 and all((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in norms)  # they moved
-    diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
-    print(f"Qwen3 TP=2: max |weight diff| after one step = {diff:.2e}")
-    assert diff < 1e-4
 
 
 def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
