@@ -35,7 +35,8 @@ ROPE_SCALING_OPTIONAL = {
 
 @dataclass
 class ModelConfig:
-    """Architecture of a Llama / Mistral / Qwen2 / Qwen3 style decoder (RMSNorm, SwiGLU, RoPE, GQA)."""
+    """Architecture of a Llama / Mistral / Qwen2 / Qwen3 style decoder (RMSNorm, SwiGLU, RoPE, GQA), with
+    a dense MLP or a mixture of experts in every layer (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
 
     num_layers: int
     """Number of transformer layers."""
@@ -94,6 +95,27 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Std of the random initialisation (only used for models not loaded from a checkpoint)."""
 
+    num_experts: Optional[int] = None
+    """Routed experts per layer: every layer's MLP is megatron-core's mixture of experts (a router over
+    SwiGLU experts, dropless) instead of one SwiGLU MLP; None: dense. The ``moe_*`` fields below apply."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of each expert's SwiGLU MLP; None: ffn_hidden_size."""
+
+    moe_norm_topk_prob: bool = True
+    """Weigh the chosen experts by their probabilities renormalised over the top k (Mixtral, Qwen3-MoE);
+    False: by their softmax probabilities over all experts (Qwen2-MoE; megatron-core's pre-softmax
+    routing)."""
+
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    """Width of a shared SwiGLU expert every token also goes through (Qwen2-MoE); None: none."""
+
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by a sigmoid gate of the token's hidden state (Qwen2-MoE)."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "vocab_size", "max_position_embeddings"):
@@ -133,6 +155,35 @@ class ModelConfig:
                 _check(self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"],
                        f"ModelConfig.rope_scaling: high_freq_factor ({self.rope_scaling['high_freq_factor']}) must "
                        f"exceed low_freq_factor ({self.rope_scaling['low_freq_factor']})")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts is None:
+            set_fields = [f.name for f in dataclasses.fields(self) if f.name.startswith("moe_")
+                          and getattr(self, f.name) != f.default]
+            _check(not set_fields, f"ModelConfig.{', '.join(set_fields)} set but num_experts is not: the moe_* "
+                                   f"fields describe a mixture of experts; set num_experts or leave them out")
+            return
+        _check(self.num_experts >= 2, f"ModelConfig.num_experts must be at least 2, got {self.num_experts}")
+        _check(1 <= self.moe_router_topk <= self.num_experts,
+               f"ModelConfig.moe_router_topk ({self.moe_router_topk}) must be between 1 and num_experts "
+               f"({self.num_experts})")
+        _check(not (self.moe_router_topk == 1 and self.moe_norm_topk_prob),
+               "ModelConfig.moe_router_topk 1 with moe_norm_topk_prob true would weigh every expert output by 1 "
+               "and leave the router without a gradient; set moe_norm_topk_prob false (weigh it by its softmax "
+               "probability)")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, f"ModelConfig.{name} must be positive, got {value}")
+        _check(not self.moe_shared_expert_gate or self.moe_shared_expert_ffn_hidden_size is not None,
+               "ModelConfig.moe_shared_expert_gate is set but there is no shared expert; set "
+               "moe_shared_expert_ffn_hidden_size")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -179,6 +230,14 @@ def tiny_qwen3(**overrides: Any) -> ModelConfig:
                 qk_layernorm=True, kv_channels=24, norm_eps=1e-6)
     base.update(overrides)
     return ModelConfig(**base)
+
+
+def tiny_qwen3_moe(**overrides: Any) -> ModelConfig:
+    """A random-initialised Qwen3-MoE-shaped model for tests: Qwen3's attention, 4 experts of width 48
+    in every layer, 2 per token, probabilities renormalised over them."""
+    base = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+    base.update(overrides)
+    return tiny_qwen3(**base)
 
 
 @dataclass
@@ -235,6 +294,11 @@ class ParallelConfig:
         _check(model.ffn_hidden_size % tp == 0,
                f"ModelConfig.ffn_hidden_size ({model.ffn_hidden_size}) is not divisible by "
                f"ParallelConfig.tensor_model_parallel_size ({tp})")
+        _check(not model.is_moe or tp == 1,
+               f"ParallelConfig.tensor_model_parallel_size is {tp} but the model is a mixture of experts "
+               f"(ModelConfig.num_experts {model.num_experts}): megatron-core trains experts under tensor "
+               f"parallelism only with sequence parallelism, which this project's attention does not do; "
+               f"use tensor_model_parallel_size 1 with pipeline and data parallelism")
         self.stage_layers(model.num_layers)
         return world_size // (tp * pp)
 

@@ -7,10 +7,11 @@ hands ``ctx.dp_group`` to torch's ``ZeroRedundancyOptimizer``, which broadcasts 
 Launch with ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, ... in the environment) or as a plain
 single process. gloo on CPU, nccl on GPU, chosen automatically unless the config says otherwise.
 
-megatron-core CPU compatibility
--------------------------------
-megatron-core 0.16.1 assumes CUDA in a few places we reach. The complete list of what we change,
-and why, is :func:`apply_cpu_compat`; nothing else in the project patches megatron-core.
+megatron-core compatibility
+---------------------------
+megatron-core 0.16.1 assumes CUDA in a few places we reach (:func:`apply_cpu_compat`) and Transformer
+Engine in one (:func:`apply_megatron_compat`). Those two functions are the complete list of what we
+change, and why; nothing else in the project patches megatron-core.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from specroll_mcore.config import ModelConfig, ParallelConfig, pipeline_split
 
 _CPU_COMPAT_APPLIED = False
+_MEGATRON_COMPAT_APPLIED: list[str] = []
 
 
 def apply_cpu_compat() -> list[str]:
@@ -58,6 +60,27 @@ def apply_cpu_compat() -> list[str]:
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
         _CPU_COMPAT_APPLIED = True
     return ["torch.cuda.current_device -> cpu"]
+
+
+def apply_megatron_compat() -> list[str]:
+    """Make megatron-core paths we use run without Transformer Engine, on CPU and GPU alike. Idempotent.
+
+    Items (tested in tests/unit/test_parallel.py):
+
+    1. ``moe_utils.te_general_gemm`` is defined as None where megatron-core left it undefined.
+       megatron-core 0.16.1 imports it only when Transformer Engine is installed, yet the router's
+       gating product (``RouterGatingLinearFunction``, every mixture-of-experts forward) tests it
+       for None: without Transformer Engine that raises NameError. None is the value megatron-core
+       means for "not installed"; the router then computes its product with ``torch.mm``.
+
+    Returns the list of items applied (empty where megatron-core needs none of them).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _MEGATRON_COMPAT_APPLIED.append("moe_utils.te_general_gemm -> None")
+    return list(_MEGATRON_COMPAT_APPLIED)
 
 
 @contextlib.contextmanager
@@ -282,6 +305,7 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
     from megatron.core import parallel_state as ps
 
     apply_cpu_compat()
+    apply_megatron_compat()
     use_cuda = torch.cuda.is_available() and parallel.backend != "gloo"
     backend = parallel.backend or ("nccl" if use_cuda else "gloo")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

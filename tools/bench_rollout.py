@@ -48,7 +48,7 @@ def load_models(name: str, ctx):
         policy = load_policy(default_checkpoint(), ctx)
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         return policy, hf, transformers.AutoTokenizer.from_pretrained(hf_dir)
-    from specroll_mcore.checkpoint.hf import fused_projections, hf_to_full, model_config_from_hf
+    from specroll_mcore.checkpoint.hf import hf_architecture, hf_to_full, model_config_from_hf
     from specroll_mcore.model import PolicyModel
 
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def load_models(name: str, ctx):
     hf = transformers.LlamaForCausalLM(hc).eval()
     cfg = model_config_from_hf(hc)
     policy = PolicyModel(cfg, ctx).eval()
-    policy.load_full_state_dict(hf_to_full(hf.state_dict(), cfg, fused_projections(hc)))
+    policy.load_full_state_dict(hf_to_full(hf.state_dict(), cfg, hf_architecture(hc)))
     return policy, hf, None
 
 

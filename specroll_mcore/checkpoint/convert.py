@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron checkpoint conversion (Llama, Qwen2/2.5; safetensors, .bin or GGUF).
+"""Hugging Face <-> Megatron checkpoint conversion (the architectures of checkpoint/hf.py; safetensors, .bin
+or GGUF).
 
 HF -> Megatron streams: tensors are read lazily from safetensors (or memory-mapped .bin) and each
 TP/PP shard is built and written on its own. GGUF files are dequantized through ``transformers``
@@ -16,7 +17,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from specroll_mcore.checkpoint.hf import HFToFull, full_to_hf, fused_projections, model_config_from_hf
+from specroll_mcore.checkpoint.hf import (FUSED_PROJECTIONS, HFToFull, full_to_hf, gate_up_table, hf_architecture,
+                                         layer_table, model_config_from_hf)
 from specroll_mcore.checkpoint.megatron import (atomic_directory, load_full_state_dict, read_checkpoint_config,
                                                 write_checkpoint_files)
 from specroll_mcore.checkpoint.shard import check_full_state_dict
@@ -87,7 +89,8 @@ class HFCheckpointReader(Mapping[str, torch.Tensor]):
 
 
 def gguf_to_hf(gguf_file: Path, out_dir: Path, overwrite: bool = False) -> Path:
-    """Dequantize a GGUF Llama/Qwen2 file into a plain HF directory (safetensors + tokenizer)."""
+    """Dequantize a GGUF file (an architecture ``transformers`` reads from GGUF and we convert) into a
+    plain HF directory (safetensors + tokenizer)."""
     import transformers
 
     gguf_file = Path(gguf_file)
@@ -124,9 +127,9 @@ def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1,
                             num_layers_in_first_pipeline_stage=first_stage_layers,
                             num_layers_in_last_pipeline_stage=last_stage_layers)
     layout.validate(model, tensor_parallel_size * pipeline_parallel_size)
-    fused = fused_projections(hf_config)
-    _check_hf_shapes(reader, model, fused)
-    full = _CastMapping(HFToFull(reader, model, fused), model.torch_dtype)
+    arch = hf_architecture(hf_config)
+    _check_hf_shapes(reader, model, arch)
+    full = _CastMapping(HFToFull(reader, model, arch), model.torch_dtype)
 
     def write(tmp: Path) -> None:
         write_checkpoint_files(tmp, full, model, tensor_parallel_size, pipeline_parallel_size,
@@ -148,7 +151,7 @@ def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False) 
     model = ModelConfig.from_dict(meta["model"])
     check_full_state_dict(full, model)
     hf_config = dict(meta.get("hf_config") or _hf_config_from_model(model))
-    hf = {k: v.contiguous() for k, v in full_to_hf(full, model, fused_projections(hf_config)).items()}
+    hf = {k: v.contiguous() for k, v in full_to_hf(full, model, hf_architecture(hf_config)).items()}
     hf_config["torch_dtype"] = model.params_dtype
 
     def write(tmp: Path) -> None:
@@ -162,13 +165,23 @@ def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False) 
 
 
 def _hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
+    """A transformers config.json for a checkpoint without its source config: the Qwen3 / Qwen2 / Llama
+    (dense) or Qwen3-MoE / Qwen2-MoE (mixture of experts) that ``model`` describes."""
     if model.qk_layernorm:
         arch, model_type = "Qwen3ForCausalLM", "qwen3"
     elif model.add_qkv_bias:
         arch, model_type = "Qwen2ForCausalLM", "qwen2"
     else:
         arch, model_type = "LlamaForCausalLM", "llama"
-    return {"architectures": [arch], "model_type": model_type,
+    moe = {}
+    if model.is_moe:
+        qwen2 = model.moe_shared_expert_ffn_hidden_size is not None or (model.add_qkv_bias and not model.qk_layernorm)
+        arch, model_type = ("Qwen2MoeForCausalLM", "qwen2_moe") if qwen2 else ("Qwen3MoeForCausalLM", "qwen3_moe")
+        moe = {"num_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
+               "moe_intermediate_size": model.moe_ffn_hidden_size, "norm_topk_prob": model.moe_norm_topk_prob,
+               "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": model.add_qkv_bias,
+               "shared_expert_intermediate_size": model.moe_shared_expert_ffn_hidden_size or 0}
+    return {"architectures": [arch], "model_type": model_type, **moe,
             "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
             "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
             "num_key_value_heads": model.num_query_groups, "head_dim": model.kv_channels,
@@ -179,19 +192,30 @@ def _hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
             "hidden_act": "silu"}
 
 
-def _check_hf_shapes(reader: HFCheckpointReader, model: ModelConfig, fused: bool = False) -> None:
+def _check_hf_shapes(reader: HFCheckpointReader, model: ModelConfig, arch: str = "LlamaForCausalLM") -> None:
     """Shapes of the HF tensors that determine the fused ones, checked against config.json."""
     h, d = model.hidden_size, model.kv_channels
     expect = {"model.embed_tokens.weight": (model.vocab_size, h)}
-    if fused:
-        expect["model.layers.0.self_attn.qkv_proj.weight"] = ((model.num_attention_heads + 2 * model.num_query_groups)
-                                                              * d, h)
-        expect["model.layers.0.mlp.gate_up_proj.weight"] = (2 * model.ffn_hidden_size, h)
+    first, last = "model.layers.0.", f"model.layers.{model.num_layers - 1}."
+    if arch in FUSED_PROJECTIONS:
+        expect[first + "self_attn.qkv_proj.weight"] = ((model.num_attention_heads + 2 * model.num_query_groups) * d, h)
+        expect[first + "mlp.gate_up_proj.weight"] = (2 * model.ffn_hidden_size, h)
     else:
-        expect["model.layers.0.self_attn.q_proj.weight"] = (model.num_attention_heads * d, h)
-        expect["model.layers.0.self_attn.k_proj.weight"] = (model.num_query_groups * d, h)
-        expect["model.layers.0.mlp.gate_proj.weight"] = (model.ffn_hidden_size, h)
-    expect[f"model.layers.{model.num_layers - 1}.mlp.down_proj.weight"] = (h, model.ffn_hidden_size)
+        expect[first + "self_attn.q_proj.weight"] = (model.num_attention_heads * d, h)
+        expect[first + "self_attn.k_proj.weight"] = (model.num_query_groups * d, h)
+    if model.is_moe:  # the router of the first layer, the first and last experts' matrices
+        table, gate_up = layer_table(model, arch), gate_up_table(model, arch)
+        f = model.moe_ffn_hidden_size
+        expect[first + table["mlp.router.weight"]] = (model.num_experts, h)
+        for e in (0, model.num_experts - 1):
+            expect[first + gate_up[f"mlp.experts.local_experts.{e}.linear_fc1.weight"][0]] = (f, h)
+            expect[last + table[f"mlp.experts.local_experts.{e}.linear_fc2.weight"]] = (h, f)
+        if model.moe_shared_expert_ffn_hidden_size is not None:
+            expect[first + "mlp.shared_expert.gate_proj.weight"] = (model.moe_shared_expert_ffn_hidden_size, h)
+    else:
+        if arch not in FUSED_PROJECTIONS:
+            expect[first + "mlp.gate_proj.weight"] = (model.ffn_hidden_size, h)
+        expect[last + "mlp.down_proj.weight"] = (h, model.ffn_hidden_size)
     if model.qk_layernorm:
         expect["model.layers.0.self_attn.q_norm.weight"] = (d,)
     for name, shape in expect.items():

@@ -1,11 +1,15 @@
-"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 <-> the full Megatron form: name tables plus named fuse helpers.
+"""Hugging Face Llama / Mistral / Phi-3 / Qwen2 / Qwen3 and their mixtures of experts (Mixtral, Qwen2-MoE,
+Qwen3-MoE) <-> the full Megatron form: name tables plus named fuse helpers.
 
 HF keeps q/k/v and gate/up as separate matrices; megatron-core fuses them:
   * ``linear_qkv`` rows are grouped per KV head: for each group g, its np/ng query heads, then its
     key head, then its value head (``fuse_qkv`` / ``split_qkv``);
-  * ``linear_fc1`` is [gate; up] (``fuse_gate_up`` / ``split_gate_up``).
+  * ``linear_fc1`` is [gate; up] (``fuse_gate_up`` / ``split_gate_up``), for a dense MLP and for each
+    expert alike (:func:`gate_up_table`).
 Phi-3 / Phi-4 checkpoints fuse them their own way (:data:`FUSED_PROJECTIONS`).
-Qwen3's per-head query/key norms are megatron-core's ``q_layernorm`` / ``k_layernorm``.
+Qwen3's per-head query/key norms are megatron-core's ``q_layernorm`` / ``k_layernorm``. A mixture of
+experts' router (HF ``gate``) is megatron-core's ``mlp.router``, its experts
+``mlp.experts.local_experts.E``, Qwen2-MoE's shared expert and its sigmoid gate ``mlp.shared_experts``.
 Both use the rotate-half RoPE convention, so no permutation of q/k rows is needed.
 """
 
@@ -18,10 +22,12 @@ import torch
 from specroll_mcore.checkpoint.shard import _LAYER, expected_full_shapes
 from specroll_mcore.config import ROPE_SCALING_FIELDS, ROPE_SCALING_OPTIONAL, ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+                           "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 FUSED_PROJECTIONS = ("Phi3ForCausalLM",)
 """Architectures whose HF checkpoints keep q/k/v in one ``qkv_proj`` ([q; k; v] rows) and gate/up in
 one ``gate_up_proj`` ([gate; up] rows, megatron's ``linear_fc1`` as it is)."""
@@ -74,9 +80,48 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate, up
 
 
-def layer_table(model: ModelConfig) -> dict[str, str]:
-    """The one-to-one layer names (Megatron -> HF) of ``model``'s architecture."""
-    return {**LAYER_TABLE, **QK_NORM_TABLE} if model.qk_layernorm else LAYER_TABLE
+def _moe_names(arch: str) -> tuple[str, str, str, str]:
+    """(block prefix, gate, up, down) of an architecture's expert tensors in its HF checkpoints."""
+    if arch == "MixtralForCausalLM":
+        return "block_sparse_moe.", "w1", "w3", "w2"
+    return "mlp.", "gate_proj", "up_proj", "down_proj"
+
+
+def layer_table(model: ModelConfig, arch: str = "LlamaForCausalLM") -> dict[str, str]:
+    """The one-to-one layer names (Megatron -> HF) of ``model`` saved as ``arch``."""
+    table = dict(LAYER_TABLE)
+    if model.qk_layernorm:
+        table.update(QK_NORM_TABLE)
+    if arch in FUSED_PROJECTIONS:
+        table["mlp.linear_fc1.weight"] = "mlp.gate_up_proj.weight"
+    if not model.is_moe:
+        return table
+    del table["mlp.linear_fc2.weight"]
+    block, _, _, down = _moe_names(arch)
+    table["mlp.router.weight"] = block + "gate.weight"
+    for e in range(model.num_experts):
+        table[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = f"{block}experts.{e}.{down}.weight"
+    if model.moe_shared_expert_ffn_hidden_size is not None:
+        table["mlp.shared_experts.linear_fc2.weight"] = "mlp.shared_expert.down_proj.weight"
+        if model.moe_shared_expert_gate:
+            table["mlp.shared_experts.gate_weight"] = "mlp.shared_expert_gate.weight"
+    return table
+
+
+def gate_up_table(model: ModelConfig, arch: str = "LlamaForCausalLM") -> dict[str, tuple[str, str]]:
+    """Megatron ``linear_fc1`` names (layer-relative) -> the HF gate and up matrices fused into them."""
+    if arch in FUSED_PROJECTIONS:
+        return {}
+    if not model.is_moe:
+        return {"mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    block, gate, up, _ = _moe_names(arch)
+    table = {f"mlp.experts.local_experts.{e}.linear_fc1.weight":
+             (f"{block}experts.{e}.{gate}.weight", f"{block}experts.{e}.{up}.weight")
+             for e in range(model.num_experts)}
+    if model.moe_shared_expert_ffn_hidden_size is not None:
+        table["mlp.shared_experts.linear_fc1.weight"] = ("mlp.shared_expert.gate_proj.weight",
+                                                         "mlp.shared_expert.up_proj.weight")
+    return table
 
 
 def hf_architecture(hf_config: Any) -> str:
@@ -91,20 +136,16 @@ def hf_architecture(hf_config: Any) -> str:
     return arch
 
 
-def fused_projections(hf_config: Any) -> bool:
-    """Whether the checkpoint of ``hf_config`` keeps Phi-3's fused projections (:data:`FUSED_PROJECTIONS`)."""
-    return hf_architecture(hf_config) in FUSED_PROJECTIONS
-
-
 def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> ModelConfig:
-    """ModelConfig from a transformers Llama / Mistral / Phi-3 / Qwen2 / Qwen3 config (or its dict)."""
+    """ModelConfig from a transformers Llama / Mistral / Mixtral / Phi-3 / Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE
+    config (or its dict)."""
     c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
     arch = hf_architecture(c)
     # Sliding-window attention: Mistral's and Phi-3's whenever sliding_window is set, Qwen's where
     # use_sliding_window (or transformers 5's layer_types) switches it on. A window no shorter than the
     # context is full attention.
     window, context = c.get("sliding_window"), c.get("max_position_embeddings", 2048)
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         sliding = window is not None
     else:
         sliding = bool(c.get("use_sliding_window")) or "sliding_attention" in (c.get("layer_types") or [])
@@ -142,12 +183,36 @@ def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> Model
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         norm_eps=c.get("rms_norm_eps", 1e-6),
-        add_qkv_bias=bool(c.get("attention_bias", arch == "Qwen2ForCausalLM")),
-        qk_layernorm=arch == "Qwen3ForCausalLM",
+        add_qkv_bias=bool(c.get("attention_bias", c.get("qkv_bias", arch in ("Qwen2ForCausalLM",
+                                                                             "Qwen2MoeForCausalLM")))),
+        qk_layernorm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         kv_channels=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
         params_dtype=params_dtype,
+        **_moe_config_from_hf(c, arch),
     )
+
+
+def _moe_config_from_hf(c: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The ModelConfig fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config's experts (none for a dense one)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    step, dense = c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise ValueError(f"config.json mixes dense and mixture-of-experts layers (decoder_sparse_step {step}, "
+                         f"mlp_only_layers {dense}): not supported, every layer here is a mixture of experts")
+    if c.get("router_jitter_noise"):
+        raise ValueError(f"config.json sets router_jitter_noise {c['router_jitter_noise']}: not supported "
+                         f"(the router here is deterministic); set it to 0")
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, moe_router_topk=c["num_experts_per_tok"],
+                    moe_ffn_hidden_size=c["intermediate_size"], moe_norm_topk_prob=True)
+    shared = c.get("shared_expert_intermediate_size") or None
+    return dict(num_experts=experts, moe_router_topk=c["num_experts_per_tok"],
+                moe_ffn_hidden_size=c["moe_intermediate_size"], moe_norm_topk_prob=bool(c.get("norm_topk_prob")),
+                moe_shared_expert_ffn_hidden_size=shared if arch == "Qwen2MoeForCausalLM" else None,
+                moe_shared_expert_gate=arch == "Qwen2MoeForCausalLM" and shared is not None)
 
 
 class HFToFull(Mapping[str, torch.Tensor]):
@@ -156,9 +221,10 @@ class HFToFull(Mapping[str, torch.Tensor]):
     With a lazy ``hf`` mapping (:class:`HFCheckpointReader`) only the HF tensors a full tensor
     needs are read, so converting a large model never holds it whole in memory."""
 
-    def __init__(self, hf: Mapping[str, torch.Tensor], model: ModelConfig, fused: bool = False) -> None:
-        """``fused``: the checkpoint keeps Phi-3's qkv_proj and gate_up_proj (:data:`FUSED_PROJECTIONS`)."""
-        self.hf, self.model, self.fused = hf, model, fused
+    def __init__(self, hf: Mapping[str, torch.Tensor], model: ModelConfig, arch: str = "LlamaForCausalLM") -> None:
+        """``arch``: the HF architecture whose tensor names ``hf`` has (:func:`hf_architecture`)."""
+        self.hf, self.model, self.arch = hf, model, arch
+        self.table, self.gate_up = layer_table(model, arch), gate_up_table(model, arch)
         self._names = list(expected_full_shapes(model))
 
     def __iter__(self) -> Iterator[str]:
@@ -174,54 +240,53 @@ class HFToFull(Mapping[str, torch.Tensor]):
         m = _LAYER.match(name)
         if not m:
             raise KeyError(name)
-        i, rel = m.group(1), m.group(2)
-        table = layer_table(model)
-        if rel in table:
-            return hf[f"model.layers.{i}.{table[rel]}"]
-        a = f"model.layers.{i}.self_attn."
-        if self.fused and rel == "self_attention.linear_qkv.weight":
+        layer, rel = f"model.layers.{m.group(1)}.", m.group(2)
+        if rel in self.table:
+            return hf[layer + self.table[rel]]
+        if rel in self.gate_up:
+            gate, up = self.gate_up[rel]
+            return fuse_gate_up(hf[layer + gate], hf[layer + up])
+        a = layer + "self_attn."
+        if rel == "self_attention.linear_qkv.weight" and self.arch in FUSED_PROJECTIONS:
             d = model.kv_channels
             q, k, v = hf[a + "qkv_proj.weight"].split(
                 [model.num_attention_heads * d, model.num_query_groups * d, model.num_query_groups * d])
             return fuse_qkv(q, k, v, model)
-        if self.fused and rel == "mlp.linear_fc1.weight":
-            return hf[f"model.layers.{i}.mlp.gate_up_proj.weight"]
         if rel == "self_attention.linear_qkv.weight":
             return fuse_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], model)
         if rel == "self_attention.linear_qkv.bias":
             return fuse_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], model)
-        if rel == "mlp.linear_fc1.weight":
-            mlp = f"model.layers.{i}.mlp."
-            return fuse_gate_up(hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"])
         raise KeyError(name)
 
 
-def hf_to_full(hf: Mapping[str, torch.Tensor], model: ModelConfig, fused: bool = False) -> dict[str, torch.Tensor]:
-    """HF state dict -> full Megatron form, materialised (``fused``: see :class:`HFToFull`)."""
-    lazy = HFToFull(hf, model, fused)
+def hf_to_full(hf: Mapping[str, torch.Tensor], model: ModelConfig,
+               arch: str = "LlamaForCausalLM") -> dict[str, torch.Tensor]:
+    """HF state dict -> full Megatron form, materialised (``arch``: see :class:`HFToFull`)."""
+    lazy = HFToFull(hf, model, arch)
     return {name: lazy[name] for name in lazy}
 
 
-def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig, fused: bool = False) -> dict[str, torch.Tensor]:
-    """Full Megatron form -> HF state dict (inverse of :func:`hf_to_full`)."""
+def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig,
+               arch: str = "LlamaForCausalLM") -> dict[str, torch.Tensor]:
+    """Full Megatron form -> HF state dict of ``arch`` (inverse of :func:`hf_to_full`)."""
     out: dict[str, torch.Tensor] = {}
     for mname, hname in GLOBAL_TABLE.items():
         if mname in full:
             out[hname] = full[mname]
+    table, gate_up = layer_table(model, arch), gate_up_table(model, arch)
     for i in range(model.num_layers):
-        for mname, hname in layer_table(model).items():
-            out[f"model.layers.{i}.{hname}"] = full[f"decoder.layers.{i}.{mname}"]
-        a = f"model.layers.{i}.self_attn."
-        q, k, v = split_qkv(full[f"decoder.layers.{i}.self_attention.linear_qkv.weight"], model)
-        if fused:
+        layer, mlayer = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for mname, hname in table.items():
+            out[layer + hname] = full[mlayer + mname]
+        for mname, (gate, up) in gate_up.items():
+            out[layer + gate], out[layer + up] = split_gate_up(full[mlayer + mname])
+        a = layer + "self_attn."
+        q, k, v = split_qkv(full[mlayer + "self_attention.linear_qkv.weight"], model)
+        if arch in FUSED_PROJECTIONS:
             out[a + "qkv_proj.weight"] = torch.cat([q, k, v])
-            out[f"model.layers.{i}.mlp.gate_up_proj.weight"] = full[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
             continue
         out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
         if model.add_qkv_bias:
-            q, k, v = split_qkv(full[f"decoder.layers.{i}.self_attention.linear_qkv.bias"], model)
+            q, k, v = split_qkv(full[mlayer + "self_attention.linear_qkv.bias"], model)
             out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
-        gate, up = split_gate_up(full[f"decoder.layers.{i}.mlp.linear_fc1.weight"])
-        out[f"model.layers.{i}.mlp.gate_proj.weight"] = gate
-        out[f"model.layers.{i}.mlp.up_proj.weight"] = up
     return out

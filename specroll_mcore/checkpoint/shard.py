@@ -9,7 +9,8 @@ How each parameter is split over TP follows megatron-core's layers:
   * ColumnParallelLinear / VocabParallelEmbedding: dim 0 (QKV rows are grouped per KV head, so
     contiguous chunks give each rank whole groups; the SwiGLU fc1 is [gate; up], chunked separately);
   * RowParallelLinear: dim 1;
-  * norms and the heads' token counts: replicated.
+  * a mixture of experts' MLPs (each expert's, the shared expert's) as the dense MLP;
+  * norms, the router, the shared expert's gate and the heads' token counts: replicated.
 Layer numbers are global in the full form and local to the stage in the shard.
 """
 
@@ -23,7 +24,7 @@ import torch
 from specroll_mcore.config import ModelConfig, pipeline_split
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "linear_fc2.weight")  # (fc2: dense, expert, shared)
 _COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _HEADS = re.compile(r"^heads\..*\.weight$")  # horizon heads' ColumnParallelLinears, rows split over TP
@@ -44,7 +45,7 @@ def shard_tensor(name: str, full: torch.Tensor, model: ModelConfig, tp_size: int
         return _pad_vocab(full, model.padded_vocab_size(tp_size)).chunk(tp_size, 0)[tp_rank]
     if name.endswith(_COLUMN_PARALLEL) or _HEADS.match(name):
         return full.chunk(tp_size, 0)[tp_rank]
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight"):
         gate, up = full.chunk(2, 0)
         return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]])
     if name.endswith(_ROW_PARALLEL):
@@ -58,7 +59,7 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], model: ModelConfig) ->
         return torch.cat(shards)[: model.vocab_size]
     if name.endswith(_COLUMN_PARALLEL) or _HEADS.match(name):
         return torch.cat(shards)
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight"):
         gates, ups = zip(*(s.chunk(2, 0) for s in shards))
         return torch.cat([*gates, *ups])
     if name.endswith(_ROW_PARALLEL):
@@ -134,11 +135,30 @@ def expected_full_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attention.q_layernorm.weight"] = (d,)
             shapes[p + "self_attention.k_layernorm.weight"] = (d,)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
-        shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
-        shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+        if model.is_moe:
+            shapes.update({p + k: v for k, v in _moe_shapes(model).items()})
+        else:
+            shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
+            shapes[p + "mlp.linear_fc2.weight"] = (h, f)
     shapes["decoder.final_layernorm.weight"] = (h,)
     if not model.tie_word_embeddings:
         shapes["output_layer.weight"] = (model.vocab_size, h)
+    return shapes
+
+
+def _moe_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Layer-relative name -> shape of a mixture-of-experts MLP (megatron-core's MoELayer)."""
+    h, f = model.hidden_size, model.moe_ffn_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"mlp.router.weight": (model.num_experts, h)}
+    for e in range(model.num_experts):
+        shapes[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
+        shapes[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+    s = model.moe_shared_expert_ffn_hidden_size
+    if s is not None:
+        shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * s, h)
+        shapes["mlp.shared_experts.linear_fc2.weight"] = (h, s)
+        if model.moe_shared_expert_gate:
+            shapes["mlp.shared_experts.gate_weight"] = (1, h)
     return shapes
 
 

@@ -3,7 +3,8 @@
 Parameter names, shapes and TP layout are megatron-core's (``embedding.word_embeddings.weight``,
 ``decoder.layers.N.self_attention.linear_qkv.weight``, ... ``output_layer.weight``), so Megatron
 checkpoints and tools apply. The only swaps in the local layer spec are the self-attention class
-(KV cache and tree masks) and its core attention (torch SDPA, runs on CPU and GPU).
+(KV cache and tree masks) and its core attention (torch SDPA, runs on CPU and GPU). A mixture of
+experts is megatron-core's MoELayer as it is (``moe_fields``), its linears packed as the dense MLP's.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
 
 def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerConfig:
-    """megatron-core TransformerConfig for a Llama/Qwen2/Qwen3 architecture under this layout."""
+    """megatron-core TransformerConfig for a Llama/Qwen2/Qwen3 architecture (dense or mixture of
+    experts) under this layout."""
     ctx.stage_layers(model.num_layers)  # a split that does not add up fails here, naming the fields
     dtype = model.torch_dtype
-    return TransformerConfig(
+    return TransformerConfig(**moe_fields(model, ctx),
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -70,18 +72,53 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerC
     )
 
 
-def layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
+def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
+    """The TransformerConfig fields of ``model``'s mixture of experts (none for a dense model).
+
+    Routing as Hugging Face's Mixtral / Qwen-MoE: a softmax over the router's logits, the top k
+    experts, weighed by their probabilities renormalised over the k (megatron-core's top-k then
+    softmax) or not (its pre-softmax routing). Dropless (no expert capacity), no load-balancing
+    loss (the policy loss alone moves the router), the all-gather token dispatcher (the one without
+    all-to-all, which gloo lacks). A batch-invariant policy (half precision on CPU) routes in
+    float64, where a router product does not depend on the rows in the call (measured on
+    Qwen3-30B-A3B's 128 x 2048 router: in bfloat16, 1 of 64 rows differs from its one-row product in
+    calls of 64 rows or more; in float32, nearly every row; in float64, none), and a flipped expert
+    choice would change a token's hidden state far more than a rounding."""
+    if not model.is_moe:
+        return {}
+    batch_invariant = model.torch_dtype in (torch.bfloat16, torch.float16) and ctx.device.type == "cpu"
+    return dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+                moe_ffn_hidden_size=model.moe_ffn_hidden_size, moe_router_pre_softmax=not model.moe_norm_topk_prob,
+                moe_shared_expert_intermediate_size=model.moe_shared_expert_ffn_hidden_size,
+                moe_shared_expert_gate=model.moe_shared_expert_gate, moe_router_load_balancing_type="none",
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                moe_router_dtype="fp64" if batch_invariant else None)
+
+
+def _packed_mlp(mlp: ModuleSpec) -> ModuleSpec:
+    return dataclasses.replace(mlp, submodules=dataclasses.replace(
+        mlp.submodules, linear_fc1=PackedColumnParallelLinear, linear_fc2=PackedRowParallelLinear))
+
+
+def layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None) -> ModuleSpec:
     """megatron-core's local GPT layer spec with our self-attention and core attention, and linears
     whose CPU inference products run on packed weights (cpu_gemm.py); ``qk_layernorm``: its per-head
-    query and key RMSNorms (Qwen3), applied by megatron's ``get_query_key_value_tensors``."""
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    query and key RMSNorms (Qwen3), applied by megatron's ``get_query_key_value_tensors``;
+    ``num_experts``: its mixture-of-experts MLP (router, ``SequentialMLP`` experts, shared expert),
+    the experts' linears packed alike."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts,
+                                    moe_grouped_gemm=False)
     attn = spec.submodules.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPACoreAttention,
                                    linear_qkv=PackedColumnParallelLinear, linear_proj=PackedRowParallelLinear)
     new_attn = dataclasses.replace(attn, module=SpecRollSelfAttention, submodules=attn_sub)
     mlp = spec.submodules.mlp
-    new_mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
-        mlp.submodules, linear_fc1=PackedColumnParallelLinear, linear_fc2=PackedRowParallelLinear))
+    if num_experts is None:
+        new_mlp = _packed_mlp(mlp)
+    else:
+        new_mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
+            mlp.submodules, experts=_packed_mlp(mlp.submodules.experts),
+            shared_experts=_packed_mlp(mlp.submodules.shared_experts)))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn,
                                                                    mlp=new_mlp))
 
@@ -107,7 +144,7 @@ class PolicyModel(torch.nn.Module):
         with cpu_model_construction():
             self.gpt = GPTModel(
                 config=transformer_config(config, ctx),
-                transformer_layer_spec=layer_spec(config.qk_layernorm),
+                transformer_layer_spec=layer_spec(config.qk_layernorm, config.num_experts),
                 vocab_size=self.padded_vocab_size,
                 max_sequence_length=config.max_position_embeddings,
                 pre_process=ctx.is_first_stage,

@@ -62,8 +62,9 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
 
 
 def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
-    """3 layers as 2 + 1 over PP=2 (checkpoint converted evenly for one stage: resharded on load)."""
-    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, num_layers=3)
+    """3 layers as 2 + 1 over PP=2 (checkpoint converted evenly for one stage: resharded on load), on a
+    Qwen3-MoE: its routers and every expert train, on either stage, as in one process."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, num_layers=3, arch="qwen3_moe")
     ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
     got = run(ckpt, tmp_path / "pp2", 1, 2, 2, "--set=parallel.num_layers_in_last_pipeline_stage=1")
     assert json.loads((tmp_path / "pp2" / "specroll_config.json").read_text())["pipeline_stage_layers"] == [2, 1]
@@ -72,7 +73,12 @@ def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
     for k in ("loss", "grad_norm"):
         assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
     ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(tmp_path / "pp2")
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
+    print(f"Qwen3-MoE, PP=2 split 2 + 1: max |weight diff| after one step = {diff:.2e}")
+    assert diff < 1e-4
+    before = load_full_state_dict(ckpt)
+    moe = [k for k in ref_w if ".mlp.router." in k or ".mlp.experts." in k]
+    assert len(moe) == 3 * (1 + 4 * 2) and all((ref_w[k] != before[k]).any() for k in moe)  # all of them moved
 
 
 def test_dynamic_sampling_at_dp2_equals_dp1(tmp_path):

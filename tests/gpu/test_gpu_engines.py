@@ -89,15 +89,16 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 16}
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama3", "qwen2_yarn"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama3", "qwen2_yarn", "qwen3_moe"])
 def test_architectures_on_gpu(gpu_ctx, arch):
-    """Qwen3's query/key norms, Llama 3.1's and YaRN's RoPE on the device: cached decoding equals a full
-    recompute, and the speculative engine emits the vanilla engine's tokens."""
-    from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3
+    """Qwen3's query/key norms, Llama 3.1's and YaRN's RoPE, and a Qwen3-MoE's experts (megatron-core's
+    MoELayer, without Transformer Engine) on the device: cached decoding equals a full recompute, and
+    the speculative engine emits the vanilla engine's tokens."""
+    from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
     from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
 
     make, overrides = {"qwen3": (tiny_qwen3, {}), "llama3": (tiny_llama, {"rope_scaling": LLAMA3}),
-                       "qwen2_yarn": (tiny_qwen2, {"rope_scaling": YARN})}[arch]
+                       "qwen2_yarn": (tiny_qwen2, {"rope_scaling": YARN}), "qwen3_moe": (tiny_qwen3_moe, {})}[arch]
     model = _policy(gpu_ctx, "float64", make, **overrides)
     _check_cache_against_recompute(model, 24)
     sp = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=24, num_samples=3, seed=5)

@@ -9,7 +9,7 @@ import torch
 
 from specroll_mcore import cpu_gemm
 from specroll_mcore.checkpoint.megatron import load_policy
-from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3
+from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from specroll_mcore.model.attention import KEY_BLOCK, causal_mask, one_token_key_order, step_attention_kernels
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
 
@@ -90,7 +90,7 @@ def check_trees(model, vocab_size: int, context: int, sizes: tuple[int, ...]) ->
 
 
 @needs_bf16_kernels
-@pytest.mark.parametrize("make_cfg", [tiny_llama, tiny_qwen2, tiny_qwen3])
+@pytest.mark.parametrize("make_cfg", [tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe])
 @pytest.mark.parametrize("step_kernel", [True, False], ids=["step-kernel", "ordered-attention"])
 def test_tree_forward_equals_one_token_forwards_in_bfloat16(ctx, make_cfg, step_kernel, monkeypatch):
     """Both ways a half-precision step's attention runs: the step kernel (where it builds) and ordered

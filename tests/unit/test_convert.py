@@ -16,7 +16,8 @@ from specroll_mcore.model import causal_mask
 from specroll_mcore.rollout import VanillaEngine
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True),
-         ("llama3", False), ("mistral", False), ("qwen2_yarn", True), ("phi3", False)]
+         ("llama3", False), ("mistral", False), ("qwen2_yarn", True), ("phi3", False), ("qwen3_moe", False),
+         ("qwen2_moe", True), ("mixtral", False)]
 
 
 def our_logits(policy, ids):
@@ -43,11 +44,12 @@ def test_logits_and_greedy_parity_with_transformers(tmp_path, ctx, arch, tied):
 
 
 @pytest.mark.parametrize("arch, safe", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("llama3", True),
-                                        ("phi3", True)])
+                                        ("phi3", True), ("qwen2_moe", True), ("mixtral", True)])
 def test_round_trip_is_bit_exact(tmp_path, arch, safe):
     hf = save_tiny_hf(tmp_path / "hf", arch, tied=False, safe=safe)
-    convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tensor_parallel_size=2, pipeline_parallel_size=2)
-    assert (tmp_path / "mcore/release/mp_rank_01_001/model_optim_rng.pt").is_file()
+    tp = 1 if arch in ("qwen2_moe", "mixtral") else 2  # (mixtures of experts: TP 1, ParallelConfig.validate)
+    convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tensor_parallel_size=tp, pipeline_parallel_size=2)
+    assert (tmp_path / f"mcore/release/mp_rank_0{tp - 1}_001/model_optim_rng.pt").is_file()
     convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     ref, got = hf.state_dict(), back.state_dict()
@@ -56,7 +58,7 @@ def test_round_trip_is_bit_exact(tmp_path, arch, safe):
         assert torch.equal(ref[k], got[k]), k
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen2_yarn", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen2_yarn", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_config_written_back_describes_the_same_model(arch):
     """A checkpoint without its source's config.json (trained from a random init, say) is written
     back with one made from its ModelConfig: transformers reads it as the same architecture."""
@@ -170,6 +172,27 @@ def test_unsupported_attention_variants(tmp_path):
     (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, "partial_rotary_factor": 0.5}))
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is not supported"):
         convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_mixture_of_experts_variants(tmp_path):
+    save_tiny_hf(tmp_path / "hf", "qwen3_moe", False)
+    cfg = json.loads((tmp_path / "hf/config.json").read_text())
+    for change, match in [({"decoder_sparse_step": 2}, r"mixes dense and mixture-of-experts layers \(decoder_sparse_step 2"),
+                          ({"mlp_only_layers": [0]}, r"mlp_only_layers \[0\]\): not supported"),
+                          ({"router_jitter_noise": 0.01}, r"router_jitter_noise 0.01: not supported")]:
+        (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=match):
+            convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    (tmp_path / "hf/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size is 2 but the model is a mixture of experts"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out", tensor_parallel_size=2)
+    for change, match in [({"num_experts": 8}, r"mlp.gate.weight has shape \(4, 64\) but config.json implies \(8, 64\)"),
+                          ({"moe_intermediate_size": 40}, r"experts.0.gate_proj.weight has shape \(48, 64\) but "
+                                                          r"config.json implies \(40, 64\)")]:
+        (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=match):
+            convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -57,9 +57,10 @@ def test_stop_strings_need_a_tokenizer(engine):
     (8, 1, 8, r"num_attention_heads \(4\) is not divisible by .*tensor_model_parallel_size \(8\)"),
     (4, 1, 4, r"num_query_groups \(2 KV heads\) is not divisible by .*tensor_model_parallel_size \(4\)"),
     (1, 3, 3, r"num_layers \(4\) is not divisible by .*pipeline_model_parallel_size \(3\)"),
+    (2, 1, 2, r"tensor_model_parallel_size is 2 but the model is a mixture of experts \(ModelConfig.num_experts 4\)"),
 ])
 def test_parallel_layout(tp, pp, world, match):
-    cfg = tiny_llama()
+    cfg = tiny_llama(num_experts=4) if "experts" in match else tiny_llama()
     with pytest.raises(ValueError, match=match):
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate(cfg, world)
 
@@ -101,6 +102,21 @@ def test_model_config_errors():
                                  "original_max_position_embeddings": 8192})
     with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['hidden'\]"):
         ModelConfig.from_dict({"hidden": 3})
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(moe_router_topk=4), r"ModelConfig.moe_router_topk set but num_experts is not"),
+    (dict(num_experts=1), r"num_experts must be at least 2, got 1"),
+    (dict(num_experts=4, moe_router_topk=5), r"moe_router_topk \(5\) must be between 1 and num_experts \(4\)"),
+    (dict(num_experts=4, moe_router_topk=1), r"moe_router_topk 1 with moe_norm_topk_prob true .* set "
+                                             r"moe_norm_topk_prob false"),
+    (dict(num_experts=4, moe_ffn_hidden_size=0), r"moe_ffn_hidden_size must be positive, got 0"),
+    (dict(num_experts=4, moe_shared_expert_gate=True), r"moe_shared_expert_gate is set but there is no shared expert"),
+])
+def test_mixture_of_experts_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_llama(**fields)
+    tiny_llama(num_experts=4, moe_router_topk=1, moe_norm_topk_prob=False)  # (Switch-style routing: fine)
 
 
 def test_weights_that_do_not_fit_the_config(ctx):

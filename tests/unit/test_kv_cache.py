@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_policy
-from specroll_mcore.config import tiny_llama, tiny_qwen2, tiny_qwen3
+from specroll_mcore.config import tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from specroll_mcore.model import causal_mask
 from specroll_mcore.model.kv_cache import KVCache
 
@@ -21,7 +21,7 @@ def test_cached_decode_matches_full_recompute(ctx):
               "original_max_position_embeddings": 8}
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
     for cfg in (tiny_llama(), tiny_qwen2(), tiny_qwen3(), tiny_llama(rope_scaling=llama3),
-                tiny_qwen2(rope_scaling=yarn)):
+                tiny_qwen2(rope_scaling=yarn), tiny_qwen3_moe()):
         model = make_policy(cfg, ctx)
         prompts = [[3, 14, 15, 92, 65], [35], [89, 79, 32, 38, 46, 26, 43]]  # ragged
         steps = 12

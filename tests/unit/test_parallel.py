@@ -23,6 +23,20 @@ def test_cpu_compat_items(ctx):
         x.cuda()  # outside model construction, CUDA calls still fail loudly
 
 
+def test_megatron_compat_items(ctx):
+    """Without Transformer Engine, megatron-core 0.16.1's router gating product names an undefined
+    te_general_gemm; once defined as None, a mixture-of-experts router runs on torch.mm."""
+    from megatron.core.transformer.moe import moe_utils
+
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        assert parallel.apply_megatron_compat() == ["moe_utils.te_general_gemm -> None"]
+        assert moe_utils.te_general_gemm is None
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    assert torch.allclose(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.T)
+
+
 def test_single_process_context(ctx):
     assert (ctx.tp_size, ctx.pp_size, ctx.dp_size, ctx.world_size) == (1, 1, 1, 1)
     assert ctx.is_first_stage and ctx.is_last_stage

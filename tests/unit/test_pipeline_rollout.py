@@ -212,6 +212,11 @@ def test_converter_writes_an_uneven_split(tmp_path, capsys):
     ("qwen3_8b_dapo_1node.yaml", "train", dict(num_layers=36, hidden_size=4096, ffn_hidden_size=12288,
                                                num_attention_heads=32, num_query_groups=8, kv_channels=128,
                                                qk_layernorm=True, rope_theta=1e6), 8),
+    # Qwen3-30B-A3B (its config.json: 128 experts of width 768, 8 a token), on 4 x 8 GPUs
+    ("qwen3_30b_a3b_dapo_multinode.yaml", "train", dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144,
+                                                       num_attention_heads=32, num_query_groups=4, kv_channels=128,
+                                                       qk_layernorm=True, rope_theta=1e6, num_experts=128,
+                                                       moe_router_topk=8, moe_ffn_hidden_size=768), 32),
 ])
 def test_example_configs_load_and_fit_their_models(name, config, shape, world):
     from pathlib import Path

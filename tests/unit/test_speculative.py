@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specroll_mcore.checkpoint import random_full_state_dict
-from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3
+from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
 from specroll_mcore.tree import DepthCalibration, LatencyCurve, LatencySurface
@@ -34,7 +34,7 @@ def compare(a, b):
     return same, lp
 
 
-@pytest.mark.parametrize("make_cfg", [tiny_llama, tiny_qwen2, tiny_qwen3])
+@pytest.mark.parametrize("make_cfg", [tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe])
 @pytest.mark.parametrize("mode", list(SAMPLINGS))
 def test_identical_to_vanilla_float64(ctx, make_cfg, mode):
     model = policy_with_heads(make_cfg(params_dtype="float64"), ctx)
