@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -95,6 +96,28 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
                 moe_router_dtype="fp64" if batch_invariant else None)
 
 
+class SpecRollSequentialMLP(SequentialMLP):
+    """megatron-core's ``SequentialMLP`` (each expert an MLP, run one after another on the tokens routed
+    to it); in inference only the experts that received tokens run. Its forward calls every expert,
+    empty ones included: at a decoding step of a 128-expert layer that routes 8 a token, 120 calls
+    compute nothing but cost their launch. Training keeps megatron's forward, so every expert takes a
+    gradient (zero where it got no token) and the data-parallel reductions see the same tensors on
+    every replica. The experts that run are the same calls on the same rows: outputs are identical."""
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        if (torch.is_grad_enabled() or self.num_local_experts == 1 or self.config.moe_apply_probs_on_input
+                or self.config.fp8 or self.config.fp4):
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        outputs, start = [], 0
+        for expert, n in zip(self.local_experts, tokens_per_expert.tolist()):
+            if n:
+                outputs.append(expert(permuted_local_hidden_states[start:start + n],
+                                      permuted_probs[start:start + n])[0])
+                start += n
+        return (torch.cat(outputs) if outputs else permuted_local_hidden_states[:0]), None
+
+
 def _packed_mlp(mlp: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(mlp, submodules=dataclasses.replace(
         mlp.submodules, linear_fc1=PackedColumnParallelLinear, linear_fc2=PackedRowParallelLinear))
@@ -104,8 +127,8 @@ def layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None) ->
     """megatron-core's local GPT layer spec with our self-attention and core attention, and linears
     whose CPU inference products run on packed weights (cpu_gemm.py); ``qk_layernorm``: its per-head
     query and key RMSNorms (Qwen3), applied by megatron's ``get_query_key_value_tensors``;
-    ``num_experts``: its mixture-of-experts MLP (router, ``SequentialMLP`` experts, shared expert),
-    the experts' linears packed alike."""
+    ``num_experts``: its mixture-of-experts MLP (router, ``SequentialMLP`` experts that skip the empty
+    ones in inference, shared expert), the experts' linears packed alike."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts,
                                     moe_grouped_gemm=False)
     attn = spec.submodules.self_attention
@@ -117,7 +140,8 @@ def layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None) ->
         new_mlp = _packed_mlp(mlp)
     else:
         new_mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
-            mlp.submodules, experts=_packed_mlp(mlp.submodules.experts),
+            mlp.submodules, experts=dataclasses.replace(_packed_mlp(mlp.submodules.experts),
+                                                        module=SpecRollSequentialMLP),
             shared_experts=_packed_mlp(mlp.submodules.shared_experts)))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn,
                                                                    mlp=new_mlp))
