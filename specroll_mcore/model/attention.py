@@ -54,6 +54,9 @@ from specroll_mcore.model.kv_cache import KVCache
 STEP_ATTENTION_SOURCE = Path(__file__).parent.parent / "csrc" / "step_attention.cpp"
 STEP_ATTENTION_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp")
 STEP_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+STEP_ATTENTION_HEAD_DIMS = (16, 32, 48, 64)
+"""Head dimensions the kernel takes (AVX-512 lanes of 16 floats, up to 4 per head); other heads
+(Qwen2.5-7B's and Llama's 128) take ordered attention."""
 
 
 def step_attention_kernels() -> Optional[Any]:

@@ -26,7 +26,8 @@ from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_d
 from specroll_mcore.config import ModelConfig
 from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
 from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
-from specroll_mcore.model.attention import (KEY_BLOCK, STEP_ATTENTION_DTYPES, AttentionMetadata, SDPACoreAttention,
+from specroll_mcore.model.attention import (KEY_BLOCK, STEP_ATTENTION_DTYPES, STEP_ATTENTION_HEAD_DIMS,
+                                            AttentionMetadata, SDPACoreAttention,
                                             SpecRollSelfAttention, rope_attention_factor, rope_inv_freq,
                                             step_attention_kernels)
 from specroll_mcore.model.kv_cache import KVCache
@@ -195,11 +196,13 @@ class PolicyModel(torch.nn.Module):
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
         """A KV cache for this stage's layers, all in one buffer of keys and one of values. A
         batch-invariant policy's steps read whole key blocks (model/attention.py); where the
-        step-attention kernel runs them, keys are stored position-major for it."""
+        step-attention kernel runs them (its dtypes and head dimensions), keys are stored position-major
+        for it."""
         kernel = False
         if self.batch_invariant:
             capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
-            kernel = self.dtype in STEP_ATTENTION_DTYPES and step_attention_kernels() is not None
+            kernel = (self.dtype in STEP_ATTENTION_DTYPES and self.config.kv_channels in STEP_ATTENTION_HEAD_DIMS
+                      and step_attention_kernels() is not None)
         layers = [layer.self_attention.layer_number for layer in self.gpt.decoder.layers]
         return KVCache(num_slots, capacity, self.ctx.device, self.dtype, layers, position_major_keys=kernel)
 

@@ -117,8 +117,12 @@ def test_smollm2_tree_forward_equals_one_token_forwards_in_bfloat16(ctx, smollm2
 
 
 @needs_bf16_kernels
-def test_speculative_equals_vanilla_in_bfloat16(ctx):
-    model = policy_with_heads(tiny_qwen2(params_dtype="bfloat16"), ctx, seed=1)
+@pytest.mark.parametrize("make_cfg", [tiny_qwen2, tiny_qwen3_moe])
+def test_speculative_equals_vanilla_in_bfloat16(ctx, make_cfg):
+    """Qwen2's heads of 16 on the step kernel; the Qwen3-MoE's of 24, which the kernel does not take,
+    on ordered attention (and its experts routed in float64)."""
+    model = policy_with_heads(make_cfg(params_dtype="bfloat16"), ctx, seed=1)
+    assert model.new_cache(1, 8).position_major_keys == (make_cfg is tiny_qwen2 and step_attention_kernels() is not None)
     sp = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=40, num_samples=3, seed=7)
     ref = VanillaEngine(model, eos_token_ids=[9]).generate(PROMPTS, sp)
     for c_hw in (16, 64):
