@@ -98,6 +98,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.target_topk < 1:
         ap.error(f"--target-topk must be >= 1, got {args.target_topk}")
+    if args.steps < 2:
+        ap.error(f"--steps must be >= 2 (a warm-up and a decay), got {args.steps}")
 
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
@@ -167,7 +169,10 @@ def main() -> int:
     policy.heads.token_counts.copy_(ctx.all_reduce_dp(counts.to(ctx.device)))
     params = freeze_all_but_heads(policy)
     opt = MainParamAdamW(params, lr=args.lr, weight_decay=0.0)  # float32 main copies of bfloat16 heads
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt.optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
+    # one cycle: warm-up over 10% of the steps, at least 1.5 of them (torch's schedule divides by the
+    # warm-up's length in steps, less one)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt.optimizer, max_lr=args.lr, total_steps=args.steps,
+                                                pct_start=max(0.1, 1.5 / args.steps))
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + ctx.dp_rank)
     bar = tqdm(range(args.steps), desc="training heads", disable=not report)
     history = []

@@ -248,8 +248,8 @@ def test_bench_rollout_smoke(tmp_path):
 def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     ckpt = tiny_policy_checkpoint(tmp_path / "fresh", with_heads=False)
     out, cache = tmp_path / "h.json", tmp_path / "records.pt"
-    args = ["--checkpoint", ckpt, "--prompts", 4, "--samples", 1, "--max-new-tokens", 8, "--steps", 3, "--batch", 8,
-            "--save-every", 2, "--records-cache", cache, "--out", out]
+    args = ["--checkpoint", ckpt, "--prompts", 4, "--samples", 1, "--max-new-tokens", 8, "--steps", 10, "--batch", 8,
+            "--save-every", 4, "--records-cache", cache, "--out", out]
     run_tool("train_heads.py", *args)
     summary = json.loads(out.read_text())
     assert summary["train_positions"] > 0 and summary["heldout_positions"] > 0
@@ -257,7 +257,7 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     from specroll_mcore.checkpoint.megatron import load_heads, read_checkpoint_config
 
     heads, meta = load_heads(ckpt)  # tied to this policy
-    assert meta["steps"] == 3 and meta["fitted_on"] == read_checkpoint_config(ckpt)["policy_fingerprint"]
+    assert meta["steps"] == 10 and meta["fitted_on"] == read_checkpoint_config(ckpt)["policy_fingerprint"]
     assert {f"heads.root_layers.{i}.weight" for i in range(3)} <= set(heads)
     assert any(v.abs().sum() > 0 for k, v in heads.items() if "root_layers" in k)  # U trained too
     assert {"heads.path_layers.1.0.weight", "heads.path_layers.2.1.weight"} <= set(heads)
@@ -276,6 +276,9 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--target-topk", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--target-topk must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--steps", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--steps must be >= 2" in proc.stderr
 
 
 def test_bench_convert_smoke(tmp_path):
