@@ -116,6 +116,15 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     """Scale the shared expert's output by a sigmoid gate of the token's hidden state (Qwen2-MoE)."""
 
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of megatron-core's Switch load-balancing loss in the policy update, per router:
+    ``coeff * E * sum_e f_e P_e`` over a micro-batch's tokens (padding left out; f_e: the share of the
+    k x T routed slots expert e takes, P_e: its mean router probability; 1 when balanced), averaged
+    over the step's micro-batches (Megatron-LM's ``--moe-aux-loss-coeff``). Hugging Face's
+    ``router_aux_loss_coef`` weighs one such loss over all layers' tokens, k times larger per unit.
+    0: none, the policy loss alone moves the routers. Set it for a run with
+    TrainConfig.moe_aux_loss_coeff."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "vocab_size", "max_position_embeddings"):
@@ -175,6 +184,8 @@ class ModelConfig:
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size"):
             value = getattr(self, name)
             _check(value is None or value > 0, f"ModelConfig.{name} must be positive, got {value}")
+        _check(self.moe_aux_loss_coeff >= 0,
+               f"ModelConfig.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         _check(not self.moe_shared_expert_gate or self.moe_shared_expert_ffn_hidden_size is not None,
                "ModelConfig.moe_shared_expert_gate is set but there is no shared expert; set "
                "moe_shared_expert_ffn_hidden_size")
@@ -285,20 +296,7 @@ class ParallelConfig:
         _check(world_size % (tp * pp) == 0,
                f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
                f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes")
-        _check(model.num_attention_heads % tp == 0,
-               f"ModelConfig.num_attention_heads ({model.num_attention_heads}) is not divisible by "
-               f"ParallelConfig.tensor_model_parallel_size ({tp})")
-        _check(model.num_query_groups % tp == 0,
-               f"ModelConfig.num_query_groups ({model.num_query_groups} KV heads) is not divisible by "
-               f"ParallelConfig.tensor_model_parallel_size ({tp}); choose a TP size that divides it")
-        _check(model.ffn_hidden_size % tp == 0,
-               f"ModelConfig.ffn_hidden_size ({model.ffn_hidden_size}) is not divisible by "
-               f"ParallelConfig.tensor_model_parallel_size ({tp})")
-        _check(not model.is_moe or tp == 1,
-               f"ParallelConfig.tensor_model_parallel_size is {tp} but the model is a mixture of experts "
-               f"(ModelConfig.num_experts {model.num_experts}): megatron-core trains experts under tensor "
-               f"parallelism only with sequence parallelism, which this project's attention does not do; "
-               f"use tensor_model_parallel_size 1 with pipeline and data parallelism")
+        check_tensor_parallel(model, tp)
         self.stage_layers(model.num_layers)
         return world_size // (tp * pp)
 
@@ -306,6 +304,24 @@ class ParallelConfig:
         """Layers per pipeline stage, first stage first (see :func:`pipeline_split`)."""
         return pipeline_split(num_layers, self.pipeline_model_parallel_size, self.num_layers_in_first_pipeline_stage,
                               self.num_layers_in_last_pipeline_stage)
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """``model`` splits over ``tp`` tensor-parallel ranks (heads, KV heads, MLP); clear errors otherwise."""
+    _check(model.num_attention_heads % tp == 0,
+           f"ModelConfig.num_attention_heads ({model.num_attention_heads}) is not divisible by "
+           f"ParallelConfig.tensor_model_parallel_size ({tp})")
+    _check(model.num_query_groups % tp == 0,
+           f"ModelConfig.num_query_groups ({model.num_query_groups} KV heads) is not divisible by "
+           f"ParallelConfig.tensor_model_parallel_size ({tp}); choose a TP size that divides it")
+    _check(model.ffn_hidden_size % tp == 0,
+           f"ModelConfig.ffn_hidden_size ({model.ffn_hidden_size}) is not divisible by "
+           f"ParallelConfig.tensor_model_parallel_size ({tp})")
+    _check(not model.is_moe or tp == 1,
+           f"ParallelConfig.tensor_model_parallel_size is {tp} but the model is a mixture of experts "
+           f"(ModelConfig.num_experts {model.num_experts}): megatron-core trains experts under tensor "
+           f"parallelism only with sequence parallelism, which this project's attention does not do; "
+           f"use tensor_model_parallel_size 1 with pipeline and data parallelism")
 
 
 def _check_stage_counts(pp: int, first: Optional[int], last: Optional[int]) -> None:
@@ -727,6 +743,11 @@ class TrainConfig:
     """Keep only each transformer layer's input in the policy update and rerun the layer's forward
     in the backward (activation memory of one layer instead of all, for one more forward)."""
 
+    moe_aux_loss_coeff: Optional[float] = None
+    """A mixture of experts' load-balancing loss weight for this run (ModelConfig.moe_aux_loss_coeff;
+    e.g. 1e-3); None: the checkpoint's (0 as converted). Logged as ``moe_aux_loss`` (unweighted, mean
+    over layers and micro-batches)."""
+
     lr: float = 1e-6
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -799,6 +820,8 @@ class TrainConfig:
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0,
                f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         _check(self.kl_beta >= 0, f"TrainConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        _check(self.moe_aux_loss_coeff is None or self.moe_aux_loss_coeff >= 0,
+               f"TrainConfig.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         _check(self.max_sampling_rounds >= 1,
                f"TrainConfig.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
         _check(0 <= self.overlong_buffer <= self.sampling.max_new_tokens,

@@ -193,10 +193,13 @@ def stop_token_ids(ckpt_dir: Path, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def model_config_of(ckpt_dir: Path, params_dtype: Optional[str] = None) -> ModelConfig:
+def model_config_of(ckpt_dir: Path, params_dtype: Optional[str] = None,
+                    overrides: Optional[dict[str, Any]] = None) -> ModelConfig:
+    """The checkpoint's ModelConfig, with ``params_dtype`` and ``overrides`` (fields) in place of its own."""
     d = dict(read_checkpoint_config(ckpt_dir)["model"])
     if params_dtype:
         d["params_dtype"] = params_dtype
+    d.update(overrides or {})
     return ModelConfig.from_dict(d)
 
 
@@ -263,13 +266,15 @@ def load_local_state_dict(ckpt_dir: Path, model: ModelConfig, tp_size: int, tp_r
 
 
 def load_policy(ckpt_dir: Path, ctx: Any, params_dtype: Optional[str] = None, num_heads: int = 0,
-                with_heads: bool = False) -> Any:
+                with_heads: bool = False, overrides: Optional[dict[str, Any]] = None) -> Any:
     """Build the policy for this rank's layout and load a checkpoint into it (resharding if the
     checkpoint was written for another TP/PP layout). ``with_heads`` also loads the saved horizon
-    heads (their count comes from the file); otherwise ``num_heads`` fresh zero-initialised heads."""
+    heads (their count comes from the file); otherwise ``num_heads`` fresh zero-initialised heads.
+    ``overrides``: ModelConfig fields that do not change the weights (a training setting such as
+    ``moe_aux_loss_coeff``)."""
     from specroll_mcore.model import PolicyModel
 
-    model = model_config_of(ckpt_dir, params_dtype)
+    model = model_config_of(ckpt_dir, params_dtype, overrides)
     heads = None
     if with_heads:
         heads, meta = load_heads(ckpt_dir)

@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from specroll_mcore import cpu_gemm
 from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict, shard_tensor
-from specroll_mcore.config import ModelConfig
+from specroll_mcore.config import ModelConfig, check_tensor_parallel
 from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
 from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
 from specroll_mcore.model.attention import (KEY_BLOCK, STEP_ATTENTION_DTYPES, STEP_ATTENTION_HEAD_DIMS,
@@ -37,6 +37,7 @@ from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerConfig:
     """megatron-core TransformerConfig for a Llama/Qwen2/Qwen3 architecture (dense or mixture of
     experts) under this layout."""
+    check_tensor_parallel(model, ctx.tp_size)  # (a checkpoint loaded into a layout it does not fit)
     ctx.stage_layers(model.num_layers)  # a split that does not add up fails here, naming the fields
     dtype = model.torch_dtype
     return TransformerConfig(**moe_fields(model, ctx),
@@ -79,9 +80,10 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
 
     Routing as Hugging Face's Mixtral / Qwen-MoE: a softmax over the router's logits, the top k
     experts, weighed by their probabilities renormalised over the k (megatron-core's top-k then
-    softmax) or not (its pre-softmax routing). Dropless (no expert capacity), no load-balancing
-    loss (the policy loss alone moves the router), the all-gather token dispatcher (the one without
-    all-to-all, which gloo lacks). A batch-invariant policy (half precision on CPU) routes in
+    softmax) or not (its pre-softmax routing). Dropless (no expert capacity); megatron-core's
+    Switch load-balancing loss on each router in training where ``moe_aux_loss_coeff`` > 0 (see
+    rl/schedule.py for its scale and padding), else none; the all-gather token dispatcher (the one
+    without all-to-all, which gloo lacks). A batch-invariant policy (half precision on CPU) routes in
     float64, where a router product does not depend on the rows in the call (measured on
     Qwen3-30B-A3B's 128 x 2048 router: in bfloat16, 1 of 64 rows differs from its one-row product in
     calls of 64 rows or more; in float32, nearly every row; in float64, none), and a flipped expert
@@ -92,7 +94,9 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
     return dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
                 moe_ffn_hidden_size=model.moe_ffn_hidden_size, moe_router_pre_softmax=not model.moe_norm_topk_prob,
                 moe_shared_expert_intermediate_size=model.moe_shared_expert_ffn_hidden_size,
-                moe_shared_expert_gate=model.moe_shared_expert_gate, moe_router_load_balancing_type="none",
+                moe_shared_expert_gate=model.moe_shared_expert_gate,
+                moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+                moe_aux_loss_coeff=model.moe_aux_loss_coeff,
                 moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                 moe_router_dtype="fp64" if batch_invariant else None)
 
@@ -148,8 +152,9 @@ def layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None) ->
                                                                    mlp=new_mlp))
 
 
-def _layer_output(layer: torch.nn.Module, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    return layer(hidden_states=hidden, attention_mask=meta)[0]  # a TransformerLayer returns (output, context)
+def _layer_output(layer: torch.nn.Module, hidden: torch.Tensor, meta: AttentionMetadata,
+                  padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return layer(hidden_states=hidden, attention_mask=meta, padding_mask=padding_mask)[0]  # a TransformerLayer returns (output, context)
 
 
 class PolicyModel(torch.nn.Module):
@@ -235,7 +240,7 @@ class PolicyModel(torch.nn.Module):
 
     def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                       hidden_in: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
-                      recompute: bool = False):
+                      recompute: bool = False, padding_mask: Optional[torch.Tensor] = None):
         """This stage's computation, no communication: embedding (first stage) or ``hidden_in``
         [s, b, h] (other stages) -> decoder (final norm included) -> output layer (last stage).
 
@@ -244,7 +249,9 @@ class PolicyModel(torch.nn.Module):
         token in prefill), else all positions. Returns (vocab-parallel logits [b, s|1, V/tp], final
         hidden states at those positions [s|1, b, h]) on the last stage, the output hidden states
         [s, b, h] elsewhere. Differentiable (the training schedule uses it); with ``recompute`` and
-        gradients enabled, each layer keeps only its input and reruns its forward in the backward."""
+        gradients enabled, each layer keeps only its input and reruns its forward in the backward.
+        ``padding_mask`` [b, s] (True: padding, megatron-core's convention): a mixture of experts'
+        load-balancing loss leaves it out."""
         b = input_ids.shape[0]
         gpt = self.gpt
         if self.ctx.is_first_stage:
@@ -253,16 +260,17 @@ class PolicyModel(torch.nn.Module):
             gpt.decoder.set_input_tensor(hidden_in)
             hidden = None
         if recompute and torch.is_grad_enabled():
-            hidden = self._recomputed_decoder(hidden, meta)
+            hidden = self._recomputed_decoder(hidden, meta, padding_mask)
         else:
-            hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta)
+            hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta, padding_mask=padding_mask)
         if not self.ctx.is_last_stage:
             return hidden
         selected = hidden if logits_index is None else \
             hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
         return self.vocab_projection(selected).transpose(0, 1), selected  # [b, s, V/tp], [s, b, h]
 
-    def _recomputed_decoder(self, hidden: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def _recomputed_decoder(self, hidden: Optional[torch.Tensor], meta: AttentionMetadata,
+                            padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What megatron's ``TransformerBlock.forward`` computes (layers, then the final norm on the
         last stage), with activation recomputation per layer: ``torch.utils.checkpoint``
         (non-reentrant, so the attention metadata passes as it is; megatron's own recompute saves
@@ -271,7 +279,7 @@ class PolicyModel(torch.nn.Module):
         if hidden is None:
             hidden = decoder.input_tensor  # set_input_tensor: the previous stage's output
         for layer in decoder.layers:
-            hidden = checkpoint(_layer_output, layer, hidden, meta, use_reentrant=False)
+            hidden = checkpoint(_layer_output, layer, hidden, meta, padding_mask, use_reentrant=False)
         if decoder.final_layernorm is not None:
             hidden = decoder.final_layernorm(hidden)
         return hidden

@@ -10,12 +10,16 @@ different micro-batches at once; gradients are the same as running them one afte
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
+                                                     get_moe_layer_wise_logging_tracker)
+from megatron.core.transformer.moe.router import TopKRouter
 
 from specroll_mcore.model import PolicyModel, causal_mask
 from specroll_mcore.parallel import grad_of, grad_sq_norm
@@ -104,8 +108,11 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         """The stage's output: the loss on the last stage, hidden states [L, b, h] on the others."""
         b, L = mb.input_ids.shape
         positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
+        # megatron-core's padding mask marks the padding (True), as its z_loss_func documents and every use
+        # inverts it (some of its docstrings say otherwise)
+        padding = positions >= mb.lengths[:, None].to(ctx.device) if policy.config.is_moe else None
         out = policy.stage_forward(mb.input_ids, policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths)),
-                                   hidden_in, recompute=recompute)
+                                   hidden_in, recompute=recompute, padding_mask=padding)
         if not last:
             return out
         loss, m = loss_fn(mb, token_logprobs(policy, out[0], mb.labels, temperature))
@@ -142,6 +149,43 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         if not first:
             ctx.send_backward(g_in)
     return ctx.broadcast_object_from_last_stage(metrics)  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def routers_training(policy: PolicyModel) -> Iterator[None]:
+    """megatron-core's routers in training mode, the rest of the policy as it is (evaluation mode: no
+    dropout, none configured anyway): a router attaches its load-balancing loss only in training."""
+    routers = [m for m in policy.gpt.modules() if isinstance(m, TopKRouter)]
+    modes = [r.training for r in routers]
+    for r in routers:
+        r.training = True
+    try:
+        yield
+    finally:
+        for r, mode in zip(routers, modes):
+            r.training = mode
+
+
+def set_moe_aux_loss_scale(micro_batches: int) -> None:
+    """Weigh each micro-batch's load-balancing loss (a mixture of experts with
+    ModelConfig.moe_aux_loss_coeff > 0) by 1 / ``micro_batches``, the micro-batches of the step over
+    all data-parallel replicas, whose gradients are summed: the step then takes the gradient of their
+    mean, as megatron-core's schedules scale it (MoEAuxLossAutoScaler, which megatron-core's routers
+    attach the loss with)."""
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches))
+
+
+def moe_aux_loss(policy: PolicyModel, micro_batches: int, recompute: bool) -> float:
+    """The unweighted load-balancing loss of the step just run, mean over the model's layers and the
+    ``micro_batches`` (over all data-parallel replicas), from megatron-core's tracker, which it then
+    clears; 0 without one. Every stage and replica calls it (the sum is all-reduced). With
+    ``recompute`` each router ran twice a micro-batch (forward, and again in the backward)."""
+    tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    ctx = policy.ctx
+    local = tracker["values"].sum().to(ctx.device) if tracker is not None else torch.zeros((), device=ctx.device)
+    total = ctx.all_reduce_dp(ctx.all_reduce_pp(local.clone()))
+    clear_aux_losses_tracker()
+    return float(total) / ((2 if recompute else 1) * micro_batches * policy.config.num_layers)
 
 
 def finalize_grads(policy: PolicyModel) -> None:

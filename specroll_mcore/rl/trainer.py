@@ -29,8 +29,8 @@ import torch
 from specroll_mcore import parallel
 from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
 from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
-from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, load_policy, read_checkpoint_config, stage_layers_of,
-                                                stop_token_ids)
+from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, load_policy, model_config_of, read_checkpoint_config,
+                                                stage_layers_of, stop_token_ids)
 from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
                                                    save_training_checkpoint)
 from specroll_mcore.config import TrainConfig
@@ -40,7 +40,8 @@ from specroll_mcore.rl.data import Example, load_examples, render_prompt
 from specroll_mcore.rl.grpo import group_advantages, policy_loss, varied_groups
 from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
-                                       global_grad_norm, pack_micro_batch)
+                                       global_grad_norm, moe_aux_loss, pack_micro_batch, routers_training,
+                                       set_moe_aux_loss_scale)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
 from specroll_mcore.rollout.base import FINISH_LENGTH
 from specroll_mcore.rollout.profile import speculative_setup
@@ -59,7 +60,13 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         self.source = resolve_checkpoint(cfg.checkpoint)
         self.out = Path(cfg.output_dir)
-        self.policy = load_policy(self.source, self.ctx, with_heads=cfg.engine == "specroll")
+        overrides = {}
+        if cfg.moe_aux_loss_coeff is not None:
+            if cfg.moe_aux_loss_coeff and not model_config_of(self.source).is_moe:
+                raise ValueError(f"TrainConfig.moe_aux_loss_coeff is {cfg.moe_aux_loss_coeff} but the policy in "
+                                 f"{self.source} has no experts (a dense model has no router to balance); leave it unset")
+            overrides["moe_aux_loss_coeff"] = cfg.moe_aux_loss_coeff
+        self.policy = load_policy(self.source, self.ctx, with_heads=cfg.engine == "specroll", overrides=overrides)
         for p in self.policy.gpt.parameters():
             p.requires_grad_(True)
         if self.policy.heads is not None:
@@ -219,9 +226,9 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         seqs, trained_groups = self._training_sequences(rounds)
         if seqs:
-            norm, loss, parts, skipped = self._update(self._micro_batches(seqs))
+            norm, loss, parts, skipped, aux = self._update(self._micro_batches(seqs))
         else:  # dynamic sampling found too few groups with a learning signal: no update
-            norm, loss, parts, skipped = 0.0, 0.0, [], True
+            norm, loss, parts, skipped, aux = 0.0, 0.0, [], True, None
             self.state["skipped_steps"] += 1
         train_s = time.perf_counter() - t2 + sum(r.reward_s for r in rounds)
 
@@ -244,6 +251,8 @@ class GRPOTrainer:
             "clip_fraction": sum(p["clip_fraction"] for p in parts) / max(1, len(parts)),
             "kl": sum(p["kl"] for p in parts) / max(1, len(parts)),
         })
+        if aux is not None:
+            row["moe_aux_loss"] = aux
         if cfg.dynamic_sampling:
             row.update(sampling_rounds=len(rounds), groups_varied=varied, groups_trained=trained_groups)
         if cfg.overlong_filter:  # responses cut at the length limit, masked out of the loss
@@ -315,8 +324,9 @@ class GRPOTrainer:
             return [], 0
         return [seq for _, g in groups[ctx.dp_rank::ctx.dp_size] for seq in g], len(groups)
 
-    def _update(self, mbs: list[MicroBatch]) -> tuple[float, float, list[dict], bool]:
-        """One optimizer step on the micro-batches: (grad norm, loss, per-micro-batch metrics, skipped)."""
+    def _update(self, mbs: list[MicroBatch]) -> tuple[float, float, list[dict], bool, Optional[float]]:
+        """One optimizer step on the micro-batches: (grad norm, loss, per-micro-batch metrics, skipped,
+        the unweighted load-balancing loss of a mixture of experts that applies one, else None)."""
         cfg, ctx, policy = self.cfg, self.ctx, self.policy
         if cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.temperature == 0:
             # the rollout's log-probs are of the filtered distribution: recompute unfiltered ones
@@ -331,7 +341,7 @@ class GRPOTrainer:
         total_seqs = ctx.all_reduce_dp(torch.tensor(float(sum(int((mb.loss_mask.sum(1) > 0).sum()) for mb in mbs))))
         if float(total_tokens) == 0:  # every response masked out (overlong filtering): nothing to learn from
             self.state["skipped_steps"] += 1
-            return 0.0, 0.0, [], True
+            return 0.0, 0.0, [], True, None
 
         def loss_fn(mb: MicroBatch, logp: torch.Tensor):
             out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
@@ -340,18 +350,24 @@ class GRPOTrainer:
                               "ratio": out.ratio_mean, "kl": out.kl}
 
         self.optimizer.zero_grad(set_to_none=True)
-        parts = forward_backward(policy, mbs, loss_fn, self._train_temperature(), cfg.recompute_activations)
+        balanced = policy.config.is_moe and policy.config.moe_aux_loss_coeff > 0
+        if balanced:
+            total_mbs = int(ctx.all_reduce_dp(torch.tensor(float(len(mbs)))))
+            set_moe_aux_loss_scale(total_mbs)
+        with routers_training(policy) if balanced else contextlib.nullcontext():
+            parts = forward_backward(policy, mbs, loss_fn, self._train_temperature(), cfg.recompute_activations)
+        aux = moe_aux_loss(policy, total_mbs, cfg.recompute_activations) if balanced else None
         finalize_grads(policy)
         norm = float(global_grad_norm(policy))
         loss = float(ctx.all_reduce_dp(torch.tensor(sum(p["loss"] for p in parts))))
         if not (math.isfinite(norm) and math.isfinite(loss)):
             self.optimizer.zero_grad(set_to_none=True)  # skip the update; the last checkpoint stays valid
             self.state["skipped_steps"] += 1
-            return norm, loss, parts, True
+            return norm, loss, parts, True, aux
         parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
         self.optimizer.step()
         self.state["policy_version"] += 1  # the heads are tied to the new policy version
-        return norm, loss, parts, False
+        return norm, loss, parts, False, aux
 
     def _timed_vanilla(self, prompts: list, ids: list, step: int, row: dict[str, Any]) -> Any:
         """The vanilla engine's rollout of the same step (the reference SpecRoll's is timed against)."""

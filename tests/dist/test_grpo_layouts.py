@@ -63,10 +63,13 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
 
 def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
     """3 layers as 2 + 1 over PP=2 (checkpoint converted evenly for one stage: resharded on load), on a
-    Qwen3-MoE: its routers and every expert train, on either stage, as in one process."""
+    Qwen3-MoE with a load-balancing loss: its routers and every expert train, on either stage, as in
+    one process, and the loss logged is the same."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, num_layers=3, arch="qwen3_moe")
-    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
-    got = run(ckpt, tmp_path / "pp2", 1, 2, 2, "--set=parallel.num_layers_in_last_pipeline_stage=1")
+    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1, "--set=moe_aux_loss_coeff=0.01")
+    got = run(ckpt, tmp_path / "pp2", 1, 2, 2, "--set=parallel.num_layers_in_last_pipeline_stage=1",
+              "--set=moe_aux_loss_coeff=0.01")
+    assert got[0]["moe_aux_loss"] == pytest.approx(ref[0]["moe_aux_loss"], rel=1e-6) and ref[0]["moe_aux_loss"] > 1
     assert json.loads((tmp_path / "pp2" / "specroll_config.json").read_text())["pipeline_stage_layers"] == [2, 1]
     for k in ("reward_mean", "response_len"):
         assert got[0][k] == ref[0][k], k

@@ -51,3 +51,66 @@ def test_training_gives_every_expert_a_gradient(ctx):
     grads = {n: p.grad for n, p in policy.gpt.named_parameters() if ".mlp.experts." in n}
     assert len(grads) == 16 * 2 and all(g is not None for g in grads.values())
     assert sum(bool(g.any()) for g in grads.values()) == 2 * 2  # the routed experts' fc1 and fc2
+
+
+def switch_loss(inputs, weight, topk, coeff):
+    """The Switch load-balancing loss computed here from a router's inputs [T, h] (real tokens only):
+    coeff * E * sum_e f_e P_e, f_e the share of the k x T routed slots expert e takes, P_e its mean
+    softmax probability."""
+    probs = torch.softmax(inputs.double() @ weight.T, dim=-1)
+    chosen = torch.zeros_like(probs).scatter(1, probs.topk(topk, dim=-1).indices, 1.0)
+    f = chosen.sum(0) / (topk * inputs.shape[0])
+    return coeff * weight.shape[0] * (f * probs.mean(0)).sum()
+
+
+def test_load_balancing_loss_and_its_gradient_leave_the_padding_out(ctx):
+    """ModelConfig.moe_aux_loss_coeff: megatron-core's routers add the Switch loss of each micro-batch
+    (weighed by 1 / micro-batches); its value and its gradient on the last router equal the loss
+    computed here on the real tokens alone (with the padding counted, they differ), and recomputed
+    activations give the same gradients and logged value."""
+    from specroll_mcore.rl.schedule import (forward_backward, moe_aux_loss, pack_micro_batch, routers_training,
+                                            set_moe_aux_loss_scale)
+
+    coeff = 0.5
+    policy = make_policy(tiny_qwen3_moe(num_experts=8, num_layers=2, params_dtype="float64",
+                                        moe_aux_loss_coeff=coeff), ctx)
+    g = torch.Generator().manual_seed(0)
+    seqs = [([1, 2, 3], torch.randint(5, 300, (n,), generator=g).tolist(), None, 1.0) for n in (9, 4, 6)]
+    mbs = [pack_micro_batch(seqs[:2], ctx.device), pack_micro_batch(seqs[2:], ctx.device)]  # padded rows
+    routers = [layer.mlp.router for layer in policy.gpt.decoder.layers]
+    inputs = {id(r): [] for r in routers}
+    for r in routers:
+        r.register_forward_pre_hook(lambda mod, args: inputs[id(mod)].append(args[0].detach()))
+
+    def run(recompute):
+        for r in routers:
+            inputs[id(r)].clear()
+        policy.zero_grad(set_to_none=True)
+        set_moe_aux_loss_scale(len(mbs))
+        with routers_training(policy):
+            # the policy loss times 0: only the load-balancing loss moves the routers
+            forward_backward(policy, mbs, lambda mb, lp: (0 * lp.masked_fill(mb.loss_mask == 0, 0).sum(), {}), 1.0,
+                             recompute)
+        return [r.weight.grad.clone() for r in routers], moe_aux_loss(policy, len(mbs), recompute)
+
+    grads, logged = run(False)
+    assert not any(r.training for r in routers)  # back in evaluation mode
+    expected, total = [], 0.0
+    for r in routers:
+        w = r.weight.detach().clone().requires_grad_()
+        loss = 0.0
+        for mb, x in zip(mbs, inputs[id(r)][:len(mbs)]):  # [L, b, h] -> the real tokens' rows
+            real = torch.arange(x.shape[0])[:, None] < mb.lengths[None, :]
+            loss = loss + switch_loss(x[real], w, 2, coeff) / len(mbs)
+        expected.append(torch.autograd.grad(loss, w)[0])
+        total += float(loss.detach()) / coeff
+    # the last router's gradient (the first one's also takes the second's loss through the hidden
+    # states); megatron-core computes the loss's probabilities in float32
+    torch.testing.assert_close(grads[-1], expected[-1], rtol=1e-5, atol=1e-7)
+    assert (grads[-1] - expected[-1]).abs().max() < 1e-4 * expected[-1].abs().max()
+    assert logged == pytest.approx(total / len(routers), rel=1e-6)
+    assert 1.0 < logged < 8.0  # 1: perfectly balanced; at most E
+    grads_r, logged_r = run(True)
+    assert logged_r == pytest.approx(logged, rel=1e-12)
+    for a, b in zip(grads, grads_r):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

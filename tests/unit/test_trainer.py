@@ -273,6 +273,10 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
         load_config(TrainConfig, None, ["sampling.max_new_tokens=16", "overlong_buffer=20"])
     with pytest.raises(ValueError, match="TrainConfig.overlong_penalty must be >= 0"):
         load_config(TrainConfig, None, ["overlong_penalty=-1"])
+    with pytest.raises(ValueError, match="TrainConfig.moe_aux_loss_coeff must be >= 0, got -0.1"):
+        load_config(TrainConfig, None, ["moe_aux_loss_coeff=-0.1"])
+    with pytest.raises(ValueError, match=r"TrainConfig.moe_aux_loss_coeff is 0.01 but the policy in .* has no experts"):
+        GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r", "moe_aux_loss_coeff=0.01")))
     with pytest.raises(ValueError, match=r"only 3 usable prompts .*prompts_per_step is 8"):
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r", "engine=vanilla",
                                                              "data.limit=3", "prompts_per_step=8")))
