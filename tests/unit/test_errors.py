@@ -65,6 +65,16 @@ def test_parallel_layout(tp, pp, world, match):
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate(cfg, world)
 
 
+def test_a_policy_is_not_built_in_a_tensor_parallel_layout_its_experts_cannot_take():
+    """A checkpoint converted at TP=1 loads into any layout (resharded): not a mixture of experts at TP=2."""
+    from types import SimpleNamespace
+
+    from specroll_mcore.model.gpt import transformer_config
+
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size is 2 but the model is a mixture of experts"):
+        transformer_config(tiny_llama(num_experts=4), SimpleNamespace(tp_size=2, stage_layers=lambda n: [n]))
+
+
 def test_initialize_rejects_a_layout_that_does_not_fit_the_world():
     with pytest.raises(ValueError, match="world size 1 is not divisible"):
         parallel.initialize(ParallelConfig(tensor_model_parallel_size=2), tiny_llama())
