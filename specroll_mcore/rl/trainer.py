@@ -226,9 +226,9 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         seqs, trained_groups = self._training_sequences(rounds)
         if seqs:
-            norm, loss, parts, skipped, aux = self._update(self._micro_batches(seqs))
+            norm, loss, parts, skipped, extra = self._update(self._micro_batches(seqs))
         else:  # dynamic sampling found too few groups with a learning signal: no update
-            norm, loss, parts, skipped, aux = 0.0, 0.0, [], True, None
+            norm, loss, parts, skipped, extra = 0.0, 0.0, [], True, {}
             self.state["skipped_steps"] += 1
         train_s = time.perf_counter() - t2 + sum(r.reward_s for r in rounds)
 
@@ -251,8 +251,7 @@ class GRPOTrainer:
             "clip_fraction": sum(p["clip_fraction"] for p in parts) / max(1, len(parts)),
             "kl": sum(p["kl"] for p in parts) / max(1, len(parts)),
         })
-        if aux is not None:
-            row["moe_aux_loss"] = aux
+        row.update(extra)
         if cfg.dynamic_sampling:
             row.update(sampling_rounds=len(rounds), groups_varied=varied, groups_trained=trained_groups)
         if cfg.overlong_filter:  # responses cut at the length limit, masked out of the loss
@@ -324,11 +323,15 @@ class GRPOTrainer:
             return [], 0
         return [seq for _, g in groups[ctx.dp_rank::ctx.dp_size] for seq in g], len(groups)
 
-    def _update(self, mbs: list[MicroBatch]) -> tuple[float, float, list[dict], bool, Optional[float]]:
+    def _update(self, mbs: list[MicroBatch]) -> tuple[float, float, list[dict], bool, dict[str, float]]:
         """One optimizer step on the micro-batches: (grad norm, loss, per-micro-batch metrics, skipped,
-        the unweighted load-balancing loss of a mixture of experts that applies one, else None)."""
+        step metrics). The step metrics: ``rollout_logp_gap_mean`` / ``_max``, |log-prob of this forward
+        - the rollout's| over the response tokens (same weights: how far the rollout's numerics are from
+        the update's, where the rollout's log-probs are the old ones), and ``moe_aux_loss`` (the
+        unweighted load-balancing loss of a mixture of experts that applies one)."""
         cfg, ctx, policy = self.cfg, self.ctx, self.policy
-        if cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.temperature == 0:
+        recomputed = cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.temperature == 0
+        if recomputed:
             # the rollout's log-probs are of the filtered distribution: recompute unfiltered ones
             for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature())):
                 if lp is not None:
@@ -341,13 +344,17 @@ class GRPOTrainer:
         total_seqs = ctx.all_reduce_dp(torch.tensor(float(sum(int((mb.loss_mask.sum(1) > 0).sum()) for mb in mbs))))
         if float(total_tokens) == 0:  # every response masked out (overlong filtering): nothing to learn from
             self.state["skipped_steps"] += 1
-            return 0.0, 0.0, [], True, None
+            return 0.0, 0.0, [], True, {}
 
         def loss_fn(mb: MicroBatch, logp: torch.Tensor):
             out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
                               cfg.loss_normalization, mb.ref_logp, cfg.kl_beta, float(total_tokens), float(total_seqs))
-            return out.loss, {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction,
-                              "ratio": out.ratio_mean, "kl": out.kl}
+            m = {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction, "ratio": out.ratio_mean,
+                 "kl": out.kl}
+            if not recomputed:  # the rollout's log-probs against this forward's, same weights: numerics alone
+                gap = torch.where(mb.loss_mask > 0, (logp.detach() - mb.old_logp).abs(), 0.0)
+                m.update(logp_gap_sum=float(gap.sum()), logp_gap_max=float(gap.max()) if gap.numel() else 0.0)
+            return out.loss, m
 
         self.optimizer.zero_grad(set_to_none=True)
         balanced = policy.config.is_moe and policy.config.moe_aux_loss_coeff > 0
@@ -356,18 +363,22 @@ class GRPOTrainer:
             set_moe_aux_loss_scale(total_mbs)
         with routers_training(policy) if balanced else contextlib.nullcontext():
             parts = forward_backward(policy, mbs, loss_fn, self._train_temperature(), cfg.recompute_activations)
-        aux = moe_aux_loss(policy, total_mbs, cfg.recompute_activations) if balanced else None
+        extra = {"moe_aux_loss": moe_aux_loss(policy, total_mbs, cfg.recompute_activations)} if balanced else {}
         finalize_grads(policy)
         norm = float(global_grad_norm(policy))
         loss = float(ctx.all_reduce_dp(torch.tensor(sum(p["loss"] for p in parts))))
+        if not recomputed:
+            gap_sum = ctx.all_reduce_dp(torch.tensor(sum(p["logp_gap_sum"] for p in parts)))
+            gap_max = ctx.all_reduce_max(torch.tensor(max((p["logp_gap_max"] for p in parts), default=0.0)))
+            extra.update(rollout_logp_gap_mean=float(gap_sum / total_tokens), rollout_logp_gap_max=float(gap_max))
         if not (math.isfinite(norm) and math.isfinite(loss)):
             self.optimizer.zero_grad(set_to_none=True)  # skip the update; the last checkpoint stays valid
             self.state["skipped_steps"] += 1
-            return norm, loss, parts, True, aux
+            return norm, loss, parts, True, extra
         parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
         self.optimizer.step()
         self.state["policy_version"] += 1  # the heads are tied to the new policy version
-        return norm, loss, parts, False, aux
+        return norm, loss, parts, False, extra
 
     def _timed_vanilla(self, prompts: list, ids: list, step: int, row: dict[str, Any]) -> Any:
         """The vanilla engine's rollout of the same step (the reference SpecRoll's is timed against)."""

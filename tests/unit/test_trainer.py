@@ -18,6 +18,7 @@ from specroll_mcore.config import TrainConfig, load_config
 from specroll_mcore.rl.grpo import policy_loss
 from specroll_mcore.rl.schedule import finalize_grads, forward_backward, forward_logprobs, pack_micro_batch
 from specroll_mcore.rl.trainer import GRPOTrainer, response_sequences
+from specroll_mcore.rollout import VanillaEngine
 
 TESTS = Path(__file__).resolve().parent.parent
 
@@ -57,6 +58,26 @@ def test_one_step_lowers_the_loss_on_its_batch(tiny_ckpt, tmp_path, ctx):
 def run_rows(ckpt, out, *extra):
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(ckpt, out, *extra)))
     return trainer.run()
+
+
+def test_the_gap_between_rollout_and_update_log_probs_is_logged(tiny_ckpt, tmp_path, ctx, monkeypatch):
+    """rollout_logp_gap_mean / _max: |the update's log-prob - the rollout's| on the response tokens. The
+    same weights and float32: a few ulps; the rollout's log-probs moved by a known amount: that amount."""
+    row = run_rows(tiny_ckpt, tmp_path / "a", "engine=vanilla", "steps=1")[0]
+    assert 0 <= row["rollout_logp_gap_mean"] <= row["rollout_logp_gap_max"] < 1e-4
+    generate = VanillaEngine.generate
+
+    def shifted(self, *args, **kwargs):  # the rollout reports every log-prob 0.25 lower
+        out = generate(self, *args, **kwargs)
+        out.logprobs = [lp - 0.25 for lp in out.logprobs]
+        return out
+
+    monkeypatch.setattr(VanillaEngine, "generate", shifted)
+    row = run_rows(tiny_ckpt, tmp_path / "b", "engine=vanilla", "steps=1")[0]
+    assert row["rollout_logp_gap_mean"] == pytest.approx(0.25, abs=1e-4)
+    assert row["rollout_logp_gap_max"] == pytest.approx(0.25, abs=1e-4)
+    row = run_rows(tiny_ckpt, tmp_path / "c", "engine=vanilla", "steps=1", "sampling.top_p=0.9")[0]
+    assert "rollout_logp_gap_mean" not in row  # old log-probs recomputed by the update's forward: no gap to see
 
 
 def test_rollouts_stop_at_every_eos_the_generation_config_names(tiny_ckpt, tmp_path, ctx):
