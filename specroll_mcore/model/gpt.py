@@ -2,9 +2,10 @@
 
 Parameter names, shapes and TP layout are megatron-core's (``embedding.word_embeddings.weight``,
 ``decoder.layers.N.self_attention.linear_qkv.weight``, ... ``output_layer.weight``), so Megatron
-checkpoints and tools apply. The only swaps in the local layer spec are the self-attention class
-(KV cache and tree masks) and its core attention (torch SDPA, runs on CPU and GPU). A mixture of
-experts is megatron-core's MoELayer as it is (``moe_fields``), its linears packed as the dense MLP's.
+checkpoints and tools apply. The swaps in the local layer spec are the self-attention class (KV
+cache and tree masks), its core attention (torch SDPA, runs on CPU and GPU), linears with packed CPU
+inference products and, in a mixture of experts (megatron-core's MoELayer, ``moe_fields``), experts
+that skip the empty ones in inference.
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def transformer_config(model: ModelConfig, ctx: ParallelContext) -> TransformerC
     )
 
 
+def batch_invariant(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a policy of ``dtype`` on ``device`` computes a step's tokens as one-token forwards would,
+    bit for bit (ordered attention, model/attention.py; row-invariant products, cpu_gemm.py; routers
+    in float64, :func:`moe_fields`): half precision on CPU, where rounding would otherwise flip
+    samples. On GPU the products are cuBLAS's, whose results depend on the row count; SDPA there."""
+    return dtype in (torch.bfloat16, torch.float16) and device.type == "cpu"
+
+
 def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
     """The TransformerConfig fields of ``model``'s mixture of experts (none for a dense model).
 
@@ -90,7 +99,6 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
     choice would change a token's hidden state far more than a rounding."""
     if not model.is_moe:
         return {}
-    batch_invariant = model.torch_dtype in (torch.bfloat16, torch.float16) and ctx.device.type == "cpu"
     return dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
                 moe_ffn_hidden_size=model.moe_ffn_hidden_size, moe_router_pre_softmax=not model.moe_norm_topk_prob,
                 moe_shared_expert_intermediate_size=model.moe_shared_expert_ffn_hidden_size,
@@ -98,7 +106,7 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
                 moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
                 moe_aux_loss_coeff=model.moe_aux_loss_coeff,
                 moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-                moe_router_dtype="fp64" if batch_invariant else None)
+                moe_router_dtype="fp64" if batch_invariant(model.torch_dtype, ctx.device) else None)
 
 
 class SpecRollSequentialMLP(SequentialMLP):
@@ -154,7 +162,8 @@ def layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None) ->
 
 def _layer_output(layer: torch.nn.Module, hidden: torch.Tensor, meta: AttentionMetadata,
                   padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return layer(hidden_states=hidden, attention_mask=meta, padding_mask=padding_mask)[0]  # a TransformerLayer returns (output, context)
+    # a TransformerLayer returns (output, context)
+    return layer(hidden_states=hidden, attention_mask=meta, padding_mask=padding_mask)[0]
 
 
 class PolicyModel(torch.nn.Module):
@@ -214,10 +223,8 @@ class PolicyModel(torch.nn.Module):
     @property
     def batch_invariant(self) -> bool:
         """Whether a step's forward computes each token as a one-token forward would, bit for bit
-        (ordered attention, model/attention.py; row-invariant products, cpu_gemm.py): a half-precision
-        policy on CPU, where rounding would otherwise flip samples. On GPU the products are cuBLAS's,
-        whose results depend on the row count; SDPA there."""
-        return self.dtype in (torch.bfloat16, torch.float16) and self.ctx.device.type == "cpu"
+        (:func:`batch_invariant`)."""
+        return batch_invariant(self.dtype, self.ctx.device)
 
     def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
         """RoPE's frequencies (model/attention.rope_inv_freq), made once per device: float64 for a
