@@ -281,6 +281,18 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     assert proc.returncode == 2 and "--steps must be >= 2" in proc.stderr
 
 
+def test_bench_moe_experts_smoke_and_a_dense_checkpoint(tiny_ckpt, tmp_path):
+    out = tmp_path / "m.json"
+    run_tool("bench_moe_experts.py", "--layers", 1, "--hidden", 64, "--experts", 8, "--topk", 2, "--expert-ffn", 16,
+             "--rows", "1,3", "--max-new-tokens", 4, "--reps", 2, "--out", out)
+    report = json.loads(out.read_text())
+    assert set(report["rows"]) == {"1", "3"} and all(r["identical"] for r in report["rows"].values())
+    assert all(len(r["times_ms"]["routed"]) == len(r["times_ms"]["all"]) == 2 for r in report["rows"].values())
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_moe_experts.py"), "--checkpoint", str(tiny_ckpt)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "holds a dense model: there are no experts to compare" in proc.stderr
+
+
 def test_bench_convert_smoke(tmp_path):
     out = tmp_path / "c.json"
     run_tool("bench_convert.py", "--synthetic-layers", 2, "--synthetic-hidden", 64, "--synthetic-ffn", 128,
