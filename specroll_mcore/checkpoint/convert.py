@@ -165,24 +165,31 @@ def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False) 
 
 
 def _hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
-    """A transformers config.json for a checkpoint without its source config: the Qwen3 / Qwen2 / Llama
-    (dense) or Qwen3-MoE / Qwen2-MoE (mixture of experts) that ``model`` describes."""
+    """A transformers config.json for a checkpoint without its source config: the architecture that
+    describes ``model`` (dense: Qwen3 with q/k norms, Qwen2 with a QKV bias, else Llama; a mixture of
+    experts: Qwen3-MoE with q/k norms, Mixtral without a bias or shared expert that renormalises the
+    top k, else Qwen2-MoE)."""
     if model.qk_layernorm:
         arch, model_type = "Qwen3ForCausalLM", "qwen3"
     elif model.add_qkv_bias:
         arch, model_type = "Qwen2ForCausalLM", "qwen2"
     else:
         arch, model_type = "LlamaForCausalLM", "llama"
-    moe = {}
-    if model.is_moe:
-        qwen2 = model.moe_shared_expert_ffn_hidden_size is not None or (model.add_qkv_bias and not model.qk_layernorm)
-        arch, model_type = ("Qwen2MoeForCausalLM", "qwen2_moe") if qwen2 else ("Qwen3MoeForCausalLM", "qwen3_moe")
+    intermediate, moe = model.ffn_hidden_size, {}
+    if model.is_moe and not model.qk_layernorm and not model.add_qkv_bias and model.moe_norm_topk_prob \
+            and model.moe_shared_expert_ffn_hidden_size is None:
+        arch, model_type, intermediate = "MixtralForCausalLM", "mixtral", model.moe_ffn_hidden_size
+        moe = {"num_local_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
+               "sliding_window": None}
+    elif model.is_moe:
+        arch, model_type = ("Qwen3MoeForCausalLM", "qwen3_moe") if model.qk_layernorm else \
+            ("Qwen2MoeForCausalLM", "qwen2_moe")
         moe = {"num_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
                "moe_intermediate_size": model.moe_ffn_hidden_size, "norm_topk_prob": model.moe_norm_topk_prob,
                "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": model.add_qkv_bias,
                "shared_expert_intermediate_size": model.moe_shared_expert_ffn_hidden_size or 0}
     return {"architectures": [arch], "model_type": model_type, **moe,
-            "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
+            "hidden_size": model.hidden_size, "intermediate_size": intermediate,
             "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
             "num_key_value_heads": model.num_query_groups, "head_dim": model.kv_channels,
             "vocab_size": model.vocab_size, "max_position_embeddings": model.max_position_embeddings,

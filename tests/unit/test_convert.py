@@ -58,7 +58,8 @@ def test_round_trip_is_bit_exact(tmp_path, arch, safe):
         assert torch.equal(ref[k], got[k]), k
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen2_yarn", "qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen2_yarn", "qwen3", "qwen3_moe", "qwen2_moe",
+                                  "mixtral"])
 def test_config_written_back_describes_the_same_model(arch):
     """A checkpoint without its source's config.json (trained from a random init, say) is written
     back with one made from its ModelConfig: transformers reads it as the same architecture."""
@@ -66,6 +67,28 @@ def test_config_written_back_describes_the_same_model(arch):
     back = transformers.AutoConfig.for_model(**convert._hf_config_from_model(model))
     assert type(back) is type(tiny_hf_config(arch, tied=False))
     assert model_config_from_hf(back) == model
+
+
+@pytest.mark.parametrize("moe", [dict(qk_layernorm=True, kv_channels=24), {}, dict(moe_norm_topk_prob=False),
+                                 dict(add_qkv_bias=True, moe_shared_expert_ffn_hidden_size=32,
+                                      moe_shared_expert_gate=True)],
+                         ids=["qwen3_moe", "mixtral", "qwen2_moe", "qwen2_moe_shared"])
+def test_mixture_of_experts_without_its_source_config_exports_the_same_model(tmp_path, ctx, moe):
+    """A checkpoint of a mixture of experts with no source config.json (a random init, say) is
+    written back as the architecture its ModelConfig describes, and transformers computes its logits."""
+    from specroll_mcore.checkpoint import random_full_state_dict
+    from specroll_mcore.checkpoint.megatron import write_checkpoint_files
+    from specroll_mcore.config import tiny_llama
+
+    cfg = tiny_llama(num_layers=2, vocab_size=320, num_experts=4, moe_ffn_hidden_size=48, norm_eps=1e-6, **moe)
+    write_checkpoint_files(tmp_path / "mcore", random_full_state_dict(cfg, 0, std=0.08), cfg, 1, 1)
+    (tmp_path / "mcore/latest_checkpointed_iteration.txt").write_text("release")
+    convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf(ids).logits - our_logits(load_policy(tmp_path / "mcore", ctx), ids)).abs().max().item()
+    assert diff < 1e-4, f"{type(hf).__name__}: {diff:.2e}"
 
 
 YARN_VARIANTS = [
