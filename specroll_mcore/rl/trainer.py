@@ -64,7 +64,8 @@ class GRPOTrainer:
         if cfg.moe_aux_loss_coeff is not None:
             if cfg.moe_aux_loss_coeff and not model_config_of(self.source).is_moe:
                 raise ValueError(f"TrainConfig.moe_aux_loss_coeff is {cfg.moe_aux_loss_coeff} but the policy in "
-                                 f"{self.source} has no experts (a dense model has no router to balance); leave it unset")
+                                 f"{self.source} has no experts (a dense model has no router to balance); "
+                                 "leave it unset")
             overrides["moe_aux_loss_coeff"] = cfg.moe_aux_loss_coeff
         self.policy = load_policy(self.source, self.ctx, with_heads=cfg.engine == "specroll", overrides=overrides)
         for p in self.policy.gpt.parameters():

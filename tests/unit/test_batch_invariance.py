@@ -122,7 +122,8 @@ def test_speculative_equals_vanilla_in_bfloat16(ctx, make_cfg):
     """Qwen2's heads of 16 on the step kernel; the Qwen3-MoE's of 24, which the kernel does not take,
     on ordered attention (and its experts routed in float64)."""
     model = policy_with_heads(make_cfg(params_dtype="bfloat16"), ctx, seed=1)
-    assert model.new_cache(1, 8).position_major_keys == (make_cfg is tiny_qwen2 and step_attention_kernels() is not None)
+    kernel = make_cfg is tiny_qwen2 and step_attention_kernels() is not None
+    assert model.new_cache(1, 8).position_major_keys == kernel
     sp = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=40, num_samples=3, seed=7)
     ref = VanillaEngine(model, eos_token_ids=[9]).generate(PROMPTS, sp)
     for c_hw in (16, 64):

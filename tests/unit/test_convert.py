@@ -201,7 +201,8 @@ def test_unsupported_attention_variants(tmp_path):
 def test_unsupported_mixture_of_experts_variants(tmp_path):
     save_tiny_hf(tmp_path / "hf", "qwen3_moe", False)
     cfg = json.loads((tmp_path / "hf/config.json").read_text())
-    for change, match in [({"decoder_sparse_step": 2}, r"mixes dense and mixture-of-experts layers \(decoder_sparse_step 2"),
+    for change, match in [({"decoder_sparse_step": 2}, r"mixes dense and mixture-of-experts layers "
+                                                       r"\(decoder_sparse_step 2"),
                           ({"mlp_only_layers": [0]}, r"mlp_only_layers \[0\]\): not supported"),
                           ({"router_jitter_noise": 0.01}, r"router_jitter_noise 0.01: not supported")]:
         (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, **change}))
@@ -210,7 +211,8 @@ def test_unsupported_mixture_of_experts_variants(tmp_path):
     (tmp_path / "hf/config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size is 2 but the model is a mixture of experts"):
         convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out", tensor_parallel_size=2)
-    for change, match in [({"num_experts": 8}, r"mlp.gate.weight has shape \(4, 64\) but config.json implies \(8, 64\)"),
+    for change, match in [({"num_experts": 8}, r"mlp.gate.weight has shape \(4, 64\) but config.json implies "
+                                                r"\(8, 64\)"),
                           ({"moe_intermediate_size": 40}, r"experts.0.gate_proj.weight has shape \(48, 64\) but "
                                                           r"config.json implies \(40, 64\)")]:
         (tmp_path / "hf/config.json").write_text(json.dumps({**cfg, **change}))
