@@ -46,8 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if cfg.engine == "specroll":
         spec, latency = speculative_setup(policy, cfg.spec, ckpt)
     engine = make_engine(cfg.engine, policy, spec, latency, eos_token_ids=stop_token_ids(ckpt, tokenizer),
-                         tokenizer=tokenizer,
-                         pipeline_groups=cfg.parallel.rollout_groups)
+                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
     rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p], "response": tokenizer.decode(t, skip_special_tokens=True),
              "tokens": t, "logprobs": [round(float(x), 6) for x in lp], "finish_reason": f}

@@ -218,7 +218,8 @@ def _check_hf_shapes(reader: HFCheckpointReader, model: ModelConfig, arch: str =
             expect[first + gate_up[f"mlp.experts.local_experts.{e}.linear_fc1.weight"][0]] = (f, h)
             expect[last + table[f"mlp.experts.local_experts.{e}.linear_fc2.weight"]] = (h, f)
         if model.moe_shared_expert_ffn_hidden_size is not None:
-            expect[first + "mlp.shared_expert.gate_proj.weight"] = (model.moe_shared_expert_ffn_hidden_size, h)
+            shared_gate = gate_up["mlp.shared_experts.linear_fc1.weight"][0]
+            expect[first + shared_gate] = (model.moe_shared_expert_ffn_hidden_size, h)
     else:
         if arch not in FUSED_PROJECTIONS:
             expect[first + "mlp.gate_proj.weight"] = (model.ffn_hidden_size, h)

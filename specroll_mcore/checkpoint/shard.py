@@ -123,6 +123,7 @@ def expected_full_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the full form (for validation and random init)."""
     h, d, f = model.hidden_size, model.kv_channels, model.ffn_hidden_size
     qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
+    moe = _moe_shapes(model) if model.is_moe else {}
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (model.vocab_size, h)}
     for i in range(model.num_layers):
         p = f"decoder.layers.{i}."
@@ -136,7 +137,7 @@ def expected_full_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attention.k_layernorm.weight"] = (d,)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
         if model.is_moe:
-            shapes.update({p + k: v for k, v in _moe_shapes(model).items()})
+            shapes.update({p + k: v for k, v in moe.items()})
         else:
             shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
             shapes[p + "mlp.linear_fc2.weight"] = (h, f)

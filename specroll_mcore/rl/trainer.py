@@ -354,7 +354,7 @@ class GRPOTrainer:
                  "kl": out.kl}
             if not recomputed:  # the rollout's log-probs against this forward's, same weights: numerics alone
                 gap = torch.where(mb.loss_mask > 0, (logp.detach() - mb.old_logp).abs(), 0.0)
-                m.update(logp_gap_sum=float(gap.sum()), logp_gap_max=float(gap.max()) if gap.numel() else 0.0)
+                m["logp_gap_sum"], m["logp_gap_max"] = torch.stack([gap.sum(), gap.max()]).tolist()
             return out.loss, m
 
         self.optimizer.zero_grad(set_to_none=True)
