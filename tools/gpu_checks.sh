@@ -12,7 +12,8 @@
 # 1 at T=0, the speculative step's host work per phase at batch 1 (ms, operations and syncs a step;
 # both engines' whole rollouts in operations a token), and a short GRPO run that times the vanilla engine on the same steps.
 # Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
-# workload to a few tokens (a dry run of this script on any machine).
+# workload to a few tokens and only collects tests/gpu (which the default suite runs itself): a dry
+# run of this script on any machine.
 set -uo pipefail
 OUT=${1:?usage: tools/gpu_checks.sh OUT_DIR}
 PY=${PY:-python3}
@@ -28,11 +29,13 @@ if [ "${QUICK:-0}" = 1 ]; then
   TOKENS="1,2,4"
   GRPO="--set steps=2 --set prompts_per_step=2 --set sampling.num_samples=2 --set sampling.max_new_tokens=8"
   PHASES="--max-new-tokens 8 --steps 2 --reps 1"
+  TESTS="--collect-only"
 else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch 1 is the slow stage
   B1="--batch1-prompts 2 --max-new-tokens 256 --reps 3"; FULL="--prompts 32 --samples 8 --max-new-tokens 256 --reps 2"
   TOKENS="1,2,4,8,16,32,64,128,256,512,1024,2048"
   GRPO="--set steps=6 --set prompts_per_step=8 --set sampling.num_samples=8 --set sampling.max_new_tokens=256"
   PHASES="--max-new-tokens 64 --steps 30 --reps 3"
+  TESTS=""
 fi
 
 stage() {  # stage NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), log it, never abort the rest
@@ -48,7 +51,8 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), l
 
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
 torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 | tee -a "$LOG"
-stage tests 120 $PY -m pytest -q tests/gpu
+# shellcheck disable=SC2086
+stage tests 120 $PY -m pytest -q $TESTS tests/gpu
 stage profile 120 $PY tools/profile_capacity.py --checkpoint "$CKPT" --tokens "$TOKENS" --out "$OUT/capacity.json"
 # shellcheck disable=SC2086
 stage bench_full 150 $PY tools/bench_specroll.py --checkpoint "$CKPT" $FULL --skip-batch1 \

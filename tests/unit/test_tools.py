@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,8 +215,9 @@ def test_step_phases_op_counter():
 
 
 def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
-    """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here) and leaves their results;
-    on the tiny checkpoint the transformers baseline is its own export, not SmolLM2."""
+    """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here; tests/gpu only collected, the
+    default suite runs them) and leaves their results; on the tiny checkpoint the transformers
+    baseline is its own export, not SmolLM2."""
     out = tmp_path / "gpu"
     env = dict(os.environ, OMP_NUM_THREADS="1", QUICK="1", CKPT=str(tiny_ckpt), PY=sys.executable,
                SPECROLL_CACHE=str(tmp_path / "cache"))
@@ -226,6 +228,7 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
     for stage in ("tests", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "step_phases",
                   "grpo"):
         assert f"== {stage} rc=0" in log, log[-3000:]
+    assert re.search(r"\d+ tests collected", log), log[:3000]  # tests/gpu, collected only
     assert json.loads((out / "step_phases_b1.json").read_text())["total_ops_per_step"] > 0
     full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
     assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
