@@ -5,12 +5,13 @@
 #   bash tools/gpu_checks.sh OUT_DIR            # about 8 minutes on one H200
 #
 # Stages, in order of value, each under its own time limit and skipped when the overall budget
-# (BUDGET_S seconds, default 540) would run out: tests/gpu, the capacity profile (C_hw on this GPU),
-# SpecRoll against the vanilla engine and transformers at T=1 on 32 prompts x 8 samples x 256
-# tokens, the same in bfloat16 (how many responses stay identical to the vanilla engine's: cuBLAS and
-# attention kernels are not batch-invariant, so near-ties are frequent there), then at batch 1, batch
-# 1 at T=0, the speculative step's host work per phase at batch 1 (ms, operations and syncs a step;
-# both engines' whole rollouts in operations a token), and a short GRPO run that times the vanilla engine on the same steps.
+# (BUDGET_S seconds, default 540) would run out or when named in SKIP (e.g. SKIP="tests grpo"):
+# tests/gpu, the capacity profile (C_hw on this GPU), SpecRoll against the vanilla engine and
+# transformers at T=1 at batch 1, then on 32 prompts x 8 samples x 256 tokens, the speculative step's
+# host work per phase at batch 1 (ms, operations and syncs a step; both engines' whole rollouts in
+# operations a token), a short GRPO run that times the vanilla engine on the same steps, batch 1 at
+# T=0, and the big batch in bfloat16 (how many responses stay identical to the vanilla engine's:
+# cuBLAS and attention kernels are not batch-invariant, so near-ties are frequent there).
 # Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
 # workload to a few tokens and only collects tests/gpu (which the default suite runs itself): a dry
 # run of this script on any machine.
@@ -33,7 +34,7 @@ if [ "${QUICK:-0}" = 1 ]; then
 else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch 1 is the slow stage
   B1="--batch1-prompts 2 --max-new-tokens 256 --reps 3"; FULL="--prompts 32 --samples 8 --max-new-tokens 256 --reps 2"
   TOKENS="1,2,4,8,16,32,64,128,256,512,1024,2048"
-  GRPO="--set steps=6 --set prompts_per_step=8 --set sampling.num_samples=8 --set sampling.max_new_tokens=256"
+  GRPO="--set steps=4 --set prompts_per_step=8 --set sampling.num_samples=8 --set sampling.max_new_tokens=256"
   PHASES="--max-new-tokens 64 --steps 30 --reps 3"
   TESTS=""
 fi
@@ -41,6 +42,7 @@ fi
 stage() {  # stage NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), log it, never abort the rest
   local name=$1 limit=$2 left=$((deadline - SECONDS))
   shift 2
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "== $name skipped: in SKIP" | tee -a "$LOG"; return; fi
   if [ "$left" -lt 30 ]; then echo "== $name skipped: ${left}s of the budget left" | tee -a "$LOG"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
@@ -55,16 +57,10 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 | tee -
 stage tests 120 $PY -m pytest -q $TESTS tests/gpu
 stage profile 120 $PY tools/profile_capacity.py --checkpoint "$CKPT" --tokens "$TOKENS" --out "$OUT/capacity.json"
 # shellcheck disable=SC2086
-stage bench_full 150 $PY tools/bench_specroll.py --checkpoint "$CKPT" $FULL --skip-batch1 \
-  --out "$OUT/bench_specroll_full.json" --plot "$OUT/bench_specroll_full.png"
-# shellcheck disable=SC2086
-stage bench_full_bf16 90 $PY tools/bench_specroll.py --checkpoint "$CKPT" --dtype bfloat16 $FULL --reps 1 --skip-batch1 \
-  --skip-hf --out "$OUT/bench_specroll_full_bf16.json" --plot "$OUT/bench_specroll_full_bf16.png"
-# shellcheck disable=SC2086
 stage bench_batch1 180 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --skip-full --out "$OUT/bench_specroll_b1.json"
 # shellcheck disable=SC2086
-stage bench_batch1_t0 100 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --temperature 0 --skip-full --skip-hf \
-  --out "$OUT/bench_specroll_b1_t0.json"
+stage bench_full 150 $PY tools/bench_specroll.py --checkpoint "$CKPT" $FULL --skip-batch1 \
+  --out "$OUT/bench_specroll_full.json" --plot "$OUT/bench_specroll_full.png"
 # shellcheck disable=SC2086
 stage step_phases 90 $PY tools/bench_step_phases.py --checkpoint "$CKPT" $PHASES --out "$OUT/step_phases_b1.json"
 GRPO_DIR=$(mktemp -d)
@@ -72,4 +68,10 @@ GRPO_DIR=$(mktemp -d)
 stage grpo 240 $PY -m specroll_mcore.cli train --config examples/configs/smollm2_gsm8k_cpu.yaml \
   --set "checkpoint=$CKPT" --set "output_dir=$GRPO_DIR" --set save_every=1000 $GRPO
 cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
+# shellcheck disable=SC2086
+stage bench_batch1_t0 100 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --temperature 0 --skip-full --skip-hf \
+  --out "$OUT/bench_specroll_b1_t0.json"
+# shellcheck disable=SC2086
+stage bench_full_bf16 90 $PY tools/bench_specroll.py --checkpoint "$CKPT" --dtype bfloat16 $FULL --reps 1 --skip-batch1 \
+  --skip-hf --out "$OUT/bench_specroll_full_bf16.json" --plot "$OUT/bench_specroll_full_bf16.png"
 echo "== done in ${SECONDS}s" | tee -a "$LOG"
