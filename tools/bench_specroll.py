@@ -79,14 +79,19 @@ def time_hf(hf, prompts, sp, tok, prompt_lookup: int = 0) -> float:
             kw = dict(prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else {}
             hf.generate(torch.tensor([p], device=hf.device), do_sample=sp.temperature > 0, temperature=sp.temperature or None,
                         top_p=1.0, top_k=0,
-                        max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id, **kw)
+                        max_new_tokens=sp.max_new_tokens, pad_token_id=pad_id(tok), **kw)
     wait(hf.device)
     return time.perf_counter() - t0
 
 
+def pad_id(tok) -> int:
+    """The tokenizer's pad token, or its end of sequence where it has none (as ``generate`` does)."""
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
 def time_hf_batch(hf, prompts, sp, tok) -> float:
     longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), tok.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(prompts), longest), pad_id(tok), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, longest - len(p):] = torch.tensor(p)
@@ -97,7 +102,7 @@ def time_hf_batch(hf, prompts, sp, tok) -> float:
     with torch.inference_mode():
         hf.generate(input_ids=ids, attention_mask=mask, do_sample=sp.temperature > 0, temperature=sp.temperature or None,
                     top_p=1.0, top_k=0,
-                    max_new_tokens=sp.max_new_tokens, pad_token_id=tok.pad_token_id,
+                    max_new_tokens=sp.max_new_tokens, pad_token_id=pad_id(tok),
                     num_return_sequences=sp.num_samples)
     wait(hf.device)
     return time.perf_counter() - t0

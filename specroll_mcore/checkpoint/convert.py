@@ -105,9 +105,23 @@ def gguf_to_hf(gguf_file: Path, out_dir: Path, overwrite: bool = False) -> Path:
         plain = transformers.AutoModelForCausalLM.from_config(config)
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(tmp)
-        transformers.AutoTokenizer.from_pretrained(gguf_file.parent, **kw).save_pretrained(tmp)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
+        set_gguf_padding(tokenizer, gguf_file)
+        tokenizer.save_pretrained(tmp)
 
     return atomic_directory(Path(out_dir), write, overwrite)
+
+
+def set_gguf_padding(tokenizer, gguf_file: Path) -> None:
+    """Give a tokenizer read from GGUF the pad token the file names (``tokenizer.ggml.padding_token_id``)
+    where ``transformers`` left it unset: 5.25 reads it, 5.17 does not, and batched ``generate`` needs it."""
+    if tokenizer.pad_token_id is not None:
+        return
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_file).fields.get("tokenizer.ggml.padding_token_id")
+    if field is not None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(field.contents()))
 
 
 def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,

@@ -48,6 +48,20 @@ def test_smollm2_parity_on_chat_prompts(smollm2):
         assert ref[: len(toks)] == toks
 
 
+def test_gguf_tokenizer_keeps_its_pad_token(smollm2):
+    """The converted tokenizer pads with the token the GGUF names (batched generate needs one), also
+    where transformers reads none from the file (5.17 did not)."""
+    from specroll_mcore.checkpoint.convert import set_gguf_padding
+    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
+
+    _, _, tok, _ = smollm2
+    assert tok.pad_token_id == 2  # tokenizer.ggml.padding_token_id
+    tok = transformers.AutoTokenizer.from_pretrained(default_hf_dir())
+    tok.pad_token = None
+    set_gguf_padding(tok, smollm2_gguf_path())
+    assert (tok.pad_token, tok.pad_token_id) == ("<|im_end|>", 2)
+
+
 def test_cli_generate_vanilla_and_specroll_agree(smollm2, tmp_path):
     """`specroll generate` end to end on the converted SmolLM2, both engines, same seed -> same JSONL
     (on a copy of the checkpoint with random heads beside it; C_hw configured: the quick profile a
