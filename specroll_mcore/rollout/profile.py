@@ -18,6 +18,10 @@ QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 QUICK_REPS = 5
 """The profile taken on first use (:func:`ensure_capacity`): medians of 5 alternated timings per
 size (of 3, one noisy one-token latency on a shared 2-core machine moved C_hw from 16 to 32)."""
+QUICK_MORE_SIZES = (256, 512, 1024, 2048)
+"""Sizes the quick profile goes on to, one at a time, while its curve is still flat at the largest
+size measured: on an H200 a SmolLM2 forward costs the same from 1 to 1024 tokens, and a C_hw of 128
+would leave a step of 128 rows or more no node to draft with (it then decodes plainly)."""
 
 GRID_CONTEXTS = (128, 512)
 """Committed context lengths the latency grid is measured at (:func:`forward_grid`): a step's
@@ -60,13 +64,14 @@ def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_finge
     """C_hw and the latency profile for this policy, hardware and layout: SpecConfig.c_hw if set
     (with the cached profile, if any; nothing is measured), else the cached profile's (C_hw derived
     from its one-row curve by today's rule), else a quick profile now (45-66 s for SmolLM2 on a
-    2-core CPU, most of it the grid; see :func:`measure_capacity`)."""
+    2-core CPU, most of it the grid; 1 to 128 tokens, and on to 2048 while the curve stays flat:
+    :data:`QUICK_MORE_SIZES`; see :func:`measure_capacity`)."""
     from specroll_mcore.tree.budget import capacity_from_latency
 
     record = cached_profile(policy, policy_fingerprint)
     if record is None and not configured:
         record = measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=QUICK_REPS, tolerance=tolerance,
-                                  quick=True)
+                                  quick=True, more_sizes=QUICK_MORE_SIZES)
     curve = LatencyCurve.from_profile(record) if record is not None else None
     latency = (LatencySurface.from_profile(record) or curve) if record is not None else None
     if configured:
@@ -95,20 +100,34 @@ def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[
 
 
 def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], sizes: Sequence[int], reps: int,
-                     tolerance: float = DEFAULT_TOLERANCE, quick: bool = False, verbose: bool = False) -> dict:
+                     tolerance: float = DEFAULT_TOLERANCE, quick: bool = False, verbose: bool = False,
+                     more_sizes: Sequence[int] = ()) -> dict:
     """Profile the forward latency on every rank (collective; the slowest rank's latencies decide),
     derive C_hw by the documented rule (tree/budget.capacity_from_latency), measure the latency
     grid over the shapes trees of that C_hw take (:func:`forward_grid`) and cache the record
-    (rank 0). Returns the record."""
+    (rank 0). ``more_sizes``: larger sizes measured one at a time after ``sizes``, each only while
+    C_hw is still the largest size measured (every rank decides alike: on the reduced latencies).
+    Returns the record."""
     from specroll_mcore.tree.budget import (capacity_from_latency, hardware_name, profile_key, save_capacity,
                                             tree_row_seconds)
 
     ctx = policy.ctx
     fp = policy_fingerprint or "unknown"
-    curve = forward_latency(policy, sizes, reps, verbose=verbose and ctx.rank == 0)
-    for name in ("tree_row_s", "decode_rows_s"):
-        curve[name] = ctx.all_reduce_max(torch.tensor(curve[name], dtype=torch.float64)).tolist()
-    c_hw = capacity_from_latency(list(sizes), tree_row_seconds(curve), tolerance)
+
+    def slowest_rank(measured: dict) -> dict:
+        for name in ("tree_row_s", "decode_rows_s"):
+            measured[name] = ctx.all_reduce_max(torch.tensor(measured[name], dtype=torch.float64)).tolist()
+        return measured
+
+    curve = slowest_rank(forward_latency(policy, sizes, reps, verbose=verbose and ctx.rank == 0))
+    c_hw = capacity_from_latency(curve["tokens"], tree_row_seconds(curve), tolerance)
+    for n in (n for n in more_sizes if n > max(sizes)):
+        if c_hw != curve["tokens"][-1]:
+            break
+        more = slowest_rank(forward_latency(policy, [n], reps, verbose=verbose and ctx.rank == 0))
+        for name in ("tokens", "tree_row_s", "decode_rows_s"):
+            curve[name] += more[name]
+        c_hw = capacity_from_latency(curve["tokens"], tree_row_seconds(curve), tolerance)
     grid = forward_grid(policy, c_hw, reps, verbose=verbose and ctx.rank == 0)
     seconds = torch.tensor([[[-1.0 if s is None else s for s in row] for row in c] for c in grid["seconds"]],
                            dtype=torch.float64)  # (unmeasured: -1, the same shapes on every rank)

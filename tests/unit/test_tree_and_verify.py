@@ -327,6 +327,34 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     assert profile.ensure_capacity(model, None, "fp", tolerance=0.5).c_hw == 1  # (nothing within 0.5x: the least)
 
 
+@pytest.mark.parametrize("knee, c_hw, measured", [(None, 2048, 12), (700, 512, 11), (100, 64, 8)])
+def test_quick_profile_goes_on_while_the_curve_is_flat(ctx, tmp_path, monkeypatch, knee, c_hw, measured):
+    """A GPU's forward costs the same up to ~1024 tokens: the quick profile measures 256 .. 2048 one at
+    a time while C_hw is still its largest size, and stops at the first size past the rule (a C_hw of
+    128 would leave a step of 128+ rows no node to draft with)."""
+    from conftest import make_policy
+    from specroll_mcore.config import tiny_llama
+    from specroll_mcore.rollout import profile
+
+    monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
+    calls = []
+
+    def flat_until_knee(policy, sizes, reps, **kw):  # 10 ms, 25 ms from `knee` tokens on
+        calls.append(list(sizes))
+        times = [0.025 if knee is not None and n >= knee else 0.010 for n in sizes]
+        return {"tokens": list(sizes), "context": 128, "tree_row_s": times, "decode_rows_s": list(times)}
+
+    monkeypatch.setattr(profile, "forward_latency", flat_until_knee)
+    monkeypatch.setattr(profile, "forward_grid", lambda policy, c_hw, reps, **kw: {
+        "rows": [1], "nodes": [1, 2], "contexts": [128], "seconds": [[[0.01, 0.01]]]})
+    cap = profile.ensure_capacity(make_policy(tiny_llama(), ctx), None, "fp")
+    assert cap.c_hw == c_hw
+    assert calls[0] == list(profile.QUICK_SIZES) and all(len(c) == 1 for c in calls[1:])
+    (record,) = json.loads((tmp_path / "capacity_profiles.json").read_text()).values()
+    assert record["c_hw"] == c_hw and len(record["curve"]["tokens"]) == len(record["curve"]["tree_row_s"]) == measured
+    assert record["curve"]["tokens"] == sorted(record["curve"]["tokens"])
+
+
 def test_latency_profile_leaves_out_each_shapes_first_forward(monkeypatch):
     """A shape's first forward in a process is slower (allocations, kernel setup); timed, it would
     inflate the one-token latency that C_hw is measured against (a 2x C_hw on a 2-core machine)."""
