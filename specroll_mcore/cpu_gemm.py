@@ -295,16 +295,19 @@ def vocab_product(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -
 
 class _PackedForward:
     """Overrides megatron's local product (``_forward_impl``: the matmul and bias of this rank's
-    shard, before any TP communication). In CPU inference that product is a packed one where
-    :meth:`PackedWeight.product` applies, else ``F.linear`` (the same BLAS call without megatron's
-    autograd function around it, whose forward only matters for the backward); the subclasses'
-    forwards around it call megatron's region functions only where they communicate."""
+    shard, before any TP communication). In inference (no gradients recorded), on any device, that
+    product runs without megatron's autograd function around it, whose forward only matters for the
+    backward: on CPU a packed product where :meth:`PackedWeight.product` applies, else ``F.linear``
+    (the same BLAS or cuBLAS call). The subclasses' forwards around it call megatron's region
+    functions only where they communicate. On a GPU, where a small model's forward is bound by the
+    host, this takes megatron's per-linear Python and its two autograd functions out of every step
+    (both engines alike)."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if weight is self.weight and not kwargs.get("sequence_parallel") and input.device.type == "cpu":
+        if weight is self.weight and not kwargs.get("sequence_parallel"):
             if not torch.is_grad_enabled():
                 return self._inference_product(input, kwargs.get("bias"))
-            if (not input.requires_grad and not kwargs.get("gradient_accumulation_fusion")
+            if (input.device.type == "cpu" and not input.requires_grad and not kwargs.get("gradient_accumulation_fusion")
                     and kwargs.get("grad_output_buffer") is None):
                 # a frozen input (heads on the policy's hidden states): megatron's backward would
                 # compute and discard the input's gradient; autograd's linear computes the weight's only
@@ -312,6 +315,8 @@ class _PackedForward:
         return super()._forward_impl(input, weight, *args, **kwargs)
 
     def _inference_product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, bias)
         if x.dtype in (torch.bfloat16, torch.float16):
             return half_product(x, self.weight, bias)
         out = self.packed_weight().product(x, self.weight, LAYER_MIN_ROWS, bias)
@@ -324,9 +329,9 @@ class _PackedForward:
         return self._packed_weight
 
     def _lean(self, x: torch.Tensor) -> bool:
-        """CPU inference without the features whose forward megatron's region functions serve
+        """Inference (any device) without the features whose forward megatron's region functions serve
         (sequence parallelism, expert communication, deferred embedding gradients)."""
-        return (cpu_inference(x) and not self.sequence_parallel and not getattr(self, "explicit_expert_comm", False)
+        return (not torch.is_grad_enabled() and not self.sequence_parallel and not getattr(self, "explicit_expert_comm", False)
                 and not getattr(self.config, "defer_embedding_wgrad_compute", False))
 
     def _tp_size(self) -> int:
@@ -336,7 +341,7 @@ class _PackedForward:
 
 
 class PackedColumnParallelLinear(_PackedForward, ColumnParallelLinear):
-    """megatron's ColumnParallelLinear; in CPU inference, products on packed weights and no input copy
+    """megatron's ColumnParallelLinear; in inference, the lean product (on packed weights on CPU) and no input copy
     (the identity forward of a function whose backward all-reduces), the gather only at TP > 1."""
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -352,7 +357,7 @@ class PackedColumnParallelLinear(_PackedForward, ColumnParallelLinear):
 
 
 class PackedRowParallelLinear(_PackedForward, RowParallelLinear):
-    """megatron's RowParallelLinear; in CPU inference, products on packed weights and the output
+    """megatron's RowParallelLinear; in inference, the lean product (on packed weights on CPU) and the output
     all-reduce only at TP > 1."""
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

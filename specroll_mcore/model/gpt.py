@@ -301,14 +301,17 @@ class PolicyModel(torch.nn.Module):
     def vocab_projection(self, x: torch.Tensor) -> torch.Tensor:
         """The policy's output layer (vocab-parallel): [..., h] -> [..., V/tp].
 
-        With gradients, or on GPU, this is megatron's ``output_layer(x, weight=shared)``. In CPU
-        inference it is :func:`specroll_mcore.cpu_gemm.vocab_product`: on packed weights where they
-        apply, else as ``W @ x^T``."""
+        With gradients this is megatron's ``output_layer(x, weight=shared)``. In inference it is this
+        rank's product alone (the layer's forward, without its autograd functions): on GPU
+        ``F.linear``, on CPU :func:`specroll_mcore.cpu_gemm.vocab_product`: on packed weights where
+        they apply, else as ``W @ x^T``."""
         gpt = self.gpt
-        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
-        if not cpu_gemm.cpu_inference(x):
+        if torch.is_grad_enabled():
+            weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
             logits, _ = gpt.output_layer(x, weight=weight)
             return logits
+        if x.device.type != "cpu":
+            return F.linear(x, self.output_weight())
         return cpu_gemm.vocab_product(x, self.output_weight(), self._packed_vocab)  # weight [V/tp, h]
 
     def pack_for_inference(self) -> None:

@@ -309,3 +309,34 @@ def test_inference_forward_skips_megatron_regions_and_equals_megatron_forward(ct
     assert trained[0].grad_fn is not None and regions
     # (outputs of ~80 from N(0, 1) weights: another kernel's summation order moves them by ~1e-5)
     torch.testing.assert_close(trained[0].detach(), want_row[0], rtol=1e-5, atol=1e-4)
+
+
+def test_inference_off_cpu_skips_megatron_autograd_functions(ctx, monkeypatch):
+    """Off the CPU (here the meta device, standing in for a GPU) inference takes the same lean forwards:
+    F.linear without megatron's TP-region functions, its autograd linear function or its output
+    layer, the host's cost of every linear where a GPU forward is bound by the host (1.6x faster
+    SmolLM2-shaped forwards on an H200, docs/results/gpu_h200_lean_inference_linear.json)."""
+    import megatron.core.tensor_parallel.layers as layers
+
+    def refused(*a, **k):
+        raise AssertionError("megatron's training path in inference")
+
+    policy = make_policy(tiny_llama(), ctx)
+    config = policy.gpt.config
+    col = cpu_gemm.PackedColumnParallelLinear(64, 96, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                              gather_output=False).to("meta")
+    row = cpu_gemm.PackedRowParallelLinear(96, 64, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                           input_is_parallel=True, skip_bias_add=False).to("meta")
+    policy.to("meta")
+    for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+                 "linear_with_grad_accumulation_and_async_allreduce"):
+        monkeypatch.setattr(layers, name, refused)
+    monkeypatch.setattr(policy.gpt.output_layer, "forward", refused)
+    x = torch.empty(5, 1, 64, device="meta")
+    with torch.inference_mode():
+        hidden, _ = col(x)
+        out, _ = row(hidden)
+        logits = policy.vocab_projection(torch.empty(3, 1, policy.config.hidden_size, device="meta"))
+    assert (hidden.shape, out.shape, logits.shape) == ((5, 1, 96), (5, 1, 64), (3, 1, policy.padded_vocab_size))
+    with pytest.raises(AssertionError, match="training path"):  # gradients: megatron's forwards
+        col(torch.empty(5, 1, 64, device="meta", requires_grad=True))
