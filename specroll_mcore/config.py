@@ -748,6 +748,13 @@ class TrainConfig:
     e.g. 1e-3); None: the checkpoint's (0 as converted). Logged as ``moe_aux_loss`` (unweighted, mean
     over layers and micro-batches)."""
 
+    routing_replay: bool = False
+    """A mixture of experts' rollout routing replay (R3): rollouts keep the experts every token was
+    routed to, and the policy update (and recomputed old log-probs) routes each token to the same
+    experts, learning the routers through the probabilities they give them; the reference policy
+    routes by its own routers. Keeps the update on the network that sampled where two experts nearly
+    tie (specroll_mcore/model/routing.py). Costs [tokens, layers, topk] int16 per response."""
+
     lr: float = 1e-6
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

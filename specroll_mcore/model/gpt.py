@@ -32,6 +32,7 @@ from specroll_mcore.model.attention import (KEY_BLOCK, STEP_ATTENTION_DTYPES, ST
                                             SpecRollSelfAttention, rope_attention_factor, rope_inv_freq,
                                             step_attention_kernels)
 from specroll_mcore.model.kv_cache import KVCache
+from specroll_mcore.model.routing import recorded_routing, routers
 from specroll_mcore.parallel import ParallelContext, cpu_model_construction
 
 
@@ -96,7 +97,9 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
     float64, where a router product does not depend on the rows in the call (measured on
     Qwen3-30B-A3B's 128 x 2048 router: in bfloat16, 1 of 64 rows differs from its one-row product in
     calls of 64 rows or more; in float32, nearly every row; in float64, none), and a flipped expert
-    choice would change a token's hidden state far more than a rounding."""
+    choice would change a token's hidden state far more than a rounding. Every router carries
+    megatron-core's routing-replay hook (idle unless :mod:`specroll_mcore.model.routing` sets it): what
+    rollouts record and the policy update replays (``TrainConfig.routing_replay``)."""
     if not model.is_moe:
         return {}
     return dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
@@ -105,7 +108,7 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
                 moe_shared_expert_gate=model.moe_shared_expert_gate,
                 moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
                 moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_enable_routing_replay=True,
                 moe_router_dtype="fp64" if batch_invariant(model.torch_dtype, ctx.device) else None)
 
 
@@ -201,6 +204,11 @@ class PolicyModel(torch.nn.Module):
         self.num_heads = num_heads
         self._packed_vocab = cpu_gemm.PackedWeight()  # (CPU inference, see vocab_projection)
         self._inv_freq: dict[str, torch.Tensor] = {}  # device -> RoPE's frequencies (see rope_inv_freq)
+        self.routers = routers(self.gpt)
+        """This stage's expert routers, in layer order (none for a dense model)."""
+        self.record_routing = False
+        """Whether rollouts keep each token's experts in their KV caches (:meth:`new_cache`) for the
+        policy update to replay (``TrainConfig.routing_replay``; model/routing.py)."""
         self._rope_scale = rope_attention_factor(config.rope_scaling)  # (YaRN's factor on cos and sin; else 1)
 
     @property
@@ -218,7 +226,9 @@ class PolicyModel(torch.nn.Module):
             kernel = (self.dtype in STEP_ATTENTION_DTYPES and self.config.kv_channels in STEP_ATTENTION_HEAD_DIMS
                       and step_attention_kernels() is not None)
         layers = [layer.self_attention.layer_number for layer in self.gpt.decoder.layers]
-        return KVCache(num_slots, capacity, self.ctx.device, self.dtype, layers, position_major_keys=kernel)
+        topk = self.config.moe_router_topk if self.record_routing and self.routers else 0
+        return KVCache(num_slots, capacity, self.ctx.device, self.dtype, layers, position_major_keys=kernel,
+                       routing_topk=topk)
 
     @property
     def batch_invariant(self) -> bool:
@@ -331,7 +341,12 @@ class PolicyModel(torch.nn.Module):
         hidden_in = None
         if not self.ctx.is_first_stage:
             hidden_in = self.ctx.recv_forward((s, b, self.config.hidden_size), self.dtype)
-        out = self.stage_forward(input_ids, meta, hidden_in, logits_index)
+        if meta.cache is not None and meta.cache.routing_topk:  # each token's experts, kept with its keys
+            with recorded_routing(self.routers) as recorded:
+                out = self.stage_forward(input_ids, meta, hidden_in, logits_index)
+            meta.cache.write_routing(meta.rows, meta.row_index, meta.write_index, recorded)
+        else:
+            out = self.stage_forward(input_ids, meta, hidden_in, logits_index)
         if not self.ctx.is_last_stage:
             self.ctx.post_forward(out)
             return None

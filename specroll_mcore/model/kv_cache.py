@@ -16,6 +16,10 @@ it in: only the rows that must move do (unfinished responses beyond the range sw
 inside it), and the forward takes the rows in the order they lie. :meth:`KVCache.rows` arranges any
 other request (in its own order) before the forward reads it.
 
+With ``routing_topk`` the cache also keeps, per layer, the experts each token's forward routed it to
+(``[layers, slots, capacity, topk]``, int16), written beside its keys and moved with them by every
+commit, pack and copy: a response's routing for the policy update to replay (model/routing.py).
+
 With ``position_major_keys`` the keys are stored ``[slots, groups, head_dim, capacity]``: one row's
 keys of one group hold each head dimension's values over consecutive positions, the layout the CPU
 step-attention kernel reads 16 keys at a time from (model/attention.py; vLLM's CPU key cache is
@@ -34,10 +38,11 @@ class KVCache:
     """Keys/values for the layers of one pipeline stage, for ``num_slots`` responses."""
 
     def __init__(self, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype,
-                 layers: Sequence[int], position_major_keys: bool = False) -> None:
+                 layers: Sequence[int], position_major_keys: bool = False, routing_topk: int = 0) -> None:
         """``layers``: the layer numbers that use the cache (this pipeline stage's). All their keys live
         in one tensor and all their values in another, so that moving positions or rows (commit, pack,
-        copy_slots) is one indexing operation for every layer."""
+        copy_slots) is one indexing operation for every layer. ``routing_topk`` > 0: also keep each
+        token's experts at every layer (:meth:`write_routing`)."""
         if not layers:
             raise ValueError("a KV cache needs the layer numbers that use it (layers)")
         self.num_slots = num_slots
@@ -54,6 +59,8 @@ class KVCache:
         # keys, values [layers, slots, capacity, groups, head_dim] (logical order), made at the first write
         self._k: Optional[torch.Tensor] = None
         self._v: Optional[torch.Tensor] = None
+        self.routing_topk = routing_topk
+        self._r: Optional[torch.Tensor] = None  # experts [layers, slots, capacity, topk], made at the first write
 
     def _buffers(self, layer: int, groups: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values [slots, capacity, groups, head_dim] (views)."""
@@ -69,8 +76,31 @@ class KVCache:
         return self._k[i], self._v[i]
 
     def _all_buffers(self) -> tuple[torch.Tensor, ...]:
-        """The key and value buffers, [layers, slots, ...] each (none before the first write)."""
-        return () if self._k is None else (self._k, self._v)
+        """The key, value (and expert) buffers, [layers, slots, ...] each (none before the first write)."""
+        kv = () if self._k is None else (self._k, self._v)
+        return kv if self._r is None else (*kv, self._r)
+
+    def write_routing(self, rows: tuple[int, int], row_index: torch.Tensor, write_index: torch.Tensor,
+                      experts: Sequence[torch.Tensor]) -> None:
+        """Keep the experts a forward routed its new tokens to, where their keys went: ``experts`` per
+        layer [s * b, topk] (megatron's token order), rows / row_index / write_index as for
+        :meth:`write_and_read`."""
+        if self._r is None:
+            self._r = torch.zeros(len(self._index), self.num_slots, self.capacity, self.routing_topk,
+                                  dtype=torch.int16, device=self.device)
+        b, s = write_index.shape
+        routed = torch.stack(list(experts)).view(len(experts), s, b, self.routing_topk).transpose(1, 2)
+        first, end = rows
+        self._r[:, first:end][:, row_index, write_index] = routed.to(torch.int16)  # (write_and_read kept the extent)
+
+    def routing(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Each slot's kept experts over its committed tokens, [length, layers, topk] int16 on the CPU
+        (one transfer); empty where none were written."""
+        if self._r is None:
+            return [torch.zeros(0, len(self._index), self.routing_topk, dtype=torch.int16) for _ in slots.tolist()]
+        lengths = self.lengths[slots].tolist()
+        held = self._r[:, self.row_of[slots], :max(lengths, default=0)].permute(1, 2, 0, 3).cpu()
+        return [h[:n] for h, n in zip(held, lengths)]
 
     def pack(self, slots: torch.Tensor) -> torch.Tensor:
         """Make the rows holding ``slots`` [b] a contiguous range with as few moves as possible: the

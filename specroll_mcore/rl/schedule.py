@@ -19,9 +19,9 @@ import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker)
-from megatron.core.transformer.moe.router import TopKRouter
 
 from specroll_mcore.model import PolicyModel, causal_mask
+from specroll_mcore.model.routing import fill_routing, replay_routing
 from specroll_mcore.parallel import grad_of, grad_sq_norm
 
 
@@ -36,12 +36,16 @@ class MicroBatch:
     old_logp: torch.Tensor  # [B, L] rollout log-probs aligned with labels
     advantages: torch.Tensor  # [B]
     ref_logp: Optional[torch.Tensor] = None
+    routing: Optional[torch.Tensor] = None  # [B, L, layers, k] the rollout's experts to replay (model/routing.py)
 
 
 def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
-    """(prompt ids, response ids, response log-probs or None, advantage[, trained]) per sequence -> one
-    right-padded MicroBatch; labels are the next token, the loss covers the response tokens (none of
-    a sequence whose ``trained`` is False: DAPO's overlong filtering)."""
+    """(prompt ids, response ids, response log-probs or None, advantage[, trained[, routing]]) per
+    sequence -> one right-padded MicroBatch; labels are the next token, the loss covers the response
+    tokens (none of a sequence whose ``trained`` is False: DAPO's overlong filtering). ``routing``:
+    the rollout's experts of the sequence's tokens [n, layers, k] (RolloutOutput.routing), replayed
+    by the update; where the sequences carry it, tokens past it (the last one, padding) take experts
+    0 .. k - 1, which no loss reads."""
     L = max(len(s[0]) + len(s[1]) for s in seqs)
     B = len(seqs)
     ids = torch.zeros(B, L, dtype=torch.long)
@@ -49,17 +53,24 @@ def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
     mask = torch.zeros(B, L)
     old = torch.zeros(B, L)
     lengths = torch.zeros(B, dtype=torch.long)
-    for i, (p, t, lp, _, *trained) in enumerate(seqs):
+    routed = [s[5] if len(s) > 5 else None for s in seqs]
+    if any(r is not None for r in routed) and any(r is None for r in routed):
+        raise ValueError("either every sequence of a micro-batch carries its rollout's routing or none does")
+    for i, (p, t, lp, _, *rest) in enumerate(seqs):
         seq = list(p) + list(t)
         ids[i, : len(seq)] = torch.tensor(seq)
         labels[i, : len(seq) - 1] = torch.tensor(seq[1:])
-        if not trained or trained[0]:
+        if not rest or rest[0]:
             mask[i, len(p) - 1: len(seq) - 1] = 1.0  # positions whose next token is a response token
         if lp is not None:
             old[i, len(p) - 1: len(seq) - 1] = lp.float()
         lengths[i] = len(seq)
+    routing = None
+    if routed[0] is not None:
+        _, layers, k = routed[0].shape
+        routing = torch.stack([fill_routing(r, L, layers, k) for r in routed]).to(device)
     return MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device), old.to(device),
-                      torch.tensor([s[3] for s in seqs], device=device))
+                      torch.tensor([s[3] for s in seqs], device=device), routing=routing)
 
 
 def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -86,7 +97,8 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
                      temperature: float, recompute: bool = False) -> list[dict]:
     """Accumulate gradients of ``loss_fn`` over the micro-batches; returns the last stage's metrics
     per micro-batch (shared with every stage). ``recompute``: activation recomputation per layer
-    (:meth:`PolicyModel.stage_forward`).
+    (:meth:`PolicyModel.stage_forward`). Micro-batches that carry routing route by it, in their
+    forward and in their backward's recomputation (model/routing.py).
 
     One forward, one backward (1F1B, megatron's non-interleaved order): stage s runs the forwards of
     ``pp - s - 1`` micro-batches ahead, then alternates the forward of the next micro-batch with the
@@ -111,6 +123,8 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         # megatron-core's padding mask marks the padding (True), as its z_loss_func documents and every use
         # inverts it (some of its docstrings say otherwise)
         padding = positions >= mb.lengths[:, None].to(ctx.device) if policy.config.is_moe else None
+        if policy.routers:
+            replay_routing(policy.routers, mb.routing)
         out = policy.stage_forward(mb.input_ids, policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths)),
                                    hidden_in, recompute=recompute, padding_mask=padding)
         if not last:
@@ -119,22 +133,24 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         metrics.append(m)
         return loss
 
-    def backward(hidden_in: Optional[torch.Tensor], out: torch.Tensor, grad: Optional[torch.Tensor]):
+    def backward(hidden_in: Optional[torch.Tensor], out: torch.Tensor, mb: MicroBatch, grad: Optional[torch.Tensor]):
+        if recompute and policy.routers:  # the recomputed layers route as this micro-batch's forward did
+            replay_routing(policy.routers, mb.routing)
         out.backward(grad)  # grad is None for the loss
         return None if hidden_in is None else hidden_in.grad
 
     M = len(micro_batches)
     warmup = min(ctx.pp_size - ctx.pp_rank - 1, M)
-    in_flight: deque = deque()  # (input, output) of micro-batches whose backward is still to run
+    in_flight: deque = deque()  # (input, output, micro-batch) of those whose backward is still to run
     for i in range(warmup):
         x = recv_forward(micro_batches[i])
         out = forward(micro_batches[i], x)
         ctx.send_forward(out.detach())  # never the last stage: warmup is 0 there
-        in_flight.append((x, out))
+        in_flight.append((x, out, micro_batches[i]))
     x = recv_forward(micro_batches[warmup]) if warmup < M else None
     for i in range(warmup, M):
         out = forward(micro_batches[i], x)
-        in_flight.append((x, out))
+        in_flight.append((x, out, micro_batches[i]))
         grad = None if last else ctx.send_forward_recv_backward(out.detach(), in_flight[0][1].shape)
         g_in = backward(*in_flight.popleft(), grad)
         if first:
@@ -144,10 +160,12 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         else:
             x = ctx.send_backward_recv_forward(g_in, input_shape(micro_batches[i + 1]), policy.dtype).requires_grad_()
     while in_flight:
-        x, out = in_flight.popleft()
-        g_in = backward(x, out, ctx.recv_backward(out.shape, out.dtype))
+        x, out, mb = in_flight.popleft()
+        g_in = backward(x, out, mb, ctx.recv_backward(out.shape, out.dtype))
         if not first:
             ctx.send_backward(g_in)
+    if policy.routers:
+        replay_routing(policy.routers, None)
     return ctx.broadcast_object_from_last_stage(metrics)  # type: ignore[return-value]
 
 
@@ -155,14 +173,13 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
 def routers_training(policy: PolicyModel) -> Iterator[None]:
     """megatron-core's routers in training mode, the rest of the policy as it is (evaluation mode: no
     dropout, none configured anyway): a router attaches its load-balancing loss only in training."""
-    routers = [m for m in policy.gpt.modules() if isinstance(m, TopKRouter)]
-    modes = [r.training for r in routers]
-    for r in routers:
+    modes = [r.training for r in policy.routers]
+    for r in policy.routers:
         r.training = True
     try:
         yield
     finally:
-        for r, mode in zip(routers, modes):
+        for r, mode in zip(policy.routers, modes):
             r.training = mode
 
 
@@ -223,12 +240,17 @@ def global_grad_norm(policy: PolicyModel) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temperature: float) -> list:
+def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temperature: float,
+                     replay: bool = True) -> list:
     """log pi(labels) per micro-batch without gradients ([B, L] on the last stage, None elsewhere):
-    old log-probs recomputed under filtered sampling, and the reference policy's log-probs."""
+    old log-probs recomputed under filtered sampling, and the reference policy's log-probs.
+    ``replay``: route by the micro-batches' routing where they carry it (the reference policy routes
+    by its own routers: ``replay=False``)."""
     ctx = policy.ctx
     out: list = []
     for mb in micro_batches:
+        if policy.routers:
+            replay_routing(policy.routers, mb.routing if replay else None)
         b, L = mb.input_ids.shape
         positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
         meta = policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths))
@@ -239,4 +261,6 @@ def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], tempe
         else:
             ctx.send_forward(res)
             out.append(None)
+    if policy.routers:
+        replay_routing(policy.routers, None)
     return out

@@ -68,6 +68,10 @@ class GRPOTrainer:
                                  "leave it unset")
             overrides["moe_aux_loss_coeff"] = cfg.moe_aux_loss_coeff
         self.policy = load_policy(self.source, self.ctx, with_heads=cfg.engine == "specroll", overrides=overrides)
+        if cfg.routing_replay and not self.policy.config.is_moe:
+            raise ValueError(f"TrainConfig.routing_replay is on but the policy in {self.source} has no experts "
+                             "(a dense model has no routing to replay); turn it off")
+        self.policy.record_routing = cfg.routing_replay
         for p in self.policy.gpt.parameters():
             p.requires_grad_(True)
         if self.policy.heads is not None:
@@ -339,7 +343,7 @@ class GRPOTrainer:
                     mb.old_logp = lp.detach()
         if self.ref_state is not None:
             with self._weights(self.ref_state):
-                for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature())):
+                for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature(), replay=False)):
                     mb.ref_logp = lp
         total_tokens = ctx.all_reduce_dp(torch.tensor(float(sum(float(mb.loss_mask.sum()) for mb in mbs))))
         total_seqs = ctx.all_reduce_dp(torch.tensor(float(sum(int((mb.loss_mask.sum(1) > 0).sum()) for mb in mbs))))
@@ -470,10 +474,13 @@ class _Round:
 
 def response_sequences(prompts: list[list[int]], rollout: Any, advantages: torch.Tensor, G: int,
                        overlong_filter: bool = False) -> list[tuple]:
-    """(prompt, response tokens, rollout log-probs, advantage, trained) of every response of a rollout,
-    in its order (response k answers prompt k // G): what the policy update trains on. With
-    ``overlong_filter`` a response cut at the length limit is not trained on (DAPO)."""
-    return [(prompts[k // G], toks, lps, float(advantages[k]), not (overlong_filter and reason == FINISH_LENGTH))
+    """(prompt, response tokens, rollout log-probs, advantage, trained, routing) of every response of a
+    rollout, in its order (response k answers prompt k // G): what the policy update trains on. With
+    ``overlong_filter`` a response cut at the length limit is not trained on (DAPO); ``routing``: its
+    tokens' experts where the rollout kept them (TrainConfig.routing_replay), else None."""
+    routing = rollout.routing or [None] * len(rollout.tokens)
+    return [(prompts[k // G], toks, lps, float(advantages[k]), not (overlong_filter and reason == FINISH_LENGTH),
+             routing[k])
             for k, (toks, lps, reason) in enumerate(zip(rollout.tokens, rollout.logprobs, rollout.finish_reason))]
 
 

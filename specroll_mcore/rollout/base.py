@@ -30,6 +30,10 @@ class RolloutOutput:
     features: Optional[list[TokenFeatures]] = None
     """Per response, what the policy computed where each token was sampled (engines that collect
     them, on the last stage; see :class:`TokenFeatures`)."""
+    routing: Optional[list[torch.Tensor]] = None
+    """Per response, the experts each token its rollout took in (the prompt and the response but its
+    last token) was routed to at this stage's layers, [tokens, layers, topk] int16: kept where the policy
+    records routing (``PolicyModel.record_routing``) for the update to replay (model/routing.py)."""
 
     @property
     def num_tokens(self) -> int:
@@ -275,6 +279,10 @@ class RolloutState:
         return True
 
     def output(self, stats: dict[str, Any], features: Optional[list[TokenFeatures]] = None) -> RolloutOutput:
+        routing = None
+        if self.cache.routing_topk:  # the tokens every rollout forward took in: prompt and response but the last
+            routing = [r[:p + len(t) - 1] for r, p, t in zip(self.cache.routing(self.slots), self.prompt_len,
+                                                          self.responses)]
         return RolloutOutput(
             prompt_index=[self.prompt_ids[int(p)] for p in self.prompt_of],
             sample_index=self.key_sample.tolist(),
@@ -283,4 +291,5 @@ class RolloutState:
             finish_reason=[str(f) for f in self.finish],
             stats=stats,
             features=features,
+            routing=routing,
         )

@@ -63,12 +63,15 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
 
 def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
     """3 layers as 2 + 1 over PP=2 (checkpoint converted evenly for one stage: resharded on load), on a
-    Qwen3-MoE with a load-balancing loss: its routers and every expert train, on either stage, as in
-    one process, and the loss logged is the same."""
+    Qwen3-MoE with a load-balancing loss and routing replay: its routers and every expert train, on
+    either stage, as in one process, and the loss logged is the same. Each stage replays its own
+    layers' routing, also in the recomputation of a micro-batch's backward while later micro-batches'
+    forwards have run (1F1B, 2 sequences a micro-batch)."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, num_layers=3, arch="qwen3_moe")
-    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1, "--set=moe_aux_loss_coeff=0.01")
+    common = ("--set=moe_aux_loss_coeff=0.01", "--set=routing_replay=true", "--set=micro_batch_size=2")
+    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1, *common)
     got = run(ckpt, tmp_path / "pp2", 1, 2, 2, "--set=parallel.num_layers_in_last_pipeline_stage=1",
-              "--set=moe_aux_loss_coeff=0.01")
+              "--set=recompute_activations=true", *common)
     assert got[0]["moe_aux_loss"] == pytest.approx(ref[0]["moe_aux_loss"], rel=1e-6) and ref[0]["moe_aux_loss"] > 1
     assert json.loads((tmp_path / "pp2" / "specroll_config.json").read_text())["pipeline_stage_layers"] == [2, 1]
     for k in ("reward_mean", "response_len"):
@@ -88,11 +91,13 @@ def test_dynamic_sampling_at_dp2_equals_dp1(tmp_path):
     """DAPO's dynamic sampling at DP=2: the replicas agree on which groups have varied rewards, roll
     out further rounds together and deal the chosen groups out evenly; two steps give DP=1's rounds,
     rewards, loss and weights. On a Qwen3-MoE with a load-balancing loss, weighed over the micro-batches
-    of both replicas as over one process's. With fewer prompts per step than replicas the run stops
-    with an error naming the field."""
+    of both replicas as over one process's, and routing replay (the chosen groups' routing travels
+    with them to the replica that trains on them). With fewer prompts per step than replicas the run
+    stops with an error naming the field."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, arch="qwen3_moe")
     dyn = ["--set=steps=2", "--set=dynamic_sampling=true", "--set=max_sampling_rounds=4",
-           "--set=reward_fn=rewards_for_tests:flat_for_even_answers_reward", "--set=moe_aux_loss_coeff=0.05"]
+           "--set=reward_fn=rewards_for_tests:flat_for_even_answers_reward", "--set=moe_aux_loss_coeff=0.05",
+           "--set=routing_replay=true"]
     ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *dyn)
     got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *dyn)
     assert sum(r["sampling_rounds"] for r in ref) > len(ref), ref  # a step took another round

@@ -114,3 +114,88 @@ def test_load_balancing_loss_and_its_gradient_leave_the_padding_out(ctx):
     assert logged_r == pytest.approx(logged, rel=1e-12)
     for a, b in zip(grads, grads_r):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["vanilla", "specroll"])
+def test_rollouts_keep_each_tokens_experts(ctx, engine):
+    """A policy that records routing keeps, per response, the experts every token it took in was routed
+    to (prompt and response, through prefill, the shared prompt cache, decoding or tree verification
+    and its commits, and rows finishing early): those a whole-sequence forward routes it to."""
+    from test_speculative import policy_with_heads
+    from specroll_mcore.config import SamplingConfig, SpecConfig
+    from specroll_mcore.model.routing import recorded_routing
+    from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
+
+    policy = policy_with_heads(tiny_qwen3_moe(num_experts=8, num_layers=2, params_dtype="float64"), ctx)
+    policy.record_routing = True
+    prompts = [[5, 9, 13, 2, 77], [40, 8]]
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=14, num_samples=3, seed=3)
+    eos = VanillaEngine(policy).generate(prompts, sp).tokens[1][6]  # a token some response emits: ragged ends
+    make = (lambda: VanillaEngine(policy, eos_token_ids=[eos])) if engine == "vanilla" else \
+        (lambda: SpeculativeEngine(policy, SpecConfig(c_hw=32, n_max=8), eos_token_ids=[eos]))
+    out = make().generate(prompts, sp)
+    assert len({len(t) for t in out.tokens}) > 1
+    assert engine == "vanilla" or out.stats["tau"] > 1.2  # accepted drafts: commits compacted tree nodes
+    for k, (toks, routed) in enumerate(zip(out.tokens, out.routing)):
+        seq = prompts[k // 3] + toks
+        assert routed.dtype == torch.int16 and routed.shape == (len(seq) - 1, 2, 2)
+        with torch.no_grad(), recorded_routing(policy.routers) as recorded:
+            logits(policy, torch.tensor([seq[:-1]]))
+        want = torch.stack(recorded, dim=1)  # [tokens, layers, k]
+        assert torch.equal(routed.long().sort(-1).values, want.sort(-1).values), k
+    policy.record_routing = False
+    assert make().generate(prompts, sp).routing is None
+
+
+def test_update_routes_each_token_to_its_rollout_experts(ctx):
+    """A micro-batch's routing reaches the router rows of its tokens (megatron's [s, b] order), in the
+    forward and in the backward's recomputation; tokens past it (the last, padding) take experts
+    0 .. k - 1. Replaying the experts the update would pick anyway changes nothing, bit for bit;
+    replaying others changes the log-probs, and recomputed activations give the same gradients."""
+    from specroll_mcore.model.routing import recorded_routing
+    from specroll_mcore.rl.schedule import forward_backward, forward_logprobs, pack_micro_batch
+
+    policy = make_policy(tiny_qwen3_moe(num_experts=8, num_layers=2, params_dtype="float64"), ctx)
+    g = torch.Generator().manual_seed(0)
+    seqs = [([1, 2, 3], torch.randint(5, 300, (n,), generator=g).tolist(), None, 1.0, True) for n in (9, 4, 6)]
+    maps = []
+    for r in policy.routers:
+        r.register_forward_hook(lambda mod, args, out: maps.append(out[1].detach().clone()))
+
+    def own(seq):  # the experts a whole-sequence forward picks for the tokens a rollout took in
+        with torch.no_grad(), recorded_routing(policy.routers) as recorded:
+            logits(policy, torch.tensor([seq[0] + seq[1][:-1]]))
+        return torch.stack(recorded, dim=1).to(torch.int16)
+
+    plain = pack_micro_batch(seqs, ctx.device)
+    same = pack_micro_batch([(*s, own(s)) for s in seqs], ctx.device)
+    with pytest.raises(ValueError, match="every sequence of a micro-batch carries its rollout's routing or none"):
+        pack_micro_batch([seqs[0], (*seqs[1], own(seqs[1]))], ctx.device)
+    other = [(*s, torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(2 * (len(s[0]) + len(s[1]) - 1))])
+              .view(-1, 2, 2).to(torch.int16)) for s in seqs]
+    forced = pack_micro_batch(other, ctx.device)
+    assert forced.routing.shape == (3, 12, 2, 2)
+    maps.clear()
+    lp_plain, lp_same, lp_forced = (forward_logprobs(policy, [mb], 1.0)[0] for mb in (plain, same, forced))
+    taken_in = torch.arange(12)[None] < plain.lengths[:, None] - 1  # (the last token and padding: filler experts)
+    assert torch.equal(lp_plain[taken_in], lp_same[taken_in]) and not torch.equal(lp_plain, lp_forced)
+    for layer in range(2):
+        routed = maps[4 + layer].view(12, 3, 8).transpose(0, 1)  # [b, s, E] of the forced forward
+        for b, (p, t, *_, r) in enumerate(other):
+            n = len(p) + len(t) - 1
+            want = torch.zeros(12, 8, dtype=torch.bool)
+            want[torch.arange(12)[:, None], torch.cat([r[:, layer].long(), torch.arange(2).expand(12 - n, 2)])] = True
+            assert torch.equal(routed[b], want), (b, layer)
+    assert all(r.router_replay.router_replay_action is None for r in policy.routers)  # idle afterwards
+
+    def grads(recompute):
+        policy.zero_grad(set_to_none=True)
+        maps.clear()
+        forward_backward(policy, [forced, same], lambda mb, lp: (lp.masked_fill(mb.loss_mask == 0, 0).sum(), {}), 1.0,
+                         recompute)
+        return [p.grad.clone() for p in policy.gpt.parameters() if p.grad is not None], len(maps)
+
+    (kept, n_kept), (again, n_again) = grads(False), grads(True)
+    assert (n_kept, n_again) == (2 * 2, 2 * 2 * 2)  # the recomputation ran the routers again
+    for a, b in zip(kept, again):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

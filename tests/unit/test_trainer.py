@@ -80,6 +80,33 @@ def test_the_gap_between_rollout_and_update_log_probs_is_logged(tiny_ckpt, tmp_p
     assert "rollout_logp_gap_mean" not in row  # old log-probs recomputed by the update's forward: no gap to see
 
 
+def test_routing_replay_routes_the_update_as_the_rollout(tmp_path, ctx, monkeypatch, engine="specroll"):
+    """TrainConfig.routing_replay on a Qwen3-MoE, SpecRoll rollouts (both engines keep routing alike:
+    test_moe): the update routes every token to the experts its rollout kept. Kept as routed, the
+    update's log-probs are the rollout's (a few ulps, as without replay, last); with the rollout's
+    experts moved to others, they are another network's."""
+    from specroll_mcore.rollout import SpeculativeEngine
+
+    ckpt = tiny_policy_checkpoint(tmp_path / "moe", arch="qwen3_moe")
+    row = run_rows(ckpt, tmp_path / "a", f"engine={engine}", "steps=1", "routing_replay=true")[0]
+    assert 0 <= row["rollout_logp_gap_mean"] <= row["rollout_logp_gap_max"] < 1e-4
+    cls = VanillaEngine if engine == "vanilla" else SpeculativeEngine
+    generate = cls.generate
+
+    def moved(self, *args, **kwargs):  # every kept expert replaced by the next one
+        out = generate(self, *args, **kwargs)
+        assert out.routing is not None and all(r.shape[1:] == (2, 2) for r in out.routing)
+        out.routing = [(r + 1) % 4 for r in out.routing]
+        return out
+
+    monkeypatch.setattr(cls, "generate", moved)
+    row = run_rows(ckpt, tmp_path / "b", f"engine={engine}", "steps=1", "routing_replay=true")[0]
+    assert row["rollout_logp_gap_mean"] > 1e-3  # (~9e-3 here: small experts in a tiny model)
+    monkeypatch.undo()
+    row = run_rows(ckpt, tmp_path / "c", f"engine={engine}", "steps=1")[0]
+    assert row["rollout_logp_gap_max"] < 1e-4
+
+
 def test_rollouts_stop_at_every_eos_the_generation_config_names(tiny_ckpt, tmp_path, ctx):
     """An instruct model's generation_config.json may name end-of-turn tokens beside the tokenizer's
     EOS: the trainer's engines stop at all of them."""
@@ -172,7 +199,8 @@ def test_overlong_filtering_masks_cut_responses_as_if_they_were_dropped():
     from types import SimpleNamespace
 
     rollout = SimpleNamespace(tokens=[[5, 6, 7], [8, 9], [10, 11, 12, 13]], finish_reason=["length", "eos", "length"],
-                              logprobs=[torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5, -0.7]), torch.full((4,), -1.0)])
+                              logprobs=[torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5, -0.7]), torch.full((4,), -1.0)],
+                              routing=None)
     prompts, adv = [[1, 2], [3]], torch.tensor([1.0, -1.0, 0.5])
     assert all(s[4] for s in response_sequences(prompts, rollout, adv, 2))
     seqs = response_sequences(prompts, rollout, adv, 2, overlong_filter=True)
@@ -298,6 +326,8 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
         load_config(TrainConfig, None, ["moe_aux_loss_coeff=-0.1"])
     with pytest.raises(ValueError, match=r"TrainConfig.moe_aux_loss_coeff is 0.01 but the policy in .* has no experts"):
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r", "moe_aux_loss_coeff=0.01")))
+    with pytest.raises(ValueError, match=r"TrainConfig.routing_replay is on but the policy in .* has no experts"):
+        GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r", "routing_replay=true")))
     with pytest.raises(ValueError, match=r"only 3 usable prompts .*prompts_per_step is 8"):
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r", "engine=vanilla",
                                                              "data.limit=3", "prompts_per_step=8")))
