@@ -78,13 +78,30 @@ def cmd_convert(args: argparse.Namespace) -> int:
         out = convert.convert_hf_to_mcore(src, Path(args.out), args.tp, args.pp, args.dtype, args.overwrite,
                                           args.first_stage_layers, args.last_stage_layers)
     elif args.direction == "mcore-to-hf":
-        out = convert.convert_mcore_to_hf(Path(args.src), Path(args.out), args.overwrite)
+        out = convert.convert_mcore_to_hf(Path(args.src), Path(args.out), args.overwrite,
+                                          parse_size(args.max_shard_size, "--max-shard-size"))
     else:  # smollm2
         from specroll_mcore.checkpoint.smollm2 import default_checkpoint
 
         out = default_checkpoint(Path(args.cache) if args.cache else None, args.tp, args.pp)
     print(out)
     return 0
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
+
+
+def parse_size(text: str, what: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count -> bytes (as ``save_pretrained``'s max_shard_size)."""
+    number = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(number):].upper()
+    try:
+        size = int(float(number) * SIZE_UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"{what} must be a size such as 5GB, 500MB or 2GiB, got {text!r}") from None
+    if size <= 0:
+        raise ValueError(f"{what} must be > 0, got {text!r}")
+    return size
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -125,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--last-stage-layers", type=int, help="layers on the last pipeline stage (uneven split; "
                    "ParallelConfig.num_layers_in_last_pipeline_stage)")
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], help="output dtype")
+    c.add_argument("--max-shard-size", default="5GB", help="mcore-to-hf: largest safetensors file written, e.g. 5GB "
+                   "or 500MB (a larger model gets several, with model.safetensors.index.json)")
     c.add_argument("--cache", help="cache directory for `smollm2` (default $SPECROLL_CACHE or ~/.cache/specroll_mcore)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     c.set_defaults(func=cmd_convert)

@@ -1,8 +1,11 @@
 #!/usr/bin/env python
-"""Conversion cost: wall time and peak resident memory of HF -> Megatron conversion, each run in its
-own process, for SmolLM2 and for a larger synthetic Llama written shard by shard (never whole in
-memory). Peak RSS is compared with the size of the weights: a streaming converter stays near one
-output shard plus one tensor, not the whole model.
+"""Conversion cost: wall time and peak resident memory of HF -> Megatron conversion and back, each run
+in its own process, for SmolLM2 and for a larger synthetic Llama written shard by shard (never whole
+in memory). Peak RSS is compared with the size of the weights: a streaming converter stays near one
+output shard plus one tensor, not the whole model (the export back: near one HF shard,
+``--max-shard-mb``). The export reads the checkpoint memory-mapped, whose pages count in RSS as they
+are read but are page cache (reclaimable): peak anonymous memory (RssAnon, sampled every 5 ms) is
+what it needs.
 
     python tools/bench_convert.py --out bench_convert.json [--synthetic-layers 16 --synthetic-hidden 2048]
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,10 +28,51 @@ warnings.filterwarnings("ignore")
 from pathlib import Path
 from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
 src, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+import threading
+peak_anon = [0]
+def sample_anon():  # resident anonymous memory (mapped checkpoint pages are page cache, reclaimable)
+    while True:
+        try:
+            for line in open("/proc/self/status"):
+                if line.startswith("RssAnon:"):
+                    peak_anon[0] = max(peak_anon[0], int(line.split()[1]))
+        except OSError:
+            return
+        time.sleep(0.005)
+threading.Thread(target=sample_anon, daemon=True).start()
 t0 = time.perf_counter()
 convert_hf_to_mcore(Path(src), Path(out), tp, pp)
 print(json.dumps({"seconds": time.perf_counter() - t0,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_anon_mb": peak_anon[0] / 1024}))
+"""
+
+CHILD_EXPORT = r"""
+import sys, time, resource, json, warnings
+warnings.filterwarnings("ignore")
+from pathlib import Path
+from specroll_mcore.checkpoint import convert
+src, out, shard_mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
+import threading
+peak_anon = [0]
+def sample_anon():  # resident anonymous memory (mapped checkpoint pages are page cache, reclaimable)
+    while True:
+        try:
+            for line in open("/proc/self/status"):
+                if line.startswith("RssAnon:"):
+                    peak_anon[0] = max(peak_anon[0], int(line.split()[1]))
+        except OSError:
+            return
+        time.sleep(0.005)
+threading.Thread(target=sample_anon, daemon=True).start()
+t0 = time.perf_counter()
+try:
+    convert.convert_mcore_to_hf(Path(src), Path(out), max_shard_bytes=shard_mb * 2**20)
+except TypeError:  # (a version without sharded export)
+    convert.convert_mcore_to_hf(Path(src), Path(out))
+print(json.dumps({"seconds": time.perf_counter() - t0,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_anon_mb": peak_anon[0] / 1024, "files": sorted(p.name for p in Path(out).glob("*.safetensors"))}))
 """
 
 
@@ -73,8 +118,8 @@ def write_synthetic_llama(path: Path, layers: int, hidden: int, ffn: int, vocab:
     return total
 
 
-def run_child(src: Path, out: Path, tp: int, pp: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), str(tp), str(pp)],
+def run_child(src: Path, out: Path, *args: int, code: str = CHILD) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code, str(src), str(out), *map(str, args)],
                           capture_output=True, text=True, env=dict(os.environ))
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
@@ -89,6 +134,8 @@ def main() -> int:
     ap.add_argument("--synthetic-ffn", type=int, default=5632)
     ap.add_argument("--synthetic-vocab", type=int, default=32000)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2, help="the export's source is also converted at this PP size")
+    ap.add_argument("--max-shard-mb", type=int, default=512, help="HF shard size of the export")
     args = ap.parse_args()
     from specroll_mcore.checkpoint.smollm2 import default_hf_dir
 
@@ -110,6 +157,15 @@ def main() -> int:
                                            "hidden": args.synthetic_hidden, **r}
             print(f"synthetic -> TP={tp}: {r['seconds']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB "
                   f"({r['peak_rss_mb'] / (size / 2**20):.2f} x the weights)")
+        run_child(tmp / "synth", tmp / f"synth-mcore-pp{args.pp}", 1, args.pp)
+        for name in (f"tp{max(1, args.tp)}", f"pp{args.pp}"):
+            r = run_child(tmp / f"synth-mcore-{name}", tmp / f"synth-back-{name}", args.max_shard_mb,
+                          code=CHILD_EXPORT)
+            shutil.rmtree(tmp / f"synth-back-{name}")
+            report[f"export_{name}"] = {"weights_mb": size / 2**20, "max_shard_mb": args.max_shard_mb, **r}
+            print(f"synthetic {name.upper()} -> HF: {r['seconds']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB "
+                  f"({r['peak_rss_mb'] / (size / 2**20):.2f} x the weights; anonymous {r['peak_anon_mb']:.0f} MB, "
+                  f"{r['peak_anon_mb'] / (size / 2**20):.2f} x), {len(r['files'])} file(s)")
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -17,11 +17,9 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from specroll_mcore.checkpoint.hf import (FUSED_PROJECTIONS, HFToFull, full_to_hf, gate_up_table, hf_architecture,
+from specroll_mcore.checkpoint.hf import (FUSED_PROJECTIONS, HFToFull, gate_up_table, hf_architecture, hf_tensors,
                                          layer_table, model_config_from_hf)
-from specroll_mcore.checkpoint.megatron import (atomic_directory, load_full_state_dict, read_checkpoint_config,
-                                                write_checkpoint_files)
-from specroll_mcore.checkpoint.shard import check_full_state_dict
+from specroll_mcore.checkpoint.megatron import MegatronCheckpointReader, atomic_directory, write_checkpoint_files
 from specroll_mcore.config import ModelConfig, ParallelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -156,20 +154,57 @@ def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1,
     return atomic_directory(Path(out_dir), write, overwrite)
 
 
-def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False) -> Path:
-    """Convert a Megatron checkpoint (any TP/PP) back into a HF directory ``transformers`` loads."""
+DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
+"""HF checkpoints' usual shard size (``save_pretrained``'s "5GB")."""
+
+
+def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False,
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Convert a Megatron checkpoint (any TP/PP) back into a HF directory ``transformers`` loads.
+
+    Streaming: the checkpoint is read tensor by tensor in stage order (MegatronCheckpointReader,
+    memory-mapped) and written in safetensors shards of at most ``max_shard_bytes`` (a tensor larger
+    than that gets a shard of its own): ``model.safetensors`` when one shard holds it all, else
+    ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, as ``save_pretrained``
+    writes them. Peak memory stays near one shard, not the model."""
     from safetensors.torch import save_file
 
-    meta = read_checkpoint_config(Path(ckpt_dir))
-    full = load_full_state_dict(Path(ckpt_dir))
-    model = ModelConfig.from_dict(meta["model"])
-    check_full_state_dict(full, model)
-    hf_config = dict(meta.get("hf_config") or _hf_config_from_model(model))
-    hf = {k: v.contiguous() for k, v in full_to_hf(full, model, hf_architecture(hf_config)).items()}
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    full = MegatronCheckpointReader(Path(ckpt_dir))
+    model = full.model
+    hf_config = dict(full.meta.get("hf_config") or _hf_config_from_model(model))
+    arch = hf_architecture(hf_config)
     hf_config["torch_dtype"] = model.params_dtype
 
     def write(tmp: Path) -> None:
-        save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        files: list[list[str]] = []  # the tensor names of each shard written
+        shard: dict[str, torch.Tensor] = {}
+        size = total = 0
+
+        def flush() -> None:
+            save_file(shard, str(tmp / f"part-{len(files)}.safetensors"), metadata={"format": "pt"})
+            files.append(list(shard))
+            shard.clear()
+
+        for name, tensor in hf_tensors(full, model, arch):
+            nbytes = tensor.numel() * tensor.element_size()
+            if shard and size + nbytes > max_shard_bytes:
+                flush()
+                size = 0
+            shard[name] = tensor.contiguous()
+            size, total = size + nbytes, total + nbytes
+        flush()
+        if len(files) == 1:
+            (tmp / "part-0.safetensors").rename(tmp / "model.safetensors")
+        else:
+            weight_map = {}
+            for i, names in enumerate(files):
+                final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                (tmp / f"part-{i}.safetensors").rename(tmp / final)
+                weight_map.update(dict.fromkeys(names, final))
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         for name in TOKENIZER_FILES:
             if (Path(ckpt_dir) / name).is_file():

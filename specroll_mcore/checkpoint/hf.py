@@ -269,24 +269,33 @@ def hf_to_full(hf: Mapping[str, torch.Tensor], model: ModelConfig,
 def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig,
                arch: str = "LlamaForCausalLM") -> dict[str, torch.Tensor]:
     """Full Megatron form -> HF state dict of ``arch`` (inverse of :func:`hf_to_full`)."""
-    out: dict[str, torch.Tensor] = {}
-    for mname, hname in GLOBAL_TABLE.items():
-        if mname in full:
-            out[hname] = full[mname]
+    return dict(hf_tensors(full, model, arch))
+
+
+def hf_tensors(full: Mapping[str, torch.Tensor], model: ModelConfig,
+               arch: str = "LlamaForCausalLM") -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of ``arch`` (name, tensor) from the full Megatron form, one at a time in the
+    checkpoint's order (embedding, layers, final norm, output layer): each full tensor is read when
+    its HF tensors are made (a lazy ``full``, such as checkpoint/megatron.MegatronCheckpointReader,
+    is read in stage order)."""
+    embedding, *last = GLOBAL_TABLE  # (the final norm, the output layer: none where tied)
+    yield GLOBAL_TABLE[embedding], full[embedding]
     table, gate_up = layer_table(model, arch), gate_up_table(model, arch)
     for i in range(model.num_layers):
         layer, mlayer = f"model.layers.{i}.", f"decoder.layers.{i}."
         for mname, hname in table.items():
-            out[layer + hname] = full[mlayer + mname]
+            yield layer + hname, full[mlayer + mname]
         for mname, (gate, up) in gate_up.items():
-            out[layer + gate], out[layer + up] = split_gate_up(full[mlayer + mname])
+            g, u = split_gate_up(full[mlayer + mname])
+            yield layer + gate, g
+            yield layer + up, u
         a = layer + "self_attn."
         q, k, v = split_qkv(full[mlayer + "self_attention.linear_qkv.weight"], model)
         if arch in FUSED_PROJECTIONS:
-            out[a + "qkv_proj.weight"] = torch.cat([q, k, v])
+            yield a + "qkv_proj.weight", torch.cat([q, k, v])
             continue
-        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
+        yield from ((a + "q_proj.weight", q), (a + "k_proj.weight", k), (a + "v_proj.weight", v))
         if model.add_qkv_bias:
             q, k, v = split_qkv(full[mlayer + "self_attention.linear_qkv.bias"], model)
-            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
-    return out
+            yield from ((a + "q_proj.bias", q), (a + "k_proj.bias", k), (a + "v_proj.bias", v))
+    yield from ((GLOBAL_TABLE[mname], full[mname]) for mname in last if mname in full)

@@ -212,37 +212,69 @@ def iteration_dir(ckpt_dir: Path) -> Path:
     return Path(ckpt_dir) / ("release" if it == "release" else f"iter_{int(it):07d}")
 
 
-def _load_shard(ckpt_dir: Path, tp_rank: int, pp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:
+def _load_shard(ckpt_dir: Path, tp_rank: int, pp_rank: int, pp_size: int, mmap: bool = False
+                ) -> dict[str, torch.Tensor]:
     path = iteration_dir(ckpt_dir) / shard_dir_name(tp_rank, pp_rank, pp_size) / "model_optim_rng.pt"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
-    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)["model"]
+
+
+class MegatronCheckpointReader(Mapping[str, torch.Tensor]):
+    """The full (unsharded, unpadded) form of a Megatron checkpoint of any TP/PP layout, tensor by
+    tensor on access, each checked against the shape its config implies. One pipeline stage's TP
+    shards are open at a time (the names are in stage order: embedding, layers, final norm, output
+    layer), memory-mapped with ``mmap``: reading a large checkpoint in order never holds it whole in
+    memory (the export to HF, checkpoint/convert.py)."""
+
+    def __init__(self, ckpt_dir: Path, mmap: bool = True) -> None:
+        self.ckpt_dir, self.mmap = Path(ckpt_dir), mmap
+        self.meta = read_checkpoint_config(self.ckpt_dir)
+        self.model = ModelConfig.from_dict(self.meta["model"])
+        self.tp, self.pp = self.meta["tensor_model_parallel_size"], self.meta["pipeline_model_parallel_size"]
+        self._shapes = expected_full_shapes(self.model)
+        starts = [0]
+        for n in stage_layers_of(self.meta, self.model):
+            starts.append(starts[-1] + n)
+        self._where: dict[str, tuple[int, str, str]] = {}  # full name -> (stage, local name, unsharding key)
+        for name in self._shapes:
+            m = _LAYER.match(name)
+            if m:
+                layer = int(m.group(1))
+                stage = next(i for i in range(self.pp) if layer < starts[i + 1])
+                self._where[name] = (stage, f"decoder.layers.{layer - starts[stage]}.{m.group(2)}", m.group(2))
+            else:
+                self._where[name] = (0 if name.startswith("embedding.") else self.pp - 1, name, name)
+        self._stage: Optional[int] = None
+        self._shards: list[dict[str, torch.Tensor]] = []
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def __contains__(self, name: object) -> bool:  # (without reading the tensor)
+        return name in self._shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        stage, local, key = self._where[name]
+        if stage != self._stage:
+            self._shards = []  # (the previous stage's mappings go once their tensors do)
+            self._shards = [_load_shard(self.ckpt_dir, t, stage, self.pp, self.mmap) for t in range(self.tp)]
+            self._stage = stage
+        if any(local not in shard for shard in self._shards):
+            raise ValueError(f"checkpoint {self.ckpt_dir} lacks {name} (stage {stage}: {local})")
+        full = unshard_tensor(key, [shard[local] for shard in self._shards], self.model)
+        if tuple(full.shape) != self._shapes[name]:
+            raise ValueError(f"{name} has shape {tuple(full.shape)} but the model config implies "
+                             f"{self._shapes[name]}; does config.json belong to these weights?")
+        return full
 
 
 def load_full_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """Gather the full (unsharded, unpadded) form from all shards of a checkpoint."""
-    meta = read_checkpoint_config(ckpt_dir)
-    model = ModelConfig.from_dict(meta["model"])
-    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
-    split = stage_layers_of(meta, model)
-    full: dict[str, torch.Tensor] = {}
-    for pp_rank in range(pp):
-        shards = [_load_shard(ckpt_dir, t, pp_rank, pp) for t in range(tp)]
-        offset = sum(split[:pp_rank])  # global index of the stage's first layer
-        for local_name in shards[0]:
-            m = _LAYER.match(local_name)
-            if m:
-                name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
-                key = m.group(2)
-            else:
-                name = key = local_name
-            if name == "output_layer.weight" and model.tie_word_embeddings:
-                continue  # the last stage's copy of the tied embedding
-            full[name] = unshard_tensor(key, [s[local_name] for s in shards], model)
-    missing = sorted(set(expected_full_shapes(model)) - set(full))
-    if missing:
-        raise ValueError(f"checkpoint {ckpt_dir} lacks {missing[:5]}")
-    return full
+    """Gather the full (unsharded, unpadded) form from all shards of a checkpoint, in memory."""
+    return dict(MegatronCheckpointReader(Path(ckpt_dir), mmap=False).items())
 
 
 def stage_layers_of(meta: dict[str, Any], model: ModelConfig) -> list[int]:

@@ -289,3 +289,62 @@ def test_cli_reports_errors(tmp_path, capsys):
 
     assert main(["convert", "hf-to-mcore", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_export_in_shards_streams_and_loads_in_transformers(tmp_path, arch, capsys):
+    """convert_mcore_to_hf reads the checkpoint stage by stage (memory-mapped) and writes shards of at
+    most max_shard_bytes with save_pretrained's index: transformers loads them to the same weights as
+    one file, and they convert back bit for bit. A tensor larger than the limit gets a shard alone."""
+    from safetensors import safe_open
+
+    from specroll_mcore.cli import main
+
+    save_tiny_hf(tmp_path / "hf", arch, tied=False)
+    tp = 1 if arch == "qwen3_moe" else 2
+    convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tensor_parallel_size=tp, pipeline_parallel_size=2)
+    ref = convert.HFCheckpointReader(tmp_path / "hf")  # the tensors as saved (transformers fuses experts on load)
+    total = sum(ref[k].numel() * ref[k].element_size() for k in ref)
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "shards"),
+                 "--max-shard-size", f"{total // 3 // 1000}KB"]) == 0
+    index = json.loads((tmp_path / "shards/model.safetensors.index.json").read_text())
+    files = sorted({f for f in index["weight_map"].values()})
+    assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert index["metadata"]["total_size"] == total and set(index["weight_map"]) == set(ref)
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.safetensors")) == files
+    for f in files:  # each within the limit, or a single tensor
+        with safe_open(str(tmp_path / "shards" / f), "pt") as sf:
+            sizes = [sf.get_tensor(k).numel() * sf.get_tensor(k).element_size() for k in sf.keys()]
+        assert sum(sizes) <= total // 3 or len(sizes) == 1
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "shards").state_dict()
+    assert set(got) == set(want) and all(torch.equal(want[k], got[k]) for k in want)
+    convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "alone", max_shard_bytes=1)  # a tensor a file
+    assert len(list((tmp_path / "alone").glob("*.safetensors"))) == len(ref)
+    convert.convert_hf_to_mcore(tmp_path / "shards", tmp_path / "again", tensor_parallel_size=tp,
+                                pipeline_parallel_size=2)
+    for f in (tmp_path / "mcore/release").rglob("model_optim_rng.pt"):
+        a = torch.load(f, weights_only=True)["model"]
+        b = torch.load(tmp_path / "again/release" / f.parent.name / f.name, weights_only=True)["model"]
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "x"), "--max-shard-size", "lots"]) == 2
+    assert "--max-shard-size must be a size such as 5GB, 500MB or 2GiB, got 'lots'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_shard_bytes must be > 0, got 0"):
+        convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "x", max_shard_bytes=0)
+
+
+def test_export_names_a_tensor_the_checkpoint_lacks_or_misshapes(tmp_path):
+    save_tiny_hf(tmp_path / "hf", "llama", tied=False)
+    convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", pipeline_parallel_size=2)
+    shard = tmp_path / "mcore/release/mp_rank_00_001/model_optim_rng.pt"
+    blob = torch.load(shard, weights_only=True)
+    del blob["model"]["decoder.final_layernorm.weight"]
+    torch.save(blob, shard)
+    with pytest.raises(ValueError, match=r"lacks decoder.final_layernorm.weight \(stage 1"):
+        convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    blob["model"]["decoder.final_layernorm.weight"] = torch.ones(7)
+    torch.save(blob, shard)
+    with pytest.raises(ValueError, match=r"decoder.final_layernorm.weight has shape \(7,\) but the model config"):
+        convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    assert not (tmp_path / "back").exists()

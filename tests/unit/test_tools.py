@@ -299,10 +299,11 @@ def test_bench_moe_experts_smoke_and_a_dense_checkpoint(tiny_ckpt, tmp_path):
 def test_bench_convert_smoke(tmp_path):
     out = tmp_path / "c.json"
     run_tool("bench_convert.py", "--synthetic-layers", 2, "--synthetic-hidden", 64, "--synthetic-ffn", 128,
-             "--synthetic-vocab", 256, "--tp", 2, "--out", out)
+             "--synthetic-vocab", 256, "--tp", 2, "--max-shard-mb", 1, "--out", out)
     report = json.loads(out.read_text())
-    assert set(report) == {"smollm2", "synthetic_tp1", "synthetic_tp2"}
-    assert all(r["seconds"] > 0 and r["peak_rss_mb"] > 0 for r in report.values())
+    assert set(report) == {"smollm2", "synthetic_tp1", "synthetic_tp2", "export_tp2", "export_pp2"}
+    assert all(r["seconds"] > 0 and r["peak_rss_mb"] > 0 and r["peak_anon_mb"] > 0 for r in report.values())
+    assert report["export_pp2"]["files"] == ["model.safetensors"]
 
 
 def test_ablate_reflex_smoke_and_bad_input(tiny_ckpt, tmp_path):
