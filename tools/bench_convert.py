@@ -22,38 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-CHILD = r"""
-import sys, time, resource, json, warnings
-warnings.filterwarnings("ignore")
-from pathlib import Path
-from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
-src, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-import threading
-peak_anon = [0]
-def sample_anon():  # resident anonymous memory (mapped checkpoint pages are page cache, reclaimable)
-    while True:
-        try:
-            for line in open("/proc/self/status"):
-                if line.startswith("RssAnon:"):
-                    peak_anon[0] = max(peak_anon[0], int(line.split()[1]))
-        except OSError:
-            return
-        time.sleep(0.005)
-threading.Thread(target=sample_anon, daemon=True).start()
-t0 = time.perf_counter()
-convert_hf_to_mcore(Path(src), Path(out), tp, pp)
-print(json.dumps({"seconds": time.perf_counter() - t0,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "peak_anon_mb": peak_anon[0] / 1024}))
-"""
-
-CHILD_EXPORT = r"""
-import sys, time, resource, json, warnings
+MEASURED = r"""
+import sys, time, resource, json, threading, warnings
 warnings.filterwarnings("ignore")
 from pathlib import Path
 from specroll_mcore.checkpoint import convert
-src, out, shard_mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
-import threading
+src, out, a, b = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 peak_anon = [0]
 def sample_anon():  # resident anonymous memory (mapped checkpoint pages are page cache, reclaimable)
     while True:
@@ -66,14 +40,16 @@ def sample_anon():  # resident anonymous memory (mapped checkpoint pages are pag
         time.sleep(0.005)
 threading.Thread(target=sample_anon, daemon=True).start()
 t0 = time.perf_counter()
-try:
-    convert.convert_mcore_to_hf(Path(src), Path(out), max_shard_bytes=shard_mb * 2**20)
-except TypeError:  # (a version without sharded export)
-    convert.convert_mcore_to_hf(Path(src), Path(out))
+%s
 print(json.dumps({"seconds": time.perf_counter() - t0,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "peak_anon_mb": peak_anon[0] / 1024, "files": sorted(p.name for p in Path(out).glob("*.safetensors"))}))
 """
+CHILD = MEASURED % "convert.convert_hf_to_mcore(Path(src), Path(out), a, b)"  # a, b: TP, PP
+CHILD_EXPORT = MEASURED % """try:  # a: the shard size in MB
+    convert.convert_mcore_to_hf(Path(src), Path(out), max_shard_bytes=a * 2**20)
+except TypeError:  # (a version without sharded export)
+    convert.convert_mcore_to_hf(Path(src), Path(out))"""
 
 
 def write_synthetic_llama(path: Path, layers: int, hidden: int, ffn: int, vocab: int, heads: int, kv_heads: int) -> int:
@@ -159,7 +135,7 @@ def main() -> int:
                   f"({r['peak_rss_mb'] / (size / 2**20):.2f} x the weights)")
         run_child(tmp / "synth", tmp / f"synth-mcore-pp{args.pp}", 1, args.pp)
         for name in (f"tp{max(1, args.tp)}", f"pp{args.pp}"):
-            r = run_child(tmp / f"synth-mcore-{name}", tmp / f"synth-back-{name}", args.max_shard_mb,
+            r = run_child(tmp / f"synth-mcore-{name}", tmp / f"synth-back-{name}", args.max_shard_mb, 0,
                           code=CHILD_EXPORT)
             shutil.rmtree(tmp / f"synth-back-{name}")
             report[f"export_{name}"] = {"weights_mb": size / 2**20, "max_shard_mb": args.max_shard_mb, **r}
