@@ -163,6 +163,22 @@ def layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None) ->
                                                                    mlp=new_mlp))
 
 
+LAYER_FEATURES = ("recompute_input_layernorm", "recompute_pre_mlp_layernorm", "recompute_mlp", "offload_attn_norm",
+                  "offload_mlp_norm")
+"""TransformerLayer features whose forward the lean inference chain (PolicyModel._inference_decoder) leaves out."""
+
+
+def lean_layer(layer: torch.nn.Module) -> bool:
+    """Whether a megatron-core TransformerLayer computes, in inference, norm -> self-attention -> residual
+    add -> norm -> MLP -> residual add and nothing else (none of :data:`LAYER_FEATURES`, no
+    cross-attention, no fused TP inference kernel, no chunked MLP in prefill)."""
+    config = layer.config
+    return (not any(getattr(layer, name, False) for name in LAYER_FEATURES)
+            and type(layer.cross_attention).__name__ == "IdentityOp"
+            and not getattr(config, "inference_fuse_tp_communication", False)
+            and getattr(config, "mlp_chunks_for_prefill", 1) <= 1 and layer.hidden_dropout == 0.0)
+
+
 def _layer_output(layer: torch.nn.Module, hidden: torch.Tensor, meta: AttentionMetadata,
                   padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     # a TransformerLayer returns (output, context)
@@ -204,6 +220,8 @@ class PolicyModel(torch.nn.Module):
         self.num_heads = num_heads
         self._packed_vocab = cpu_gemm.PackedWeight()  # (CPU inference, see vocab_projection)
         self._inv_freq: dict[str, torch.Tensor] = {}  # device -> RoPE's frequencies (see rope_inv_freq)
+        self._lean_layers = all(lean_layer(layer) for layer in self.gpt.decoder.layers)
+        """Whether inference runs the layers without megatron's per-layer Python (:meth:`_inference_decoder`)."""
         self.routers = routers(self.gpt)
         """This stage's expert routers, in layer order (none for a dense model)."""
         self.record_routing = False
@@ -278,6 +296,8 @@ class PolicyModel(torch.nn.Module):
             hidden = None
         if recompute and torch.is_grad_enabled():
             hidden = self._recomputed_decoder(hidden, meta, padding_mask)
+        elif not torch.is_grad_enabled() and self._lean_layers:
+            hidden = self._inference_decoder(hidden, meta)
         else:
             hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta, padding_mask=padding_mask)
         if not self.ctx.is_last_stage:
@@ -297,6 +317,26 @@ class PolicyModel(torch.nn.Module):
             hidden = decoder.input_tensor  # set_input_tensor: the previous stage's output
         for layer in decoder.layers:
             hidden = checkpoint(_layer_output, layer, hidden, meta, padding_mask, use_reentrant=False)
+        if decoder.final_layernorm is not None:
+            hidden = decoder.final_layernorm(hidden)
+        return hidden
+
+    def _inference_decoder(self, hidden: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """What megatron's ``TransformerBlock.forward`` computes in inference (layers, then the final norm
+        on the last stage), each layer as its submodules chain: norm, self-attention, residual add,
+        norm, MLP, residual add; the same operations in the same order, without the per-layer Python
+        around them (offloading and recompute contexts, NVTX ranges, bias-dropout-add factories, the
+        cross-attention identities). On a GPU, where a small model's forward waits on the host, that
+        Python is a sixth of a SmolLM2-shaped forward (docs/results/README.md); only layers that use
+        none of those features take it (``_lean_layers``)."""
+        decoder = self.gpt.decoder
+        if hidden is None:
+            hidden = decoder.input_tensor  # set_input_tensor: the previous stage's output
+        for layer in decoder.layers:
+            out, bias = layer.self_attention(layer.input_layernorm(hidden), attention_mask=meta)
+            hidden = hidden + (out if bias is None else out + bias)
+            out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
+            hidden = hidden + (out if bias is None else out + bias)
         if decoder.final_layernorm is not None:
             hidden = decoder.final_layernorm(hidden)
         return hidden
