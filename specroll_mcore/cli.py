@@ -88,7 +88,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
+              "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 
 
 def parse_size(text: str, what: str) -> int:

@@ -307,8 +307,8 @@ class _PackedForward:
         if weight is self.weight and not kwargs.get("sequence_parallel"):
             if not torch.is_grad_enabled():
                 return self._inference_product(input, kwargs.get("bias"))
-            if (input.device.type == "cpu" and not input.requires_grad and not kwargs.get("gradient_accumulation_fusion")
-                    and kwargs.get("grad_output_buffer") is None):
+            if (input.device.type == "cpu" and not input.requires_grad
+                    and not kwargs.get("gradient_accumulation_fusion") and kwargs.get("grad_output_buffer") is None):
                 # a frozen input (heads on the policy's hidden states): megatron's backward would
                 # compute and discard the input's gradient; autograd's linear computes the weight's only
                 return F.linear(input, weight, kwargs.get("bias"))
@@ -331,7 +331,8 @@ class _PackedForward:
     def _lean(self, x: torch.Tensor) -> bool:
         """Inference (any device) without the features whose forward megatron's region functions serve
         (sequence parallelism, expert communication, deferred embedding gradients)."""
-        return (not torch.is_grad_enabled() and not self.sequence_parallel and not getattr(self, "explicit_expert_comm", False)
+        return (not torch.is_grad_enabled() and not self.sequence_parallel
+                and not getattr(self, "explicit_expert_comm", False)
                 and not getattr(self.config, "defer_embedding_wgrad_compute", False))
 
     def _tp_size(self) -> int:

@@ -43,7 +43,8 @@ t0 = time.perf_counter()
 %s
 print(json.dumps({"seconds": time.perf_counter() - t0,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "peak_anon_mb": peak_anon[0] / 1024, "files": sorted(p.name for p in Path(out).glob("*.safetensors"))}))
+                  "peak_anon_mb": peak_anon[0] / 1024,
+                  "files": sorted(p.name for p in Path(out).glob("*.safetensors"))}))
 """
 CHILD = MEASURED % "convert.convert_hf_to_mcore(Path(src), Path(out), a, b)"  # a, b: TP, PP
 CHILD_EXPORT = MEASURED % """try:  # a: the shard size in MB

@@ -9,9 +9,9 @@ Replaying the rollout's choices keeps the update on the network that sampled; th
 still learn, through the probabilities it gives the replayed experts.
 
 This uses megatron-core's own hook (``moe_enable_routing_replay``: a ``RouterReplay`` on every
-router, which records or replays the top-k indices; the same methods in 0.16.1 and 0.19.2) per policy, not through its process-wide
-registry of hooks, which would mix the layers of every model a process builds (a reference model,
-tests): :func:`routers` takes a policy's hooks out of it.
+router, which records or replays the top-k indices; the same methods in 0.16.1 and 0.19.2) per
+policy, not through its process-wide registry of hooks, which would mix the layers of every model a
+process builds (a reference model, tests): :func:`routers` takes a policy's hooks out of it.
 
 Indices follow megatron-core's token order: a forward of ``[s, b]`` tokens routes them as
 ``s * b`` rows, row ``i * b + j`` for token ``i`` of sequence ``j``.

@@ -328,7 +328,8 @@ def test_export_in_shards_streams_and_loads_in_transformers(tmp_path, arch, caps
         b = torch.load(tmp_path / "again/release" / f.parent.name / f.name, weights_only=True)["model"]
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     capsys.readouterr()
-    assert main(["convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "x"), "--max-shard-size", "lots"]) == 2
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "x"),
+                 "--max-shard-size", "lots"]) == 2
     assert "--max-shard-size must be a size such as 5GB, 500MB or 2GiB, got 'lots'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_shard_bytes must be > 0, got 0"):
         convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "x", max_shard_bytes=0)
