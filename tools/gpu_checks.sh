@@ -7,7 +7,8 @@
 # Stages, in order of value, each under its own time limit and skipped when the overall budget
 # (BUDGET_S seconds, default 540) would run out or when named in SKIP (e.g. SKIP="tests grpo"):
 # tests/gpu, the capacity profile (C_hw on this GPU), SpecRoll against the vanilla engine and
-# transformers at T=1 at batch 1, then on 32 prompts x 8 samples x 256 tokens, the speculative step's
+# transformers at T=1 at batch 1, then on 32 prompts x 8 samples x 256 tokens, a SmolLM2-shaped forward
+# with the layers chained against megatron's block (tools/bench_forward_path.py), the speculative step's
 # host work per phase at batch 1 (ms, operations and syncs a step; both engines' whole rollouts in
 # operations a token), a short GRPO run that times the vanilla engine on the same steps, batch 1 at
 # T=0, and the big batch in bfloat16 (how many responses stay identical to the vanilla engine's:
@@ -30,12 +31,14 @@ if [ "${QUICK:-0}" = 1 ]; then
   TOKENS="1,2,4"
   GRPO="--set steps=2 --set prompts_per_step=2 --set sampling.num_samples=2 --set sampling.max_new_tokens=8"
   PHASES="--max-new-tokens 8 --steps 2 --reps 1"
+  FWD="--layers 2 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 --vocab 512 --shapes 1x1,2x4 --reps 1"
   TESTS="--collect-only"
 else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch 1 is the slow stage
   B1="--batch1-prompts 2 --max-new-tokens 256 --reps 3"; FULL="--prompts 32 --samples 8 --max-new-tokens 256 --reps 2"
   TOKENS="1,2,4,8,16,32,64,128,256,512,1024,2048"
   GRPO="--set steps=4 --set prompts_per_step=8 --set sampling.num_samples=8 --set sampling.max_new_tokens=256"
   PHASES="--max-new-tokens 64 --steps 30 --reps 3"
+  FWD="--reps 30"
   TESTS=""
 fi
 
@@ -61,6 +64,8 @@ stage bench_batch1 180 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --sk
 # shellcheck disable=SC2086
 stage bench_full 150 $PY tools/bench_specroll.py --checkpoint "$CKPT" $FULL --skip-batch1 \
   --out "$OUT/bench_specroll_full.json" --plot "$OUT/bench_specroll_full.png"
+# shellcheck disable=SC2086
+stage forward_path 60 $PY tools/bench_forward_path.py $FWD --out "$OUT/forward_path.json"
 # shellcheck disable=SC2086
 stage step_phases 90 $PY tools/bench_step_phases.py --checkpoint "$CKPT" $PHASES --out "$OUT/step_phases_b1.json"
 GRPO_DIR=$(mktemp -d)

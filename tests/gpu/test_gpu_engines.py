@@ -105,3 +105,34 @@ def test_architectures_on_gpu(gpu_ctx, arch):
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     assert SpeculativeEngine(model, SpecConfig(c_hw=64)).generate(prompts, sp).tokens == \
         VanillaEngine(model).generate(prompts, sp).tokens
+
+
+def test_routing_replay_on_gpu(gpu_ctx):
+    """A Qwen3-MoE's rollout keeps each token's experts on the device (tree commits included), and the
+    update's forward replays them: kept as the rollout routed them, its log-probs equal the forward
+    that routes by itself on every token a rollout took in."""
+    from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_qwen3_moe
+    from specroll_mcore.model import causal_mask
+    from specroll_mcore.model.routing import recorded_routing
+    from specroll_mcore.rl.schedule import forward_logprobs, pack_micro_batch
+    from specroll_mcore.rollout import SpeculativeEngine
+
+    model = _policy(gpu_ctx, "float64", tiny_qwen3_moe)
+    model.record_routing = True
+    prompts = [[1, 2, 3], [4, 5]]
+    out = SpeculativeEngine(model, SpecConfig(c_hw=64)).generate(
+        prompts, SamplingConfig(temperature=1.0, max_new_tokens=16, num_samples=2, seed=5))
+    model.record_routing = False
+    seqs = [(prompts[k // 2], toks, None, 1.0, True, routed) for k, (toks, routed) in
+            enumerate(zip(out.tokens, out.routing))]
+    for p, toks, *_, routed in seqs:
+        seq = torch.tensor([p + toks[:-1]], device=DEVICE)
+        with torch.no_grad(), recorded_routing(model.routers) as recorded:
+            model(seq, model.metadata(torch.arange(seq.shape[1], device=DEVICE)[None],
+                                      causal_mask(1, seq.shape[1], DEVICE)))
+        assert torch.equal(routed.long().sort(-1).values, torch.stack(recorded, 1).cpu().sort(-1).values)
+    replayed = forward_logprobs(model, [pack_micro_batch(seqs, DEVICE)], 1.0)[0]
+    routed_by_itself = forward_logprobs(model, [pack_micro_batch([s[:5] for s in seqs], DEVICE)], 1.0)[0]
+    mb = pack_micro_batch(seqs, DEVICE)
+    taken_in = torch.arange(mb.input_ids.shape[1], device=DEVICE)[None] < mb.lengths[:, None] - 1
+    assert torch.equal(replayed[taken_in], routed_by_itself[taken_in])

@@ -226,10 +226,14 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     log = (out / "gpu_checks.log").read_text()
     for stage in ("tests", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "step_phases",
-                  "grpo"):
+                  "grpo", "forward_path"):
         assert f"== {stage} rc=0" in log, log[-3000:]
     assert re.search(r"\d+ tests collected", log), log[:3000]  # tests/gpu, collected only
     assert json.loads((out / "step_phases_b1.json").read_text())["total_ops_per_step"] > 0
+    assert set(json.loads((out / "forward_path.json").read_text())["shapes"]) == {"1x1", "2x4"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_forward_path.py"), "--shapes", "1by1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--shapes must look like 1x1,64x16 (rows x tokens), got '1by1'" in proc.stderr
     full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
     assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
     assert json.loads((out / "bench_specroll_b1.json").read_text())["batch1"]["identical_tokens"]
