@@ -49,7 +49,7 @@ def main() -> int:
         raise SystemExit("--reps and every shape's rows and tokens must be >= 1")
     from specroll_mcore.checkpoint import random_full_state_dict
     from specroll_mcore.model import PolicyModel
-    from specroll_mcore.rollout.profile import _committed_cache, _step, alternated_medians
+    from specroll_mcore.rollout.profile import alternated_medians, tree_forward
 
     ctx = parallel.initialize(ParallelConfig())
     if args.checkpoint:
@@ -78,7 +78,7 @@ def main() -> int:
               "layers": policy.config.num_layers, "reps": args.reps, "shapes": {}}
     with torch.inference_mode():
         for rows, n in shapes:
-            run = _step(policy, _committed_cache(policy, rows, 128, 128 + n), rows, n)
+            run = tree_forward(policy, n, 128, rows)
             m = alternated_medians({"chained": path(run, lean_ok), "megatron": path(run, False)}, args.reps, sync)
             key = f"{rows}x{n}"
             report["shapes"][key] = {"chained_ms": m["chained"] * 1e3, "megatron_ms": m["megatron"] * 1e3,
