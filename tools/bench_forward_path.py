@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A verification forward's cost with the layers chained in inference (PolicyModel._inference_decoder)
+"""A verification forward's cost with the layers chained in inference (model/gpt._chained_layer)
 against megatron-core's TransformerBlock.forward, timed alternately in one process, shape by shape.
 
     python tools/bench_forward_path.py --out bench_forward_path.json                  # SmolLM2's shape

@@ -11,7 +11,7 @@ that skip the empty ones in inference.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -165,7 +166,7 @@ def layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None) ->
 
 LAYER_FEATURES = ("recompute_input_layernorm", "recompute_pre_mlp_layernorm", "recompute_mlp", "offload_attn_norm",
                   "offload_mlp_norm")
-"""TransformerLayer features whose forward the lean inference chain (PolicyModel._inference_decoder) leaves out."""
+"""TransformerLayer features whose forward the lean inference chain (:func:`_chained_layer`) leaves out."""
 
 
 def lean_layer(layer: torch.nn.Module) -> bool:
@@ -174,7 +175,7 @@ def lean_layer(layer: torch.nn.Module) -> bool:
     cross-attention, no fused TP inference kernel, no chunked MLP in prefill)."""
     config = layer.config
     return (not any(getattr(layer, name, False) for name in LAYER_FEATURES)
-            and type(layer.cross_attention).__name__ == "IdentityOp"
+            and isinstance(layer.cross_attention, IdentityOp)
             and not getattr(config, "inference_fuse_tp_communication", False)
             and getattr(config, "mlp_chunks_for_prefill", 1) <= 1 and layer.hidden_dropout == 0.0)
 
@@ -183,6 +184,27 @@ def _layer_output(layer: torch.nn.Module, hidden: torch.Tensor, meta: AttentionM
                   padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     # a TransformerLayer returns (output, context)
     return layer(hidden_states=hidden, attention_mask=meta, padding_mask=padding_mask)[0]
+
+
+def _recomputed_layer(layer: torch.nn.Module, hidden: torch.Tensor, meta: AttentionMetadata,
+                      padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """A layer whose backward reruns its forward, keeping only its input: ``torch.utils.checkpoint``
+    (non-reentrant, so the attention metadata passes as it is; megatron's own recompute saves its
+    arguments with ``save_for_backward``, which takes tensors only)."""
+    return checkpoint(_layer_output, layer, hidden, meta, padding_mask, use_reentrant=False)
+
+
+def _chained_layer(layer: torch.nn.Module, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """A layer in inference as its submodules chain: norm, self-attention, residual add, norm, MLP,
+    residual add; the operations of megatron's ``TransformerLayer.forward`` in the same order, without
+    the Python around them (offloading and recompute contexts, NVTX ranges, bias-dropout-add
+    factories, the cross-attention identities). On a GPU, where a small model's forward waits on the
+    host, that Python is a sixth of a SmolLM2-shaped forward (docs/results/README.md); only layers
+    that use none of those features take it (:func:`lean_layer`)."""
+    out, bias = layer.self_attention(layer.input_layernorm(hidden), attention_mask=meta)
+    hidden = hidden + (out if bias is None else out + bias)
+    out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
+    return hidden + (out if bias is None else out + bias)
 
 
 class PolicyModel(torch.nn.Module):
@@ -221,7 +243,7 @@ class PolicyModel(torch.nn.Module):
         self._packed_vocab = cpu_gemm.PackedWeight()  # (CPU inference, see vocab_projection)
         self._inv_freq: dict[str, torch.Tensor] = {}  # device -> RoPE's frequencies (see rope_inv_freq)
         self._lean_layers = all(lean_layer(layer) for layer in self.gpt.decoder.layers)
-        """Whether inference runs the layers without megatron's per-layer Python (:meth:`_inference_decoder`)."""
+        """Whether inference runs the layers without megatron's per-layer Python (:func:`_chained_layer`)."""
         self.routers = routers(self.gpt)
         """This stage's expert routers, in layer order (none for a dense model)."""
         self.record_routing = False
@@ -295,9 +317,9 @@ class PolicyModel(torch.nn.Module):
             gpt.decoder.set_input_tensor(hidden_in)
             hidden = None
         if recompute and torch.is_grad_enabled():
-            hidden = self._recomputed_decoder(hidden, meta, padding_mask)
+            hidden = self._layer_by_layer(hidden, lambda layer, x: _recomputed_layer(layer, x, meta, padding_mask))
         elif not torch.is_grad_enabled() and self._lean_layers:
-            hidden = self._inference_decoder(hidden, meta)
+            hidden = self._layer_by_layer(hidden, lambda layer, x: _chained_layer(layer, x, meta))
         else:
             hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta, padding_mask=padding_mask)
         if not self.ctx.is_last_stage:
@@ -306,37 +328,16 @@ class PolicyModel(torch.nn.Module):
             hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
         return self.vocab_projection(selected).transpose(0, 1), selected  # [b, s, V/tp], [s, b, h]
 
-    def _recomputed_decoder(self, hidden: Optional[torch.Tensor], meta: AttentionMetadata,
-                            padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _layer_by_layer(self, hidden: Optional[torch.Tensor],
+                        run: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """What megatron's ``TransformerBlock.forward`` computes (layers, then the final norm on the
-        last stage), with activation recomputation per layer: ``torch.utils.checkpoint``
-        (non-reentrant, so the attention metadata passes as it is; megatron's own recompute saves
-        its arguments with ``save_for_backward``, which takes tensors only)."""
+        last stage), each layer through ``run(layer, hidden)``: with activation recomputation
+        (:func:`_recomputed_layer`) or chained lean in inference (:func:`_chained_layer`)."""
         decoder = self.gpt.decoder
         if hidden is None:
             hidden = decoder.input_tensor  # set_input_tensor: the previous stage's output
         for layer in decoder.layers:
-            hidden = checkpoint(_layer_output, layer, hidden, meta, padding_mask, use_reentrant=False)
-        if decoder.final_layernorm is not None:
-            hidden = decoder.final_layernorm(hidden)
-        return hidden
-
-    def _inference_decoder(self, hidden: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """What megatron's ``TransformerBlock.forward`` computes in inference (layers, then the final norm
-        on the last stage), each layer as its submodules chain: norm, self-attention, residual add,
-        norm, MLP, residual add; the same operations in the same order, without the per-layer Python
-        around them (offloading and recompute contexts, NVTX ranges, bias-dropout-add factories, the
-        cross-attention identities). On a GPU, where a small model's forward waits on the host, that
-        Python is a sixth of a SmolLM2-shaped forward (docs/results/README.md); only layers that use
-        none of those features take it (``_lean_layers``)."""
-        decoder = self.gpt.decoder
-        if hidden is None:
-            hidden = decoder.input_tensor  # set_input_tensor: the previous stage's output
-        for layer in decoder.layers:
-            out, bias = layer.self_attention(layer.input_layernorm(hidden), attention_mask=meta)
-            hidden = hidden + (out if bias is None else out + bias)
-            out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
-            hidden = hidden + (out if bias is None else out + bias)
+            hidden = run(layer, hidden)
         if decoder.final_layernorm is not None:
             hidden = decoder.final_layernorm(hidden)
         return hidden

@@ -55,9 +55,9 @@ def recorded_routing(layers: list[TopKRouter]) -> Iterator[list[torch.Tensor]]:
 
 def replay_routing(layers: list[TopKRouter], routing: Optional[torch.Tensor]) -> None:
     """Make the next forwards route a ``[s, b]`` batch of tokens by ``routing`` [b, s, layers, k] (the
-    experts of every token at each of these routers, in layer order); None: route as trained. The
-    indices stay set until the next call, so that a backward's recomputation of a layer routes as its
-    forward did (set the same micro-batch's again before that backward)."""
+    experts of every token at each of these routers, in layer order; no routers: nothing to do); None:
+    route as trained. The indices stay set until the next call, so that a backward's recomputation of
+    a layer routes as its forward did (set the same micro-batch's again before that backward)."""
     for i, r in enumerate(layers):
         hook = r.router_replay
         hook.clear_indices()

@@ -123,8 +123,7 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         # megatron-core's padding mask marks the padding (True), as its z_loss_func documents and every use
         # inverts it (some of its docstrings say otherwise)
         padding = positions >= mb.lengths[:, None].to(ctx.device) if policy.config.is_moe else None
-        if policy.routers:
-            replay_routing(policy.routers, mb.routing)
+        replay_routing(policy.routers, mb.routing)
         out = policy.stage_forward(mb.input_ids, policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths)),
                                    hidden_in, recompute=recompute, padding_mask=padding)
         if not last:
@@ -134,7 +133,7 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         return loss
 
     def backward(hidden_in: Optional[torch.Tensor], out: torch.Tensor, mb: MicroBatch, grad: Optional[torch.Tensor]):
-        if recompute and policy.routers:  # the recomputed layers route as this micro-batch's forward did
+        if recompute:  # the recomputed layers route as this micro-batch's forward did
             replay_routing(policy.routers, mb.routing)
         out.backward(grad)  # grad is None for the loss
         return None if hidden_in is None else hidden_in.grad
@@ -164,8 +163,7 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         g_in = backward(x, out, mb, ctx.recv_backward(out.shape, out.dtype))
         if not first:
             ctx.send_backward(g_in)
-    if policy.routers:
-        replay_routing(policy.routers, None)
+    replay_routing(policy.routers, None)
     return ctx.broadcast_object_from_last_stage(metrics)  # type: ignore[return-value]
 
 
@@ -249,8 +247,7 @@ def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], tempe
     ctx = policy.ctx
     out: list = []
     for mb in micro_batches:
-        if policy.routers:
-            replay_routing(policy.routers, mb.routing if replay else None)
+        replay_routing(policy.routers, mb.routing if replay else None)
         b, L = mb.input_ids.shape
         positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
         meta = policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths))
@@ -261,6 +258,5 @@ def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], tempe
         else:
             ctx.send_forward(res)
             out.append(None)
-    if policy.routers:
-        replay_routing(policy.routers, None)
+    replay_routing(policy.routers, None)
     return out

@@ -1,4 +1,4 @@
-"""Inference runs megatron-core's layers as their submodules chain (PolicyModel._inference_decoder),
+"""Inference runs megatron-core's layers as their submodules chain (model/gpt._chained_layer),
 without the layer's per-layer Python: the same operations in the same order, so the same logits to
 the bit as megatron's TransformerBlock.forward, for every architecture, dtype and kind of forward."""
 
