@@ -739,6 +739,14 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Responses per forward-backward micro-batch (gradient accumulation over the rest)."""
 
+    micro_batch_tokens: int = 0
+    """A budget of padded tokens per micro-batch (rows x longest prompt + response), as verl's dynamic
+    batch size: the update's sequences are sorted by length and each micro-batch takes the next ones
+    while it holds at most ``micro_batch_size`` of them within the budget, so that little compute goes
+    to padding and short responses share a micro-batch by the dozen (raise ``micro_batch_size`` with
+    it). At least ``data.max_prompt_tokens + sampling.max_new_tokens``; 0: micro-batches of
+    ``micro_batch_size`` responses in the rollout's order."""
+
     recompute_activations: bool = False
     """Keep only each transformer layer's input in the policy update and rerun the layer's forward
     in the backward (activation memory of one layer instead of all, for one more forward)."""
@@ -821,6 +829,10 @@ class TrainConfig:
         _check(self.steps >= 1, f"TrainConfig.steps must be >= 1, got {self.steps}")
         _check(self.prompts_per_step >= 1, f"TrainConfig.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.micro_batch_size >= 1, f"TrainConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        longest = self.data.max_prompt_tokens + self.sampling.max_new_tokens
+        _check(self.micro_batch_tokens == 0 or self.micro_batch_tokens >= longest,
+               f"TrainConfig.micro_batch_tokens must be 0 (off) or at least data.max_prompt_tokens + "
+               f"sampling.max_new_tokens = {longest} (the longest sequence), got {self.micro_batch_tokens}")
         _check(self.lr > 0, f"TrainConfig.lr must be > 0, got {self.lr}")
         _check(self.loss_normalization in ("token", "sequence"),
                f"TrainConfig.loss_normalization must be 'token' or 'sequence', got {self.loss_normalization!r}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -71,6 +71,32 @@ def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
         routing = torch.stack([fill_routing(r, L, layers, k) for r in routed]).to(device)
     return MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device), old.to(device),
                       torch.tensor([s[3] for s in seqs], device=device), routing=routing)
+
+
+def micro_batch_split(lengths: Sequence[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+    """The sequences (indices into ``lengths``) of each micro-batch of a policy update.
+
+    ``max_tokens`` 0: runs of ``max_rows`` consecutive sequences, in the given order. Otherwise a
+    budget of padded tokens (verl's dynamic batch size): the sequences longest first (ties in the
+    given order), each micro-batch taking the next while it has at most ``max_rows`` rows and
+    ``rows x its longest <= max_tokens``. Sequences of like lengths then share a micro-batch, so
+    little of the update's compute goes to padding, and every micro-batch's activations stay within
+    the same bound (the first one is the largest: a run that fits it fits). The loss is normalised
+    over the whole batch (grpo.policy_loss), so the split does not change the update."""
+    if max_rows < 1 or max_tokens < 0:
+        raise ValueError(f"micro-batches need max_rows >= 1 and max_tokens >= 0, got {max_rows}, {max_tokens}")
+    if not max_tokens:
+        return [list(range(s, min(s + max_rows, len(lengths)))) for s in range(0, len(lengths), max_rows)]
+    if lengths and max(lengths) > max_tokens:
+        raise ValueError(f"a {max(lengths)}-token sequence does not fit a micro-batch of {max_tokens} tokens: "
+                         "raise TrainConfig.micro_batch_tokens to at least the longest prompt + response")
+    out: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        if out and len(out[-1]) < max_rows and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -40,8 +40,8 @@ from specroll_mcore.rl.data import Example, load_examples, render_prompt
 from specroll_mcore.rl.grpo import group_advantages, policy_loss, varied_groups
 from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
-                                       global_grad_norm, moe_aux_loss, pack_micro_batch, routers_training,
-                                       set_moe_aux_loss_scale)
+                                       global_grad_norm, micro_batch_split, moe_aux_loss, pack_micro_batch,
+                                       routers_training, set_moe_aux_loss_scale)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
 from specroll_mcore.rollout.base import FINISH_LENGTH
 from specroll_mcore.rollout.profile import speculative_setup
@@ -231,7 +231,10 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         seqs, trained_groups = self._training_sequences(rounds)
         if seqs:
-            norm, loss, parts, skipped, extra = self._update(self._micro_batches(seqs))
+            mbs = self._micro_batches(seqs)
+            norm, loss, parts, skipped, extra = self._update(mbs)
+            real, positions = sum(int(mb.lengths.sum()) for mb in mbs), sum(mb.input_ids.numel() for mb in mbs)
+            extra["update_padding"] = 1.0 - real / positions  # this replica's share of padded positions
         else:  # dynamic sampling found too few groups with a learning signal: no update
             norm, loss, parts, skipped, extra = 0.0, 0.0, [], True, {}
             self.state["skipped_steps"] += 1
@@ -253,8 +256,8 @@ class GRPOTrainer:
             "gen_share": gen_s / max(1e-9, pack_s + gen_s + train_s),
             "gen_tokens_per_s": float(sums[3]) / max(1e-9, float(sums[4]) / ctx.dp_size),
             "loss": loss, "grad_norm": norm, "skipped": skipped, "policy_version": self.state["policy_version"],
-            "clip_fraction": sum(p["clip_fraction"] for p in parts) / max(1, len(parts)),
-            "kl": sum(p["kl"] for p in parts) / max(1, len(parts)),
+            **{name: sum(p[name] * p["tokens"] for p in parts) / max(1.0, sum(p["tokens"] for p in parts))
+               for name in ("clip_fraction", "kl")},  # over the response tokens, as micro-batches differ in size
         })
         row.update(extra)
         if cfg.dynamic_sampling:
@@ -355,7 +358,7 @@ class GRPOTrainer:
             out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
                               cfg.loss_normalization, mb.ref_logp, cfg.kl_beta, float(total_tokens), float(total_seqs))
             m = {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction, "ratio": out.ratio_mean,
-                 "kl": out.kl}
+                 "kl": out.kl, "tokens": float(mb.loss_mask.sum())}
             if not recomputed:  # the rollout's log-probs against this forward's, same weights: numerics alone
                 gap = torch.where(mb.loss_mask > 0, (logp.detach() - mb.old_logp).abs(), 0.0)
                 m["logp_gap_sum"], m["logp_gap_max"] = torch.stack([gap.sum(), gap.max()]).tolist()
@@ -396,10 +399,12 @@ class GRPOTrainer:
         return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
 
     def _micro_batches(self, seqs: list[tuple]) -> list[MicroBatch]:
-        """(prompt, response tokens, rollout log-probs, advantage) -> prompt + response sequences,
-        labels shifted by one, loss on response tokens only."""
-        mb = self.cfg.micro_batch_size
-        return [pack_micro_batch(seqs[s:s + mb], self.ctx.device) for s in range(0, len(seqs), mb)]
+        """(prompt, response tokens, rollout log-probs, advantage, ...) -> prompt + response sequences,
+        labels shifted by one, loss on response tokens only; split by TrainConfig.micro_batch_size and
+        micro_batch_tokens (schedule.micro_batch_split)."""
+        split = micro_batch_split([len(s[0]) + len(s[1]) for s in seqs], self.cfg.micro_batch_size,
+                                  self.cfg.micro_batch_tokens)
+        return [pack_micro_batch([seqs[i] for i in idx], self.ctx.device) for idx in split]
 
     @contextlib.contextmanager
     def _weights(self, state: dict[str, torch.Tensor]) -> Iterator[None]:

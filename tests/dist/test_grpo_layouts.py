@@ -45,9 +45,11 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     ref_w = load_full_state_dict(tmp_path / "tp1")
     norms = [k for k in ref_w if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
     assert len(norms) == 4 and all((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in norms)  # they moved
-    # PP=2 with one sequence per micro-batch (6 micro-batches of different lengths through 1F1B) and
-    # activation recomputation (PP=2 with several padded sequences a micro-batch: the uneven-split test)
-    for tp, pp, extra in [(2, 1, ()), (1, 2, ("--set=micro_batch_size=1", "--set=recompute_activations=true"))]:
+    # PP=2 with one sequence per micro-batch (6 micro-batches of different lengths through 1F1B, in the
+    # token budget's order: longest first, where TP=1 runs 2 of 3 in the rollout's order) and activation
+    # recomputation (PP=2 with several padded sequences a micro-batch: the uneven-split test)
+    pp2 = ("--set=micro_batch_size=1", "--set=micro_batch_tokens=524", "--set=recompute_activations=true")
+    for tp, pp, extra in [(2, 1, ()), (1, 2, pp2)]:
         got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, *extra)
         for k in ("reward_mean", "response_len"):
             assert got[0][k] == ref[0][k], (tp, pp, k)

@@ -8,6 +8,7 @@ import torch
 
 from specroll_mcore.rl.grpo import group_advantages, k3_kl, policy_loss, varied_groups
 from specroll_mcore.rl.rewards import overlong_penalty
+from specroll_mcore.rl.schedule import micro_batch_split
 from specroll_mcore.rl.trainer import chosen_groups
 
 
@@ -61,6 +62,21 @@ def test_micro_batches_add_up():
     assert torch.allclose(whole, parts)
     with pytest.raises(ValueError, match="normalization must be"):
         policy_loss(logp, old, adv, mask, normalization="batch")
+
+
+def test_micro_batch_split_by_hand():
+    lengths = [30, 10, 50, 10, 40, 20]
+    assert micro_batch_split(lengths, 4) == [[0, 1, 2, 3], [4, 5]]  # no budget: the given order
+    # a budget of 100 padded tokens: longest first, ties in the given order, rows x longest <= 100
+    assert micro_batch_split(lengths, 4, 100) == [[2, 4], [0, 5, 1], [3]]
+    assert micro_batch_split(lengths, 2, 100) == [[2, 4], [0, 5], [1, 3]]  # at most 2 rows
+    assert micro_batch_split(lengths, 8, 50) == [[2], [4], [0], [5, 1], [3]]
+    assert micro_batch_split([], 4, 100) == []
+    with pytest.raises(ValueError, match="a 50-token sequence does not fit a micro-batch of 40 tokens: raise "
+                                         "TrainConfig.micro_batch_tokens"):
+        micro_batch_split(lengths, 4, 40)
+    with pytest.raises(ValueError, match="micro-batches need max_rows >= 1 and max_tokens >= 0, got 0, 100"):
+        micro_batch_split(lengths, 0, 100)
 
 
 def test_varied_groups_by_hand():

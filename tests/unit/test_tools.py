@@ -252,6 +252,23 @@ def test_bench_rollout_smoke(tmp_path):
     assert all(r["speed_ratio_ours_over_hf"] > 0 for r in report["throughput"])
 
 
+def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path):
+    out = tmp_path / "u.json"
+    run_tool("bench_update.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 3, "--max-new-tokens", 6,
+             "--micro-batch-size", 2, "--reps", 1, "--set", "reward_fn=rewards_for_tests:token_parity_reward",
+             "--out", out, PYTHONPATH=str(ROOT / "tests"))
+    report = json.loads(out.read_text())
+    variants = report["variants"]
+    assert set(variants) == {"rollout_order", "sorted", "token_budget"} and report["responses"] == 6
+    assert len({v["tokens"] for v in variants.values()}) == 1  # the same sequences, split three ways
+    assert variants["rollout_order"]["rows"] == [2, 2, 2]
+    assert variants["sorted"]["token_positions"] <= variants["rollout_order"]["token_positions"]
+    assert report["grad_norm_rel_diff"] < 1e-4 and variants["sorted"]["grad_norm"] > 0
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_update.py"), "--reps", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--micro-batch-size and --reps must be >= 1" in proc.stderr
+
+
 def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     ckpt = tiny_policy_checkpoint(tmp_path / "fresh", with_heads=False)
     out, cache = tmp_path / "h.json", tmp_path / "records.pt"

@@ -141,6 +141,7 @@ def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
     a = run_rows(tiny_ckpt, tmp_path / "v", "engine=vanilla")
     b = run_rows(tiny_ckpt, tmp_path / "s", "engine=specroll", "compare_vanilla_every=1")
     assert all(r["rollouts_identical"] and r["vanilla_gen_s"] > 0 for r in b)  # vanilla timed first at step 2
+    assert all(0 <= r["update_padding"] < 1 for r in a)
     for ra, rb in zip(a, b):
         for k in ("reward_mean", "accuracy", "response_len", "policy_version"):  # rollouts and rewards: exact
             assert ra[k] == rb[k], (k, ra[k], rb[k])
@@ -322,6 +323,10 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
         load_config(TrainConfig, None, ["sampling.max_new_tokens=16", "overlong_buffer=20"])
     with pytest.raises(ValueError, match="TrainConfig.overlong_penalty must be >= 0"):
         load_config(TrainConfig, None, ["overlong_penalty=-1"])
+    with pytest.raises(ValueError, match=r"TrainConfig.micro_batch_tokens must be 0 \(off\) or at least "
+                                         r"data.max_prompt_tokens \+ sampling.max_new_tokens = 528 .* got 500"):
+        load_config(TrainConfig, None, ["data.max_prompt_tokens=512", "sampling.max_new_tokens=16",
+                                        "micro_batch_tokens=500"])
     with pytest.raises(ValueError, match="TrainConfig.moe_aux_loss_coeff must be >= 0, got -0.1"):
         load_config(TrainConfig, None, ["moe_aux_loss_coeff=-0.1"])
     with pytest.raises(ValueError, match=r"TrainConfig.moe_aux_loss_coeff is 0.01 but the policy in .* has no experts"):
@@ -403,6 +408,39 @@ def test_recomputed_activations_give_the_same_gradients(tiny_ckpt, tmp_path, ctx
 
     for a, b in zip(grads(False), grads(True)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_token_budget_micro_batches_give_the_gradients_of_the_whole_batch(tiny_ckpt, tmp_path, ctx):
+    """TrainConfig.micro_batch_tokens: ragged sequences sorted into micro-batches by length, each
+    within the budget of padded tokens; the accumulated gradients and the logged metrics are those
+    of one micro-batch holding every sequence."""
+    args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "data.max_prompt_tokens=100",
+                     "micro_batch_tokens=224", "micro_batch_size=3")
+    trainer = GRPOTrainer(load_config(TrainConfig, None, args))
+    ex = trainer._next_examples()
+    prompts = [trainer.prompt_ids[e.id] for e in ex]
+    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
+    seqs = response_sequences(prompts, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), 3)
+    seqs = [(p, t[:n], lp[:n], *rest) for (p, t, lp, *rest), n in zip(seqs, (12, 2, 7, 1, 12, 5))]  # ragged
+    mbs = trainer._micro_batches(seqs)
+    assert len(mbs) > 1 and all(mb.input_ids.numel() <= 224 and len(mb.lengths) <= 3 for mb in mbs)
+    assert sorted(int(n) for mb in mbs for n in mb.lengths) == sorted(len(p) + len(t) for p, t, *_ in seqs)
+    padded = sum(mb.input_ids.numel() for mb in mbs)
+    assert padded < len(seqs) * max(len(p) + len(t) for p, t, *_ in seqs)
+    whole = [pack_micro_batch(seqs, ctx.device)]
+    total = float(whole[0].loss_mask.sum())
+
+    def update(micro_batches):
+        trainer.optimizer.zero_grad()
+        parts = forward_backward(trainer.policy, micro_batches, lambda mb, lp: (
+            (out := policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask, total_tokens=total)).loss,
+            {"clip": out.clip_fraction * float(mb.loss_mask.sum())}), 1.0)
+        return [p.grad.clone() for p in trainer.policy.gpt.parameters()], sum(p["clip"] for p in parts)
+
+    (split, clipped), (one, clipped_one) = update(mbs), update(whole)
+    for a, b in zip(split, one):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert clipped == pytest.approx(clipped_one)
 
 
 def test_recomputation_saves_the_layer_inputs_only(ctx):

@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""The GRPO policy update's cost by how its sequences are split into micro-batches, on one real step.
+
+    python tools/bench_update.py --out bench_update.json        # make demo's config (SmolLM2), 4 prompts x 8 samples
+    python tools/bench_update.py --prompts 2 --max-new-tokens 256 --micro-batch-size 4
+    torchrun --nproc_per_node 2 tools/bench_update.py --set parallel.tensor_model_parallel_size=2
+
+One step's rollout (the vanilla engine; the update does not depend on which engine sampled), then
+the update's forward-backward over the same sequences split three ways, timed in turn (each round
+in another order), ``--reps`` rounds, medians:
+
+- ``rollout_order``: runs of ``micro_batch_size`` responses in the rollout's order (micro_batch_tokens 0);
+- ``sorted``: the token budget of ``micro_batch_size`` x the longest sequence with the same row cap,
+  i.e. the same micro-batches' worst case, with sequences of like lengths together;
+- ``token_budget``: that budget without the row cap (TrainConfig.micro_batch_tokens with a large
+  micro_batch_size): short responses share a micro-batch by the dozen.
+
+The optimizer step is left out (the same for every split), so every round runs on the same weights
+and the gradient norms must agree (``grad_norm_rel_diff``). Reported: micro-batches, token positions
+computed and the share of them that is padding, median seconds and the speedup over rollout order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
+from specroll_mcore.config import TrainConfig, load_config  # noqa: E402
+from specroll_mcore.rl.trainer import GRPOTrainer  # noqa: E402
+from specroll_mcore.tree.budget import hardware_name  # noqa: E402
+
+VARIANTS = ("rollout_order", "sorted", "token_budget")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "examples" / "configs"
+                                            / "smollm2_gsm8k_cpu.yaml"), help="the train config to start from")
+    ap.add_argument("--checkpoint", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="further config overrides")
+    ap.add_argument("--out", default="bench_update.json")
+    args = ap.parse_args()
+    if min(args.prompts, args.samples, args.max_new_tokens, args.micro_batch_size, args.reps) < 1:
+        raise SystemExit("--prompts, --samples, --max-new-tokens, --micro-batch-size and --reps must be >= 1")
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(TrainConfig, args.config, [
+            f"checkpoint={args.checkpoint}", "engine=vanilla", f"prompts_per_step={args.prompts}",
+            f"sampling.num_samples={args.samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
+            f"micro_batch_size={args.micro_batch_size}", "micro_batch_tokens=0", f"output_dir={out}",
+            "tensorboard=false", "compare_vanilla_every=0", *args.set])
+        trainer = GRPOTrainer(cfg)
+        report = bench(trainer, args)
+    if trainer.ctx.rank == 0:
+        write_json_atomic(args.out, report)
+        for name in VARIANTS:
+            v = report["variants"][name]
+            print(f"{name:14s} {v['micro_batches']:3d} micro-batches, {v['token_positions']:6d} token positions "
+                  f"({100 * v['padding']:4.1f}% padding): {v['seconds']:.2f} s, {v['speedup']:.2f}x")
+        print(f"gradient norms agree to {report['grad_norm_rel_diff']:.1e}; wrote {args.out}")
+    parallel.destroy()
+    return 0
+
+
+def bench(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
+    cfg = trainer.cfg
+    trainer.policy.pack_for_inference()
+    examples = trainer._next_examples()
+    t = time.perf_counter()
+    rollout = trainer._rollout_round(examples, 0, False, False, {})
+    gen_s = time.perf_counter() - t
+    seqs, _ = trainer._training_sequences([rollout])
+    longest = max(len(s[0]) + len(s[1]) for s in seqs)
+    budget = args.micro_batch_size * longest
+    splits = {"rollout_order": (args.micro_batch_size, 0), "sorted": (args.micro_batch_size, budget),
+              "token_budget": (len(seqs), budget)}
+    trainer.optimizer.step = lambda *a, **k: None  # the same weights for every split and round
+    seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    norms: dict[str, float] = {}
+    shapes: dict[str, dict] = {}
+    for rep in range(args.reps + 1):  # round 0 untimed: first-call allocations
+        for name in VARIANTS[rep % 3:] + VARIANTS[:rep % 3]:
+            cfg.micro_batch_size, cfg.micro_batch_tokens = splits[name]
+            mbs = trainer._micro_batches(seqs)
+            trainer.ctx.barrier()
+            t = time.perf_counter()
+            norm, *_ = trainer._update(mbs)
+            trainer.ctx.barrier()
+            if rep:
+                seconds[name].append(time.perf_counter() - t)
+            norms[name] = norm
+            real = sum(int(mb.lengths.sum()) for mb in mbs)
+            positions = sum(mb.input_ids.numel() for mb in mbs)
+            shapes[name] = {"micro_batches": len(mbs), "rows": [len(mb.lengths) for mb in mbs],
+                            "token_positions": positions, "tokens": real, "padding": 1 - real / positions}
+    base = statistics.median(seconds["rollout_order"])
+    variants = {name: {**shapes[name], "micro_batch_size": splits[name][0], "micro_batch_tokens": splits[name][1],
+                       "seconds": statistics.median(seconds[name]), "runs_s": seconds[name],
+                       "speedup": base / statistics.median(seconds[name]), "grad_norm": norms[name]}
+                for name in VARIANTS}
+    ref = norms["rollout_order"]
+    return {"tool": "bench_update", "hardware": hardware_name(), "checkpoint": cfg.checkpoint,
+            "layout": {"tp": trainer.ctx.tp_size, "pp": trainer.ctx.pp_size, "dp": trainer.ctx.dp_size},
+            "args": vars(args), "responses": len(seqs), "generation_s": gen_s,
+            "response_tokens": sum(len(s[1]) for s in seqs), "longest_sequence": longest,
+            "recompute_activations": cfg.recompute_activations, "variants": variants,
+            "grad_norm_rel_diff": max(abs(n - ref) for n in norms.values()) / max(abs(ref), 1e-30)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
