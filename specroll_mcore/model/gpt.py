@@ -297,15 +297,17 @@ class PolicyModel(torch.nn.Module):
 
     def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                       hidden_in: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
-                      recompute: bool = False, padding_mask: Optional[torch.Tensor] = None):
+                      recompute: bool = False, padding_mask: Optional[torch.Tensor] = None,
+                      logits_span: Optional[slice] = None):
         """This stage's computation, no communication: embedding (first stage) or ``hidden_in``
         [s, b, h] (other stages) -> decoder (final norm included) -> output layer (last stage).
 
         The same submodules ``GPTModel.forward`` chains, but the vocab projection is applied only
         where logits are wanted: ``logits_index`` [b] picks one position per row (the last prompt
-        token in prefill), else all positions. Returns (vocab-parallel logits [b, s|1, V/tp], final
-        hidden states at those positions [s|1, b, h]) on the last stage, the output hidden states
-        [s, b, h] elsewhere. Differentiable (the training schedule uses it); with ``recompute`` and
+        token in prefill), ``logits_span`` a range of positions of every row (the policy update's
+        response tokens: no vocab product, softmax or gradient for the prompts), else all positions.
+        Returns (vocab-parallel logits [b, s', V/tp], final hidden states at those positions
+        [s', b, h]) on the last stage, the output hidden states [s, b, h] elsewhere. Differentiable (the training schedule uses it); with ``recompute`` and
         gradients enabled, each layer keeps only its input and reruns its forward in the backward.
         ``padding_mask`` [b, s] (True: padding, megatron-core's convention): a mixture of experts'
         load-balancing loss leaves it out."""
@@ -324,8 +326,10 @@ class PolicyModel(torch.nn.Module):
             hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta, padding_mask=padding_mask)
         if not self.ctx.is_last_stage:
             return hidden
-        selected = hidden if logits_index is None else \
-            hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
+        if logits_index is not None:
+            selected = hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
+        else:
+            selected = hidden if logits_span is None else hidden[logits_span]
         return self.vocab_projection(selected).transpose(0, 1), selected  # [b, s, V/tp], [s, b, h]
 
     def _layer_by_layer(self, hidden: Optional[torch.Tensor],

@@ -37,6 +37,13 @@ class MicroBatch:
     advantages: torch.Tensor  # [B]
     ref_logp: Optional[torch.Tensor] = None
     routing: Optional[torch.Tensor] = None  # [B, L, layers, k] the rollout's experts to replay (model/routing.py)
+    loss_start: int = 0  # the first position any row's loss reads (the shortest prompt's last token)
+
+    @property
+    def loss_span(self) -> slice:
+        """The positions whose log-probs the loss can read: from the shortest prompt's last token to
+        the last labelled position. The update computes logits there only."""
+        return slice(self.loss_start, max(self.input_ids.shape[1] - 1, self.loss_start + 1))
 
 
 def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
@@ -70,7 +77,8 @@ def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
         _, layers, k = routed[0].shape
         routing = torch.stack([fill_routing(r, L, layers, k) for r in routed]).to(device)
     return MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device), old.to(device),
-                      torch.tensor([s[3] for s in seqs], device=device), routing=routing)
+                      torch.tensor([s[3] for s in seqs], device=device), routing=routing,
+                      loss_start=max(0, min(len(s[0]) for s in seqs) - 1))
 
 
 def micro_batch_split(lengths: Sequence[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
@@ -97,6 +105,14 @@ def micro_batch_split(lengths: Sequence[int], max_rows: int, max_tokens: int = 0
         else:
             out.append([i])
     return out
+
+
+def span_logprobs(policy: PolicyModel, logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """:func:`token_logprobs` of the micro-batch's labels from logits over its ``loss_span``, laid
+    out [B, L] as its labels (0 outside the span, where no loss reads them)."""
+    span = mb.loss_span
+    logp = token_logprobs(policy, logits, mb.labels[:, span], temperature)
+    return torch.nn.functional.pad(logp, (span.start, mb.labels.shape[1] - span.stop))
 
 
 def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -151,10 +167,10 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         padding = positions >= mb.lengths[:, None].to(ctx.device) if policy.config.is_moe else None
         replay_routing(policy.routers, mb.routing)
         out = policy.stage_forward(mb.input_ids, policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths)),
-                                   hidden_in, recompute=recompute, padding_mask=padding)
+                                   hidden_in, recompute=recompute, padding_mask=padding, logits_span=mb.loss_span)
         if not last:
             return out
-        loss, m = loss_fn(mb, token_logprobs(policy, out[0], mb.labels, temperature))
+        loss, m = loss_fn(mb, span_logprobs(policy, out[0], mb, temperature))
         metrics.append(m)
         return loss
 
@@ -278,9 +294,9 @@ def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], tempe
         positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
         meta = policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths))
         hidden_in = None if ctx.is_first_stage else ctx.recv_forward((L, b, policy.config.hidden_size), policy.dtype)
-        res = policy.stage_forward(mb.input_ids, meta, hidden_in)
+        res = policy.stage_forward(mb.input_ids, meta, hidden_in, logits_span=mb.loss_span)
         if ctx.is_last_stage:
-            out.append(token_logprobs(policy, res[0], mb.labels, temperature))
+            out.append(span_logprobs(policy, res[0], mb, temperature))
         else:
             ctx.send_forward(res)
             out.append(None)

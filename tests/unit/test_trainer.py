@@ -443,6 +443,43 @@ def test_token_budget_micro_batches_give_the_gradients_of_the_whole_batch(tiny_c
     assert clipped == pytest.approx(clipped_one)
 
 
+def test_the_update_computes_logits_over_the_responses_alone(tiny_ckpt, tmp_path, ctx):
+    """The update's forwards project to the vocabulary only from the shortest prompt's last token on
+    (MicroBatch.loss_span): its log-probs and gradients are those of logits over every position."""
+    from specroll_mcore.model import causal_mask
+    from specroll_mcore.rl.schedule import token_logprobs
+
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
+    policy = trainer.policy
+    ex = trainer._next_examples()
+    prompts = [trainer.prompt_ids[e.id] for e in ex]
+    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
+    seqs = response_sequences(prompts, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), 3)
+    seqs = [(p, t[:n], lp[:n], *rest) for (p, t, lp, *rest), n in zip(seqs, (12, 2, 7, 1, 12, 5))]
+    mbs = trainer._micro_batches(seqs)
+    assert any(mb.loss_span.start > 60 for mb in mbs)  # the prompts' positions are left out
+
+    def loss(mb, lp):
+        return policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask, total_tokens=12.0).loss
+
+    def full_logprobs(mb):  # logits at every position, the reference
+        b, L = mb.input_ids.shape
+        meta = policy.metadata(torch.arange(L)[None].expand(b, L), causal_mask(b, L, ctx.device, mb.lengths))
+        return token_logprobs(policy, policy.stage_forward(mb.input_ids, meta)[0], mb.labels, 1.0) * mb.loss_mask
+
+    trainer.optimizer.zero_grad()
+    for mb in mbs:
+        loss(mb, full_logprobs(mb)).backward()
+    reference = [p.grad.clone() for p in policy.gpt.parameters()]
+    trainer.optimizer.zero_grad()
+    forward_backward(policy, mbs, lambda mb, lp: (loss(mb, lp), {}), 1.0)
+    for a, b in zip(reference, [p.grad for p in policy.gpt.parameters()]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        for mb, lp in zip(mbs, forward_logprobs(policy, mbs, 1.0)):
+            torch.testing.assert_close(lp * mb.loss_mask, full_logprobs(mb), rtol=1e-5, atol=1e-6)
+
+
 def test_recomputation_saves_the_layer_inputs_only(ctx):
     """The activations kept for the backward of an 8-layer forward: with recomputation, a few
     tensors per layer (its input) instead of every layer's intermediate results."""
