@@ -396,7 +396,7 @@ def grad_sq_norm(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> 
         g = grad_of(p)
         if g is None:
             continue
-        sq = g.double().pow(2).sum()
+        sq = torch.linalg.vector_norm(g, dtype=torch.float64).square()  # no float64 copy of the gradient
         if getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:
