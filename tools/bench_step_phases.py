@@ -62,7 +62,7 @@ SYNC_OPS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "equal", "all
 VIEW_OPS = frozenset({"reshape", "view", "view_as", "_unsafe_view", "unsqueeze", "squeeze", "select", "slice", "expand",
                       "expand_as", "flatten", "alias", "detach", "detach_", "permute", "transpose", "t", "split",
                       "split_with_sizes", "chunk", "unbind", "narrow", "as_strided", "lift_fresh", "set_", "empty",
-                      "new_empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg"})
+                      "new_empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg", "to (same tensor)"})
 
 
 class OpCounter(TorchDispatchMode):
@@ -77,11 +77,13 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        self.ops[name] += 1
         if name in ("index", "index_put_", "index_put") and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
             self.masks += 1  # a boolean mask's positions: the host waits for them as for nonzero
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        # a conversion to the dtype and device a tensor already has returns it: no kernel
+        self.ops["to (same tensor)" if name in ("to", "contiguous") and out is args[0] else name] += 1
+        return out
 
     def __enter__(self):
         original, counter = torch.Tensor.tolist, self
