@@ -96,4 +96,4 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         n = mask.sum().clamp(min=1)
         clip_fraction = float((is_clipped.to(mask.dtype) * mask).sum() / n)
         ratio_mean = float((ratio * mask).sum() / n)
-    return LossOutput(loss, clip_fraction, ratio_mean, float(kl_value))
+    return LossOutput(loss, clip_fraction, ratio_mean, float(kl_value.detach()))

@@ -109,7 +109,8 @@ class GRPOTrainer:
         self.optimizer = MainParamAdamW(params, shard_group=self.ctx.dp_group if cfg.shard_optimizer else None,
                                         lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                         weight_decay=cfg.weight_decay)
-        self.ref_state = {k: v.detach().clone() for k, v in self.policy.gpt.state_dict().items()} \
+        # the frozen reference for the KL term: this stage's weights as loaded (a resumed run too)
+        self.ref_state = {k: p.detach().clone() for k, p in self.policy.gpt.named_parameters()} \
             if cfg.kl_beta > 0 else None
         self.state: dict[str, Any] = {"step": 0, "policy_version": 0, "cursor": 0, "epoch": 0,
                                       "skipped_steps": 0, "data_skipped": self.data_report.skipped}
@@ -408,18 +409,20 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def _weights(self, state: dict[str, torch.Tensor]) -> Iterator[None]:
-        """Temporarily run the policy with other weights (the frozen reference for the KL term)."""
-        own = self.policy.gpt.state_dict()
-        saved = {k: v.detach().clone() for k, v in own.items() if k in state}
-        with torch.no_grad():
+        """Temporarily run the policy with other weights (the frozen reference for the KL term):
+        each parameter swaps its storage with the state's tensor of the same name, and back, so
+        nothing is copied (the CPU's packed layouts are keyed by storage and follow)."""
+        params = dict(self.policy.gpt.named_parameters())
+
+        def swap() -> None:
             for k, v in state.items():
-                own[k].copy_(v)
+                params[k].data, v.data = v.data, params[k].data
+
+        swap()
         try:
             yield
         finally:
-            with torch.no_grad():
-                for k, v in saved.items():
-                    own[k].copy_(v)
+            swap()
 
     # -- loop ---------------------------------------------------------------------------------------------
     def save(self) -> Path:

@@ -41,7 +41,8 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     rank's heads give only part of their gradient; without the TP sum the two ranks' copies would
     take different updates (2 x lr apart after one step)."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, arch="qwen3")
-    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
+    kl = "--set=kl_beta=0.1"  # each stage and shard swaps its reference weights in for the KL term's forward
+    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1, kl)
     ref_w = load_full_state_dict(tmp_path / "tp1")
     norms = [k for k in ref_w if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
     assert len(norms) == 4 and all((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in norms)  # they moved
@@ -50,7 +51,7 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     # recomputation (PP=2 with several padded sequences a micro-batch: the uneven-split test)
     pp2 = ("--set=micro_batch_size=1", "--set=micro_batch_tokens=524", "--set=recompute_activations=true")
     for tp, pp, extra in [(2, 1, ()), (1, 2, pp2)]:
-        got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, *extra)
+        got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, kl, *extra)
         for k in ("reward_mean", "response_len"):
             assert got[0][k] == ref[0][k], (tp, pp, k)
         for k in ("loss", "grad_norm"):

@@ -480,6 +480,34 @@ def test_the_update_computes_logits_over_the_responses_alone(tiny_ckpt, tmp_path
             torch.testing.assert_close(lp * mb.loss_mask, full_logprobs(mb), rtol=1e-5, atol=1e-6)
 
 
+def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_ckpt, tmp_path, ctx):
+    """kl_beta > 0: after steps that moved the policy, the reference log-probs are those of the
+    starting checkpoint loaded afresh, and the policy's own weights come back to the bit (and so do its
+    log-probs: the CPU's packed weights are not those of the reference)."""
+    from specroll_mcore.checkpoint.megatron import load_policy
+
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla",
+                                                                   "kl_beta=0.1", "steps=2")))
+    rows = trainer.run()
+    assert rows[-1]["kl"] > 0 and rows[-1]["grad_norm"] > 0
+    policy = trainer.policy
+    ex = trainer._next_examples()
+    prompts = [trainer.prompt_ids[e.id] for e in ex]
+    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
+    mbs = trainer._micro_batches(response_sequences(prompts, rollout, torch.ones(6), 3))
+    weights = {k: v.clone() for k, v in policy.gpt.named_parameters()}
+    own = forward_logprobs(policy, mbs, 1.0)
+    with trainer._weights(trainer.ref_state):
+        ref = forward_logprobs(policy, mbs, 1.0)
+    initial = forward_logprobs(load_policy(trainer.source, ctx, with_heads=False), mbs, 1.0)
+    for r, i, o, mb in zip(ref, initial, own, mbs):
+        torch.testing.assert_close(r * mb.loss_mask, i * mb.loss_mask, rtol=1e-5, atol=1e-6)
+        assert ((o - i).abs() * mb.loss_mask).max() > 1e-3  # the policy did move
+    assert all(torch.equal(v, weights[k]) for k, v in policy.gpt.named_parameters())
+    for o, again, mb in zip(own, forward_logprobs(policy, mbs, 1.0), mbs):
+        torch.testing.assert_close(again * mb.loss_mask, o * mb.loss_mask, rtol=1e-6, atol=1e-7)
+
+
 def test_recomputation_saves_the_layer_inputs_only(ctx):
     """The activations kept for the backward of an 8-layer forward: with recomputation, a few
     tensors per layer (its input) instead of every layer's intermediate results."""
