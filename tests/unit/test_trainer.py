@@ -508,6 +508,20 @@ def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_c
         torch.testing.assert_close(again * mb.loss_mask, o * mb.loss_mask, rtol=1e-6, atol=1e-7)
 
 
+def test_sequence_normalisation_mean_only_advantages_plain_prompts_and_tensorboard(tiny_ckpt, tmp_path, ctx):
+    """The run options no other test takes: the GRPO paper's per-sequence normalisation, advantages
+    centred without scaling, prompts without the chat template, TensorBoard events."""
+    cfg = load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1",
+                                                   "loss_normalization=sequence", "adv_mean_only=true",
+                                                   "data.chat=false", "tensorboard=true"))
+    trainer = GRPOTrainer(cfg)
+    start = trainer.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert all(start not in ids for ids in trainer.prompt_ids.values())
+    (row,) = trainer.run()
+    assert row["grad_norm"] > 0 and row["loss"] == row["loss"]
+    assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+
+
 def test_recomputation_saves_the_layer_inputs_only(ctx):
     """The activations kept for the backward of an 8-layer forward: with recomputation, a few
     tensors per layer (its input) instead of every layer's intermediate results."""
