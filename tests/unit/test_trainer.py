@@ -36,11 +36,7 @@ def overrides(ckpt, out, *extra):
 
 def test_one_step_lowers_the_loss_on_its_batch(tiny_ckpt, tmp_path, ctx):
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
-    ex = trainer._next_examples()
-    prompts = [trainer.prompt_ids[e.id] for e in ex]
-    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
-    mbs = trainer._micro_batches(response_sequences(prompts, rollout, adv, 3))
+    mbs = trainer._micro_batches(step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]))
 
     def loss_on_batch():
         lps = forward_logprobs(trainer.policy, mbs, 1.0)
@@ -58,6 +54,16 @@ def test_one_step_lowers_the_loss_on_its_batch(tiny_ckpt, tmp_path, ctx):
 def run_rows(ckpt, out, *extra):
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(ckpt, out, *extra)))
     return trainer.run()
+
+
+def step_sequences(trainer, advantages, cut=None):
+    """The sequences a policy update of ``trainer``'s next step trains on, with the given advantages;
+    ``cut``: each response's length kept (ragged micro-batches)."""
+    ex = trainer._next_examples()
+    prompts = [trainer.prompt_ids[e.id] for e in ex]
+    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
+    seqs = response_sequences(prompts, rollout, torch.tensor(advantages), 3)
+    return seqs if cut is None else [(p, t[:n], lp[:n], *rest) for (p, t, lp, *rest), n in zip(seqs, cut)]
 
 
 def test_the_gap_between_rollout_and_update_log_probs_is_logged(tiny_ckpt, tmp_path, ctx, monkeypatch):
@@ -395,10 +401,7 @@ def test_recomputed_activations_give_the_same_gradients(tiny_ckpt, tmp_path, ctx
     """TrainConfig.recompute_activations: each layer reruns its forward in the backward; the
     gradients of a GRPO micro-batch schedule are those of the plain forward."""
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
-    ex = trainer._next_examples()
-    prompts = [trainer.prompt_ids[e.id] for e in ex]
-    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
-    mbs = trainer._micro_batches(response_sequences(prompts, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), 3))
+    mbs = trainer._micro_batches(step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]))
 
     def grads(recompute):
         trainer.optimizer.zero_grad()
@@ -417,11 +420,7 @@ def test_token_budget_micro_batches_give_the_gradients_of_the_whole_batch(tiny_c
     args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "data.max_prompt_tokens=100",
                      "micro_batch_tokens=224", "micro_batch_size=3")
     trainer = GRPOTrainer(load_config(TrainConfig, None, args))
-    ex = trainer._next_examples()
-    prompts = [trainer.prompt_ids[e.id] for e in ex]
-    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
-    seqs = response_sequences(prompts, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), 3)
-    seqs = [(p, t[:n], lp[:n], *rest) for (p, t, lp, *rest), n in zip(seqs, (12, 2, 7, 1, 12, 5))]  # ragged
+    seqs = step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5))  # ragged
     mbs = trainer._micro_batches(seqs)
     assert len(mbs) > 1 and all(mb.input_ids.numel() <= 224 and len(mb.lengths) <= 3 for mb in mbs)
     assert sorted(int(n) for mb in mbs for n in mb.lengths) == sorted(len(p) + len(t) for p, t, *_ in seqs)
@@ -451,11 +450,7 @@ def test_the_update_computes_logits_over_the_responses_alone(tiny_ckpt, tmp_path
 
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
     policy = trainer.policy
-    ex = trainer._next_examples()
-    prompts = [trainer.prompt_ids[e.id] for e in ex]
-    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
-    seqs = response_sequences(prompts, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), 3)
-    seqs = [(p, t[:n], lp[:n], *rest) for (p, t, lp, *rest), n in zip(seqs, (12, 2, 7, 1, 12, 5))]
+    seqs = step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5))
     mbs = trainer._micro_batches(seqs)
     assert any(mb.loss_span.start > 60 for mb in mbs)  # the prompts' positions are left out
 
@@ -491,10 +486,7 @@ def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_c
     rows = trainer.run()
     assert rows[-1]["kl"] > 0 and rows[-1]["grad_norm"] > 0
     policy = trainer.policy
-    ex = trainer._next_examples()
-    prompts = [trainer.prompt_ids[e.id] for e in ex]
-    rollout = trainer.engine.generate(prompts, trainer.cfg.sampling, prompt_ids=[e.id for e in ex])
-    mbs = trainer._micro_batches(response_sequences(prompts, rollout, torch.ones(6), 3))
+    mbs = trainer._micro_batches(step_sequences(trainer, [1.0] * 6))
     weights = {k: v.clone() for k, v in policy.gpt.named_parameters()}
     own = forward_logprobs(policy, mbs, 1.0)
     with trainer._weights(trainer.ref_state):
