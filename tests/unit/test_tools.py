@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +21,16 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     return tiny_policy_checkpoint(tmp_path_factory.mktemp("tools"))
+
+
+def refused(capsys, name, *args):
+    """(exit status, stderr) of a tool that refuses ``args`` before it loads anything, run in this
+    process, whose imports are loaded already (a new interpreter spends seconds on them)."""
+    main = import_tool(name.removesuffix(".py")).main
+    with mock.patch.object(sys, "argv", [name, *map(str, args)]), pytest.raises(SystemExit) as stop:
+        main()
+    code, err = stop.value.code, capsys.readouterr().err
+    return (1, err + code) if isinstance(code, str) else (code, err)  # SystemExit(message): status 1
 
 
 def run_tool(name, *args, **env_extra):
@@ -85,7 +96,7 @@ def test_bench_specroll_against_the_one_row_curve(tiny_ckpt, tmp_path):
     assert proc.returncode != 0 and "--one-row-curve needs a cached capacity profile" in proc.stderr
 
 
-def test_bench_drift_smoke(tiny_ckpt, tmp_path):
+def test_bench_drift_smoke(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "d.json"
     run_tool("bench_drift.py", "--checkpoint", tiny_ckpt, "--drift-steps", 2, "--measure-every", 2, "--batches", 1,
              "--prompts-per-batch", 1, "--max-new-tokens", 8, "--c-hw", 16, "--sft-batch", 2, "--adapt-every", 1,
@@ -98,15 +109,12 @@ def test_bench_drift_smoke(tiny_ckpt, tmp_path):
     assert [a["drift_step"] for a in report["adaptation"]] == [1]
     assert set(report["adaptation"][0]["events"]) == {"slow", "both"}
     assert (tmp_path / "d.png").is_file()
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_drift.py"), "--adapt-every", "-1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--adapt-every must be >= 0" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_drift.py"), "--tolerance", "1.5"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "SlowPathConfig.tolerance must be in (0, 1)" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_drift.py"), "--seed", "-1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--seed must be >= 0" in proc.stderr
+    code, err = refused(capsys, "bench_drift.py", "--adapt-every", "-1")
+    assert code == 2 and "--adapt-every must be >= 0" in err
+    code, err = refused(capsys, "bench_drift.py", "--tolerance", "1.5")
+    assert code == 2 and "SlowPathConfig.tolerance must be in (0, 1)" in err
+    code, err = refused(capsys, "bench_drift.py", "--seed", "-1")
+    assert code == 2 and "--seed must be >= 0" in err
 
 
 def test_acceptance_ceiling_smoke(tiny_ckpt, tmp_path):
@@ -152,12 +160,12 @@ def test_bench_cpu_gemm_smoke_and_nothing_to_compare(tiny_ckpt, tmp_path):
     assert proc.returncode == 2 and "nothing to compare" in proc.stderr
 
 
-def test_bench_step_attention_smoke_and_its_errors(tiny_ckpt, tmp_path):
+def test_bench_step_attention_smoke_and_its_errors(tiny_ckpt, tmp_path, capsys):
     from specroll_mcore.model.attention import step_attention_kernels
 
+    code, err = refused(capsys, "bench_step_attention.py", "--checkpoint", tiny_ckpt, "--shapes", "4x")
+    assert code != 0 and "--shapes must be ROWSxNODES" in err
     tool = [sys.executable, str(ROOT / "tools" / "bench_step_attention.py"), "--checkpoint", str(tiny_ckpt)]
-    bad = subprocess.run(tool + ["--shapes", "4x"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "--shapes must be ROWSxNODES" in bad.stderr
     off = subprocess.run(tool, env=dict(os.environ, SPECROLL_STEP_ATTENTION="0"), capture_output=True, text=True,
                          timeout=300)
     assert off.returncode == 2 and "nothing to compare" in off.stderr
@@ -171,7 +179,7 @@ def test_bench_step_attention_smoke_and_its_errors(tiny_ckpt, tmp_path):
     assert all(r["step_kernel"] > 0 and r["ordered_attention"] > 0 for r in report["shapes"].values())
 
 
-def test_bench_step_phases_smoke_and_bad_input(tiny_ckpt, tmp_path):
+def test_bench_step_phases_smoke_and_bad_input(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "p.json"
     run_tool("bench_step_phases.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 8,
              "--steps", 3, "--reps", 1, "--out", out)
@@ -183,9 +191,8 @@ def test_bench_step_phases_smoke_and_bad_input(tiny_ckpt, tmp_path):
     assert rollouts["tokens_identical"] and rollouts["tokens"] > 0
     assert rollouts["launch_bound_speedup"] == pytest.approx(
         rollouts["vanilla"]["ops_per_token"] / rollouts["specroll"]["ops_per_token"])
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_step_phases.py"), "--n-max", "0"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--n-max must be >= 1, got 0" in proc.stderr
+    code, err = refused(capsys, "bench_step_phases.py", "--n-max", "0")
+    assert code != 0 and "--n-max must be >= 1, got 0" in err
 
 
 def test_step_phases_op_counter():
@@ -214,7 +221,7 @@ def test_step_phases_op_counter():
     assert (sum(outer.ops.values()), outer.tolist, sum(inner.ops.values()), inner.tolist) == (2, 1, 1, 1)
 
 
-def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
+def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
     """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here; tests/gpu only collected, the
     default suite runs them) and leaves their results; on the tiny checkpoint the transformers
     baseline is its own export, not SmolLM2."""
@@ -231,9 +238,8 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path):
     assert re.search(r"\d+ tests collected", log), log[:3000]  # tests/gpu, collected only
     assert json.loads((out / "step_phases_b1.json").read_text())["total_ops_per_step"] > 0
     assert set(json.loads((out / "forward_path.json").read_text())["shapes"]) == {"1x1", "2x4"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_forward_path.py"), "--shapes", "1by1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--shapes must look like 1x1,64x16 (rows x tokens), got '1by1'" in proc.stderr
+    code, err = refused(capsys, "bench_forward_path.py", "--shapes", "1by1")
+    assert code != 0 and "--shapes must look like 1x1,64x16 (rows x tokens), got '1by1'" in err
     full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
     assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
     assert json.loads((out / "bench_specroll_b1.json").read_text())["batch1"]["identical_tokens"]
@@ -252,7 +258,7 @@ def test_bench_rollout_smoke(tmp_path):
     assert all(r["speed_ratio_ours_over_hf"] > 0 for r in report["throughput"])
 
 
-def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path):
+def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "u.json"
     run_tool("bench_update.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 3, "--max-new-tokens", 6,
              "--micro-batch-size", 2, "--reps", 1, "--set", "reward_fn=rewards_for_tests:token_parity_reward",
@@ -264,12 +270,11 @@ def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path):
     assert variants["rollout_order"]["rows"] == [2, 2, 2]
     assert variants["sorted"]["token_positions"] <= variants["rollout_order"]["token_positions"]
     assert report["grad_norm_rel_diff"] < 1e-4 and variants["sorted"]["grad_norm"] > 0
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_update.py"), "--reps", "0"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--micro-batch-size and --reps must be >= 1" in proc.stderr
+    code, err = refused(capsys, "bench_update.py", "--reps", "0")
+    assert code != 0 and "--micro-batch-size and --reps must be >= 1" in err
 
 
-def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
+def test_train_heads_smoke_and_bad_checkpoint(tmp_path, capsys):
     ckpt = tiny_policy_checkpoint(tmp_path / "fresh", with_heads=False)
     out, cache = tmp_path / "h.json", tmp_path / "records.pt"
     args = ["--checkpoint", ckpt, "--prompts", 4, "--samples", 1, "--max-new-tokens", 8, "--steps", 10, "--batch", 8,
@@ -297,12 +302,10 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--checkpoint", tmp_path / "nope"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "is not a specroll Megatron checkpoint" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--target-topk", "0"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--target-topk must be >= 1" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--steps", "1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--steps must be >= 2" in proc.stderr
+    code, err = refused(capsys, "train_heads.py", "--target-topk", "0")
+    assert code == 2 and "--target-topk must be >= 1" in err
+    code, err = refused(capsys, "train_heads.py", "--steps", "1")
+    assert code == 2 and "--steps must be >= 2" in err
 
 
 def test_bench_moe_experts_smoke_and_a_dense_checkpoint(tiny_ckpt, tmp_path):
@@ -327,7 +330,7 @@ def test_bench_convert_smoke(tmp_path):
     assert report["export_pp2"]["files"] == ["model.safetensors"]
 
 
-def test_ablate_reflex_smoke_and_bad_input(tiny_ckpt, tmp_path):
+def test_ablate_reflex_smoke_and_bad_input(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "a.json"
     run_tool("ablate_reflex.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--max-new-tokens", 8, "--alphas", "0.1",
              "--c-hw", 16, "--drift-steps", 1, "--sft-batch", 2, "--out", out)
@@ -336,9 +339,7 @@ def test_ablate_reflex_smoke_and_bad_input(tiny_ckpt, tmp_path):
     assert list(report["variants"]) == ["off", "configured", "z_delta=0", "no gate, alpha=0.1"]
     assert report["variants"]["off"]["gate_open"] == 0.0
     assert all(1.0 <= v["tau"] <= 4.0 for v in report["variants"].values())
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ablate_reflex.py"), "--prompts", "0"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--prompts and --max-new-tokens must be >= 1" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ablate_reflex.py"), "--drift-steps", "-1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--drift-steps must be >= 0" in proc.stderr
+    code, err = refused(capsys, "ablate_reflex.py", "--prompts", "0")
+    assert code == 2 and "--prompts and --max-new-tokens must be >= 1" in err
+    code, err = refused(capsys, "ablate_reflex.py", "--drift-steps", "-1")
+    assert code == 2 and "--drift-steps must be >= 0" in err
