@@ -765,6 +765,8 @@ class TrainConfig:
 
     lr: float = 1e-6
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay, on the matrices only: biases and norms (1-D) take none, as
+    megatron-core's default parameter groups have it."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
     grad_clip: float = 1.0
@@ -834,6 +836,7 @@ class TrainConfig:
                f"TrainConfig.micro_batch_tokens must be 0 (off) or at least data.max_prompt_tokens + "
                f"sampling.max_new_tokens = {longest} (the longest sequence), got {self.micro_batch_tokens}")
         _check(self.lr > 0, f"TrainConfig.lr must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay}")
         _check(self.loss_normalization in ("token", "sequence"),
                f"TrainConfig.loss_normalization must be 'token' or 'sequence', got {self.loss_normalization!r}")
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0,

@@ -23,7 +23,7 @@ with.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,10 @@ class MainParamAdamW:
     ``.grad``) between the backward passes and :meth:`step`."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], shard_group: Optional[dist.ProcessGroup] = None,
-                 **adamw: Any) -> None:
+                 no_weight_decay: Optional[Callable[[torch.nn.Parameter], bool]] = None, **adamw: Any) -> None:
+        """``no_weight_decay``: the parameters it is true of take no weight decay (a second AdamW
+        parameter group; the policy update passes megatron-core's default rule, 1-D parameters:
+        biases and norms); ``adamw``: torch.optim.AdamW's arguments."""
         self.params = list(params)
         self.main: list[torch.Tensor] = []
         self._hooks = []
@@ -68,13 +71,19 @@ class MainParamAdamW:
                 self.main.append(p.detach().float().clone())
             else:
                 self.main.append(p)
+        groups: Any = self.main
+        if no_weight_decay is not None and adamw.get("weight_decay", 1e-2):  # (torch's AdamW decays by default)
+            kept = [no_weight_decay(p) for p in self.params]
+            groups = [{"params": [m for m, k in zip(self.main, kept) if not k]},
+                      {"params": [m for m, k in zip(self.main, kept) if k], "weight_decay": 0.0}]
+            groups = [g for g in groups if g["params"]]
         self.shard: Optional[tuple[int, int]] = None
         if shard_group is not None and dist.get_world_size(shard_group) > 1:
             self.shard = (dist.get_rank(shard_group), dist.get_world_size(shard_group))
-            self.optimizer: Any = ZeroRedundancyOptimizer(self.main, torch.optim.AdamW, process_group=shard_group,
+            self.optimizer: Any = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=shard_group,
                                                           **adamw)
         else:
-            self.optimizer = torch.optim.AdamW(self.main, **adamw)
+            self.optimizer = torch.optim.AdamW(groups, **adamw)
 
     def _half(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         return [(p, m) for p, m in zip(self.params, self.main) if m is not p]

@@ -107,8 +107,8 @@ class GRPOTrainer:
                                      pipeline_groups=groups) if cfg.compare_vanilla_every else None
         params = [p for p in self.policy.gpt.parameters() if p.requires_grad]
         self.optimizer = MainParamAdamW(params, shard_group=self.ctx.dp_group if cfg.shard_optimizer else None,
-                                        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                        weight_decay=cfg.weight_decay)
+                                        no_weight_decay=lambda p: p.ndim < 2, lr=cfg.lr,
+                                        betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
         # the frozen reference for the KL term: this stage's weights as loaded (a resumed run too)
         self.ref_state = {k: p.detach().clone() for k, p in self.policy.gpt.named_parameters()} \
             if cfg.kl_beta > 0 else None

@@ -101,6 +101,25 @@ def test_a_checkpoint_resumes_the_float32_main_weights():
     assert torch.equal(r.main[0], saved_model.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_decay_spares_what_no_weight_decay_names(dtype):
+    """With zero gradients AdamW's step is its decoupled decay alone: matrices shrink by lr x wd,
+    the 1-D parameters (biases, norms) that ``no_weight_decay`` names stay as they are."""
+    w, b = torch.nn.Parameter(torch.ones(3, 4, dtype=dtype)), torch.nn.Parameter(torch.ones(4, dtype=dtype))
+    opt = MainParamAdamW([w, b], no_weight_decay=lambda p: p.ndim < 2, lr=0.1, weight_decay=0.5)
+    for p in (w, b):
+        if dtype == torch.bfloat16:
+            p.main_grad = torch.zeros(p.shape)
+        else:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(w.detach(), torch.full((3, 4), 0.95, dtype=torch.float32).to(dtype))
+    assert torch.equal(b.detach(), torch.ones(4, dtype=dtype))
+    same = MainParamAdamW([torch.nn.Parameter(torch.ones(4))], no_weight_decay=lambda p: p.ndim < 2, lr=0.1,
+                          weight_decay=0.0)
+    assert len(same.optimizer.param_groups) == 1  # no decay: the state keeps one group, as before
+
+
 def test_optimizer_errors():
     with pytest.raises(ValueError, match="float16 training needs loss scaling.*--dtype bfloat16"):
         MainParamAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))], lr=1e-6)

@@ -333,6 +333,8 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
                                          r"data.max_prompt_tokens \+ sampling.max_new_tokens = 528 .* got 500"):
         load_config(TrainConfig, None, ["data.max_prompt_tokens=512", "sampling.max_new_tokens=16",
                                         "micro_batch_tokens=500"])
+    with pytest.raises(ValueError, match="TrainConfig.weight_decay must be >= 0, got -0.01"):
+        load_config(TrainConfig, None, ["weight_decay=-0.01"])
     with pytest.raises(ValueError, match="TrainConfig.moe_aux_loss_coeff must be >= 0, got -0.1"):
         load_config(TrainConfig, None, ["moe_aux_loss_coeff=-0.1"])
     with pytest.raises(ValueError, match=r"TrainConfig.moe_aux_loss_coeff is 0.01 but the policy in .* has no experts"):
