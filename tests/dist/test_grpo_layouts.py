@@ -130,13 +130,14 @@ def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
 def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
     """DP=2 with AdamW's states split over the replicas (ZeRO-1): two steps give the weights of the
     replicated optimizer, each replica saves a disjoint part of the states, and a run resumed from
-    the step-1 checkpoint (each replica loading its own part) ends with the same weights."""
+    the step-1 checkpoint (each replica loading its own part) ends with the same weights. With weight
+    decay: AdamW's two parameter groups (matrices, and the 1-D parameters that take none) sharded."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
-    two = ["--set=steps=2"]
+    two = ["--set=steps=2", "--set=weight_decay=0.1"]
     run(ckpt, tmp_path / "replicated", 1, 1, 2, *two)
     sharded = ["--set=shard_optimizer=true", "--set=save_every=1", "--set=keep_last=2"]
     run(ckpt, tmp_path / "sharded", 1, 1, 2, *two, *sharded)
-    run(ckpt, tmp_path / "resumed", 1, 1, 2, "--set=steps=1", *sharded)
+    run(ckpt, tmp_path / "resumed", 1, 1, 2, "--set=steps=1", "--set=weight_decay=0.1", *sharded)
     run(ckpt, tmp_path / "resumed", 1, 1, 2, *two, *sharded, "--set=resume=true")
     ref = load_full_state_dict(tmp_path / "replicated")
     start = load_full_state_dict(ckpt)
@@ -152,7 +153,8 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
     counts = [len(p["state"]) for p in parts]
     assert min(counts) > 0 and sum(counts) == len([k for k in ref if not k.endswith("_extra_state")]), counts
     # a replicated checkpoint does not resume sharded (replica 1 has no part of its own to load)
-    proc = launch(ckpt, tmp_path / "replicated", 1, 1, 2, "--set=steps=3", *sharded, "--set=resume=true")
+    proc = launch(ckpt, tmp_path / "replicated", 1, 1, 2, "--set=steps=3", "--set=weight_decay=0.1", *sharded,
+                  "--set=resume=true")
     assert proc.returncode != 0 and "optim_dp1.pt is missing: resume with the TrainConfig.shard_optimizer" in (
         proc.stdout + proc.stderr)
 
