@@ -764,6 +764,13 @@ class TrainConfig:
     tie (specroll_mcore/model/routing.py). Costs [tokens, layers, topk] int16 per response."""
 
     lr: float = 1e-6
+    lr_warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up: step k of them takes ``lr x k / lr_warmup_steps``."""
+
+    lr_decay: str = "constant"
+    """After the warm-up: ``constant``, or ``cosine`` down to ``min_lr`` at the last step."""
+
+    min_lr: float = 0.0
     weight_decay: float = 0.0
     """AdamW's decoupled weight decay, on the matrices only: biases and norms (1-D) take none, as
     megatron-core's default parameter groups have it."""
@@ -837,6 +844,11 @@ class TrainConfig:
                f"sampling.max_new_tokens = {longest} (the longest sequence), got {self.micro_batch_tokens}")
         _check(self.lr > 0, f"TrainConfig.lr must be > 0, got {self.lr}")
         _check(self.weight_decay >= 0, f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(0 <= self.lr_warmup_steps <= self.steps,
+               f"TrainConfig.lr_warmup_steps must be in [0, steps = {self.steps}], got {self.lr_warmup_steps}")
+        _check(self.lr_decay in ("constant", "cosine"),
+               f"TrainConfig.lr_decay must be 'constant' or 'cosine', got {self.lr_decay!r}")
+        _check(0 <= self.min_lr <= self.lr, f"TrainConfig.min_lr must be in [0, lr = {self.lr}], got {self.min_lr}")
         _check(self.loss_normalization in ("token", "sequence"),
                f"TrainConfig.loss_normalization must be 'token' or 'sequence', got {self.loss_normalization!r}")
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0,

@@ -88,6 +88,11 @@ class MainParamAdamW:
     def _half(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         return [(p, m) for p, m in zip(self.params, self.main) if m is not p]
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of every parameter group's next steps (a schedule's value)."""
+        for group in self.optimizer.param_groups:  # a sharded optimizer passes them to its local one
+            group["lr"] = lr
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None

@@ -5,10 +5,26 @@ Shapes follow verl's convention: B responses, T response tokens (right-padded), 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+
+def learning_rate(step: int, lr: float, steps: int, warmup_steps: int = 0, decay: str = "constant",
+                  min_lr: float = 0.0) -> float:
+    """The learning rate of training step ``step`` (1-based) of ``steps``: ``lr x step / warmup_steps``
+    over the warm-up (the first step learns already), then ``lr`` (``constant``) or a cosine from
+    ``lr`` down to ``min_lr`` at the last step (``cosine``), as megatron-core's --lr-decay-style."""
+    if decay not in ("constant", "cosine"):
+        raise ValueError(f"learning-rate decay must be 'constant' or 'cosine', got {decay!r}")
+    if step <= warmup_steps:
+        return lr * step / warmup_steps
+    if decay == "constant":
+        return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def group_advantages(rewards: torch.Tensor, num_samples: int, mean_only: bool = False,

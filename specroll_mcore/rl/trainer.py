@@ -37,7 +37,7 @@ from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.optimizer import MainParamAdamW
 from specroll_mcore.rl.data import Example, load_examples, render_prompt
-from specroll_mcore.rl.grpo import group_advantages, policy_loss, varied_groups
+from specroll_mcore.rl.grpo import group_advantages, learning_rate, policy_loss, varied_groups
 from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        global_grad_norm, micro_batch_split, moe_aux_loss, pack_micro_batch,
@@ -257,6 +257,7 @@ class GRPOTrainer:
             "gen_share": gen_s / max(1e-9, pack_s + gen_s + train_s),
             "gen_tokens_per_s": float(sums[3]) / max(1e-9, float(sums[4]) / ctx.dp_size),
             "loss": loss, "grad_norm": norm, "skipped": skipped, "policy_version": self.state["policy_version"],
+            "lr": self._lr(),
             **{name: sum(p[name] * p["tokens"] for p in parts) / max(1.0, sum(p["tokens"] for p in parts))
                for name in ("clip_fraction", "kl")},  # over the response tokens, as micro-batches differ in size
         })
@@ -385,6 +386,7 @@ class GRPOTrainer:
             self.state["skipped_steps"] += 1
             return norm, loss, parts, True, extra
         parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
+        self.optimizer.set_lr(self._lr())
         self.optimizer.step()
         self.state["policy_version"] += 1  # the heads are tied to the new policy version
         return norm, loss, parts, False, extra
@@ -395,6 +397,12 @@ class GRPOTrainer:
         ref = self.vanilla.generate(prompts, self.cfg.sampling, step=step, prompt_ids=ids)
         row["vanilla_gen_s"] = row.get("vanilla_gen_s", 0.0) + time.perf_counter() - t
         return ref
+
+    def _lr(self) -> float:
+        """This step's learning rate (TrainConfig.lr_warmup_steps, lr_decay): a function of the step
+        alone, so a resumed run follows the same schedule."""
+        cfg = self.cfg
+        return learning_rate(self.state["step"] + 1, cfg.lr, cfg.steps, cfg.lr_warmup_steps, cfg.lr_decay, cfg.min_lr)
 
     def _train_temperature(self) -> float:
         return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from specroll_mcore.rl.grpo import group_advantages, k3_kl, policy_loss, varied_groups
+from specroll_mcore.rl.grpo import group_advantages, k3_kl, learning_rate, policy_loss, varied_groups
 from specroll_mcore.rl.rewards import overlong_penalty
 from specroll_mcore.rl.schedule import micro_batch_split
 from specroll_mcore.rl.trainer import chosen_groups
@@ -62,6 +62,17 @@ def test_micro_batches_add_up():
     assert torch.allclose(whole, parts)
     with pytest.raises(ValueError, match="normalization must be"):
         policy_loss(logp, old, adv, mask, normalization="batch")
+
+
+def test_learning_rate_schedule_by_hand():
+    assert [learning_rate(k, 1.0, 6, 2) for k in range(1, 7)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    cosine = [learning_rate(k, 1.0, 6, 2, "cosine", 0.1) for k in range(1, 7)]
+    assert cosine[:2] == [0.5, 1.0] and cosine[-1] == pytest.approx(0.1)
+    assert cosine[2] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))  # a quarter of the way
+    assert cosine[3] == pytest.approx(0.55)  # half way: the mean of lr and min_lr
+    assert learning_rate(3, 2.0, 3, 0, "cosine") == pytest.approx(0.0)  # no warm-up: lr at 1, min_lr at the end
+    with pytest.raises(ValueError, match="learning-rate decay must be 'constant' or 'cosine', got 'linear'"):
+        learning_rate(1, 1.0, 6, 0, "linear")
 
 
 def test_micro_batch_split_by_hand():

@@ -333,6 +333,12 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
                                          r"data.max_prompt_tokens \+ sampling.max_new_tokens = 528 .* got 500"):
         load_config(TrainConfig, None, ["data.max_prompt_tokens=512", "sampling.max_new_tokens=16",
                                         "micro_batch_tokens=500"])
+    with pytest.raises(ValueError, match=r"TrainConfig.lr_warmup_steps must be in \[0, steps = 20\], got 30"):
+        load_config(TrainConfig, None, ["lr_warmup_steps=30"])
+    with pytest.raises(ValueError, match="TrainConfig.lr_decay must be 'constant' or 'cosine', got 'step'"):
+        load_config(TrainConfig, None, ["lr_decay=step"])
+    with pytest.raises(ValueError, match=r"TrainConfig.min_lr must be in \[0, lr = 1e-06\], got 1e-05"):
+        load_config(TrainConfig, None, ["min_lr=1e-5"])
     with pytest.raises(ValueError, match="TrainConfig.weight_decay must be >= 0, got -0.01"):
         load_config(TrainConfig, None, ["weight_decay=-0.01"])
     with pytest.raises(ValueError, match="TrainConfig.moe_aux_loss_coeff must be >= 0, got -0.1"):
@@ -514,6 +520,22 @@ def test_sequence_normalisation_mean_only_advantages_plain_prompts_and_tensorboa
     (row,) = trainer.run()
     assert row["grad_norm"] > 0 and row["loss"] == row["loss"]
     assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+
+
+def test_the_learning_rate_follows_its_schedule(tiny_ckpt, tmp_path, ctx):
+    """lr_warmup_steps and lr_decay: each step's optimizer takes the schedule's learning rate, logged
+    as ``lr``; the first warm-up step learns already."""
+    from specroll_mcore.rl.grpo import learning_rate
+
+    args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=4", "lr_warmup_steps=2",
+                     "lr_decay=cosine", "min_lr=1e-4")
+    trainer = GRPOTrainer(load_config(TrainConfig, None, args))
+    taken = []
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: (taken.append(trainer.optimizer.optimizer.param_groups[0]["lr"]), step())[1]
+    rows = trainer.run()
+    expected = [learning_rate(k, 1e-3, 4, 2, "cosine", 1e-4) for k in (1, 2, 3, 4)]
+    assert taken == [r["lr"] for r in rows] == expected and expected[0] == 5e-4 and expected[-1] == 1e-4
 
 
 def test_recomputation_saves_the_layer_inputs_only(ctx):
