@@ -307,8 +307,9 @@ class PolicyModel(torch.nn.Module):
         token in prefill), ``logits_span`` a range of positions of every row (the policy update's
         response tokens: no vocab product, softmax or gradient for the prompts), else all positions.
         Returns (vocab-parallel logits [b, s', V/tp], final hidden states at those positions
-        [s', b, h]) on the last stage, the output hidden states [s, b, h] elsewhere. Differentiable (the training schedule uses it); with ``recompute`` and
-        gradients enabled, each layer keeps only its input and reruns its forward in the backward.
+        [s', b, h]) on the last stage, the output hidden states [s, b, h] elsewhere. Differentiable
+        (the training schedule uses it); with ``recompute`` and gradients enabled, each layer keeps
+        only its input and reruns its forward in the backward.
         ``padding_mask`` [b, s] (True: padding, megatron-core's convention): a mixture of experts'
         load-balancing loss leaves it out."""
         b = input_ids.shape[0]
