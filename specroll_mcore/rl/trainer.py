@@ -408,9 +408,13 @@ class GRPOTrainer:
         return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
 
     def _micro_batches(self, seqs: list[tuple]) -> list[MicroBatch]:
-        """(prompt, response tokens, rollout log-probs, advantage, ...) -> prompt + response sequences,
-        labels shifted by one, loss on response tokens only; split by TrainConfig.micro_batch_size and
-        micro_batch_tokens (schedule.micro_batch_split)."""
+        """(prompt, response tokens, rollout log-probs, advantage, trained, ...) -> prompt + response
+        sequences, labels shifted by one, loss on response tokens only; split by
+        TrainConfig.micro_batch_size and micro_batch_tokens (schedule.micro_batch_split). Sequences
+        not trained on (overlong filtering: the longest ones) are left out, as their loss terms and
+        its normalisation are 0; where all are, one stays, so that this replica still joins the
+        update's reductions (a step whose replicas all have none skips its update)."""
+        seqs = [s for s in seqs if len(s) < 5 or s[4]] or seqs[:1]
         split = micro_batch_split([len(s[0]) + len(s[1]) for s in seqs], self.cfg.micro_batch_size,
                                   self.cfg.micro_batch_tokens)
         return [pack_micro_batch([seqs[i] for i in idx], self.ctx.device) for idx in split]

@@ -450,6 +450,29 @@ def test_token_budget_micro_batches_give_the_gradients_of_the_whole_batch(tiny_c
     assert clipped == pytest.approx(clipped_one)
 
 
+def test_overlong_filtered_sequences_are_left_out_of_the_update(tiny_ckpt, tmp_path, ctx):
+    """Responses masked out by overlong filtering take no forward or backward: the gradients are those
+    of every sequence in the update with theirs masked; where all are masked, one stays (a replica
+    must join the update's reductions)."""
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
+    seqs = step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5))
+    seqs = [(p, t, lp, a, n < 12, *rest) for (p, t, lp, a, _, *rest), n in zip(seqs, (12, 2, 7, 1, 12, 5))]
+    mbs = trainer._micro_batches(seqs)
+    assert sum(len(mb.lengths) for mb in mbs) == 4  # the two cut at 12 tokens are left out
+    total = float(sum(mb.loss_mask.sum() for mb in mbs))
+
+    def grads(micro_batches):
+        trainer.optimizer.zero_grad()
+        forward_backward(trainer.policy, micro_batches, lambda mb, lp: (
+            policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask, total_tokens=total).loss, {}), 1.0)
+        return [p.grad.clone() for p in trainer.policy.gpt.parameters()]
+
+    for a, b in zip(grads(mbs), grads([pack_micro_batch(seqs, ctx.device)])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    cut = [(*s[:4], False, *s[5:]) for s in seqs]
+    assert [len(mb.lengths) for mb in trainer._micro_batches(cut)] == [1]
+
+
 def test_the_update_computes_logits_over_the_responses_alone(tiny_ckpt, tmp_path, ctx):
     """The update's forwards project to the vocabulary only from the shortest prompt's last token on
     (MicroBatch.loss_span): its log-probs and gradients are those of logits over every position."""
