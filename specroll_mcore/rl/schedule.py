@@ -46,6 +46,12 @@ class MicroBatch:
         return slice(self.loss_start, max(self.input_ids.shape[1] - 1, self.loss_start + 1))
 
 
+def trained(seq: tuple) -> bool:
+    """Whether the loss reads a (prompt, response, log-probs, advantage[, trained[, routing]]) sequence:
+    all do but those DAPO's overlong filtering marks ``trained`` False."""
+    return len(seq) < 5 or bool(seq[4])
+
+
 def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
     """(prompt ids, response ids, response log-probs or None, advantage[, trained[, routing]]) per
     sequence -> one right-padded MicroBatch; labels are the next token, the loss covers the response
@@ -63,11 +69,11 @@ def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
     routed = [s[5] if len(s) > 5 else None for s in seqs]
     if any(r is not None for r in routed) and any(r is None for r in routed):
         raise ValueError("either every sequence of a micro-batch carries its rollout's routing or none does")
-    for i, (p, t, lp, _, *rest) in enumerate(seqs):
+    for i, (p, t, lp, *_) in enumerate(seqs):
         seq = list(p) + list(t)
         ids[i, : len(seq)] = torch.tensor(seq)
         labels[i, : len(seq) - 1] = torch.tensor(seq[1:])
-        if not rest or rest[0]:
+        if trained(seqs[i]):
             mask[i, len(p) - 1: len(seq) - 1] = 1.0  # positions whose next token is a response token
         if lp is not None:
             old[i, len(p) - 1: len(seq) - 1] = lp.float()

@@ -41,7 +41,7 @@ from specroll_mcore.rl.grpo import group_advantages, learning_rate, policy_loss,
 from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        global_grad_norm, micro_batch_split, moe_aux_loss, pack_micro_batch,
-                                       routers_training, set_moe_aux_loss_scale)
+                                       routers_training, set_moe_aux_loss_scale, trained)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
 from specroll_mcore.rollout.base import FINISH_LENGTH
 from specroll_mcore.rollout.profile import speculative_setup
@@ -414,7 +414,7 @@ class GRPOTrainer:
         not trained on (overlong filtering: the longest ones) are left out, as their loss terms and
         its normalisation are 0; where all are, one stays, so that this replica still joins the
         update's reductions (a step whose replicas all have none skips its update)."""
-        seqs = [s for s in seqs if len(s) < 5 or s[4]] or seqs[:1]
+        seqs = [s for s in seqs if trained(s)] or seqs[:1]
         split = micro_batch_split([len(s[0]) + len(s[1]) for s in seqs], self.cfg.micro_batch_size,
                                   self.cfg.micro_batch_tokens)
         return [pack_micro_batch([seqs[i] for i in idx], self.ctx.device) for idx in split]
