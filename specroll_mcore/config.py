@@ -747,6 +747,15 @@ class TrainConfig:
     it). At least ``data.max_prompt_tokens + sampling.max_new_tokens``; 0: micro-batches of
     ``micro_batch_size`` responses in the rollout's order."""
 
+    balance_batch: bool = True
+    """Deal the update's sequences out over the data-parallel replicas by their tokens (prompt +
+    response), as verl's ``balance_batch``: each replica rolls out whole groups, whose lengths differ,
+    and the update waits for the replica with the most tokens. Replicas over the mean pass their
+    surplus sequences to those under it (schedule.balanced_assignment); the loss is normalised over
+    all replicas, so the update is the same (but for a mixture of experts' load-balancing loss, which
+    is per micro-batch). Logged as ``dp_tokens_max_over_mean`` (and ``_rollout`` before dealing) and
+    ``dp_sequences_moved``. No effect at one replica."""
+
     recompute_activations: bool = False
     """Keep only each transformer layer's input in the policy update and rerun the layer's forward
     in the backward (activation memory of one layer instead of all, for one more forward)."""

@@ -18,6 +18,14 @@ in another order), ``--reps`` rounds, medians:
 The optimizer step is left out (the same for every split), so every round runs on the same weights
 and the gradient norms must agree (``grad_norm_rel_diff``). Reported: micro-batches, token positions
 computed and the share of them that is padding, median seconds and the speedup over rollout order.
+
+With ``--replicas R``: the update of R data-parallel replicas instead, the step's groups dealt out
+to them as the trainer deals its prompts (whole groups, every R-th), and then as
+``TrainConfig.balance_batch`` deals the sequences (schedule.balanced_assignment). Each replica's
+share is timed on this machine in turn (token budget of ``micro_batch_size`` x the longest
+sequence); a data-parallel update takes its slowest replica's time, whose medians are compared:
+
+    python tools/bench_update.py --replicas 4 --prompts 8 --samples 4 --max-new-tokens 256
 """
 
 from __future__ import annotations
@@ -35,10 +43,12 @@ warnings.filterwarnings("ignore")
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import TrainConfig, load_config  # noqa: E402
+from specroll_mcore.rl.schedule import balanced_assignment  # noqa: E402
 from specroll_mcore.rl.trainer import GRPOTrainer  # noqa: E402
 from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
 VARIANTS = ("rollout_order", "sorted", "token_budget")
+DEALS = ("as_rolled_out", "balanced")
 
 
 def main() -> int:
@@ -51,11 +61,17 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="time R data-parallel replicas' shares, as rolled out and balanced (balance_batch)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="further config overrides")
     ap.add_argument("--out", default="bench_update.json")
     args = ap.parse_args()
-    if min(args.prompts, args.samples, args.max_new_tokens, args.micro_batch_size, args.reps) < 1:
-        raise SystemExit("--prompts, --samples, --max-new-tokens, --micro-batch-size and --reps must be >= 1")
+    if min(args.prompts, args.samples, args.max_new_tokens, args.micro_batch_size, args.reps, args.replicas) < 1:
+        raise SystemExit("--prompts, --samples, --max-new-tokens, --micro-batch-size, --reps and --replicas must "
+                         "be >= 1")
+    if args.replicas > args.prompts:
+        raise SystemExit(f"--replicas {args.replicas} exceeds --prompts {args.prompts}: every replica rolls out "
+                         "whole groups, so it needs a prompt")
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(TrainConfig, args.config, [
             f"checkpoint={args.checkpoint}", "engine=vanilla", f"prompts_per_step={args.prompts}",
@@ -63,8 +79,17 @@ def main() -> int:
             f"micro_batch_size={args.micro_batch_size}", "micro_batch_tokens=0", f"output_dir={out}",
             "tensorboard=false", "compare_vanilla_every=0", *args.set])
         trainer = GRPOTrainer(cfg)
-        report = bench(trainer, args)
-    if trainer.ctx.rank == 0:
+        if args.replicas > 1 and trainer.ctx.dp_size > 1:
+            raise SystemExit("--replicas times the replicas' shares in one process: run it without data parallelism")
+        report = bench_replicas(trainer, args) if args.replicas > 1 else bench(trainer, args)
+    if trainer.ctx.rank == 0 and args.replicas > 1:
+        write_json_atomic(args.out, report)
+        for name in DEALS:
+            v = report["deals"][name]
+            print(f"{name:14s} tokens per replica {v['tokens']} (max / mean {v['max_over_mean']:.3f}): slowest "
+                  f"replica {v['seconds']:.2f} s, {v['speedup']:.2f}x")
+        print(f"wrote {args.out}")
+    elif trainer.ctx.rank == 0:
         write_json_atomic(args.out, report)
         for name in VARIANTS:
             v = report["variants"][name]
@@ -118,6 +143,48 @@ def bench(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
             "response_tokens": sum(len(s[1]) for s in seqs), "longest_sequence": longest,
             "recompute_activations": cfg.recompute_activations, "variants": variants,
             "grad_norm_rel_diff": max(abs(n - ref) for n in norms.values()) / max(abs(ref), 1e-30)}
+
+
+def bench_replicas(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
+    cfg, R = trainer.cfg, args.replicas
+    trainer.policy.pack_for_inference()
+    t = time.perf_counter()
+    rollout = trainer._rollout_round(trainer._next_examples(), 0, False, False, {})
+    gen_s = time.perf_counter() - t
+    seqs, _ = trainer._training_sequences([rollout])
+    G = cfg.sampling.num_samples
+    shares = [[s for k, s in enumerate(seqs) if (k // G) % R == r] for r in range(R)]  # prompt i: replica i % R
+    plan = balanced_assignment([[len(s[0]) + len(s[1]) for s in share] for share in shares])
+    deals = {"as_rolled_out": shares, "balanced": [[shares[h][i] for h, i in part] for part in plan]}
+    cfg.micro_batch_tokens = args.micro_batch_size * max(len(s[0]) + len(s[1]) for s in seqs)
+    trainer.optimizer.step = lambda *a, **k: None  # the same weights for every share and round
+    slowest: dict[str, list[float]] = {name: [] for name in DEALS}
+    per_replica: dict[str, list[list[float]]] = {name: [] for name in DEALS}
+    positions: dict[str, list[int]] = {name: [] for name in DEALS}
+    for rep in range(args.reps + 1):  # round 0 untimed: first-call allocations
+        for name in DEALS[rep % 2:] + DEALS[:rep % 2]:
+            times = []
+            for share in deals[name]:
+                mbs = trainer._micro_batches(share)
+                positions[name].append(sum(mb.input_ids.numel() for mb in mbs))
+                t = time.perf_counter()
+                trainer._update(mbs)
+                times.append(time.perf_counter() - t)
+            if rep:
+                slowest[name].append(max(times))
+                per_replica[name].append(times)
+    base = statistics.median(slowest["as_rolled_out"])
+    out = {}
+    for name in DEALS:
+        tokens = [sum(len(s[0]) + len(s[1]) for s in share) for share in deals[name]]
+        out[name] = {"tokens": tokens, "max_over_mean": max(tokens) * R / sum(tokens),
+                     "token_positions": positions[name][:R],  # with the padding of each replica's micro-batches
+                     "sequences": [len(share) for share in deals[name]], "seconds": statistics.median(slowest[name]),
+                     "runs_s": slowest[name], "replica_runs_s": per_replica[name],
+                     "speedup": base / statistics.median(slowest[name])}
+    return {"tool": "bench_update", "hardware": hardware_name(), "checkpoint": cfg.checkpoint, "args": vars(args),
+            "replicas": R, "responses": len(seqs), "generation_s": gen_s, "micro_batch_tokens": cfg.micro_batch_tokens,
+            "sequences_moved": sum(h != d for d, part in enumerate(plan) for h, _ in part), "deals": out}
 
 
 if __name__ == "__main__":

@@ -114,6 +114,37 @@ def micro_batch_split(lengths: Sequence[int], max_rows: int, max_tokens: int = 0
 
 
 def span_logprobs(policy: PolicyModel, logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
+def balanced_assignment(costs: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+    """Which data-parallel replica trains each sequence of a policy update, so that the replicas' loads
+    even out while few sequences move (verl's ``balance_batch``; the update's time is its slowest
+    replica's). ``costs[r][i]``: the cost (tokens) of replica ``r``'s ``i``-th sequence.
+
+    Each replica keeps its own sequences, largest first, while its load stays within the mean (at least
+    one, where it has any); the rest, largest first, go to whichever replica then has the least load
+    (the lowest index on ties), which may be their own. Where that would not lower the largest load,
+    every sequence stays where it is. Returns, per replica, the (home replica, index) of the sequences
+    it trains: its own kept ones in their order, then those it takes. The loss is normalised over all
+    replicas together (grpo.policy_loss), so where a sequence is trained does not change the update."""
+    R = len(costs)
+    mean = sum(sum(c) for c in costs) / max(1, R)
+    loads, kept, rest = [0] * R, [[] for _ in range(R)], []
+    for r, c in enumerate(costs):
+        for i in sorted(range(len(c)), key=lambda i: -c[i]):  # stable: ties keep their order
+            if not kept[r] or loads[r] + c[i] <= mean:
+                kept[r].append(i)
+                loads[r] += c[i]
+            else:
+                rest.append((c[i], r, i))
+    out = [[(r, i) for i in sorted(kept[r])] for r in range(R)]
+    for cost, r, i in sorted(rest, key=lambda x: -x[0]):
+        d = min(range(R), key=lambda d: (loads[d], d))
+        out[d].append((r, i))
+        loads[d] += cost
+    if max(loads, default=0) >= max((sum(c) for c in costs), default=0):
+        return [[(r, i) for i in range(len(c))] for r, c in enumerate(costs)]
+    return out
+
+
     """:func:`token_logprobs` of the micro-batch's labels from logits over its ``loss_span``, laid
     out [B, L] as its labels (0 outside the span, where no loss reads them)."""
     span = mb.loss_span

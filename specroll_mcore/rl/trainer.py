@@ -40,8 +40,8 @@ from specroll_mcore.rl.data import Example, load_examples, render_prompt
 from specroll_mcore.rl.grpo import group_advantages, learning_rate, policy_loss, varied_groups
 from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
-                                       global_grad_norm, micro_batch_split, moe_aux_loss, pack_micro_batch,
-                                       routers_training, set_moe_aux_loss_scale, trained)
+                                       balanced_assignment, global_grad_norm, micro_batch_split, moe_aux_loss,
+                                       pack_micro_batch, routers_training, set_moe_aux_loss_scale, trained)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
 from specroll_mcore.rollout.base import FINISH_LENGTH
 from specroll_mcore.rollout.profile import speculative_setup
@@ -231,6 +231,9 @@ class GRPOTrainer:
         # 2. Policy update over micro-batches (gradient accumulation), TP/PP/DP.
         t2 = time.perf_counter()
         seqs, trained_groups = self._training_sequences(rounds)
+        balance: dict[str, float] = {}
+        if seqs and cfg.balance_batch and ctx.dp_size > 1:
+            seqs, balance = self._balanced(seqs)
         if seqs:
             mbs = self._micro_batches(seqs)
             norm, loss, parts, skipped, extra = self._update(mbs)
@@ -262,6 +265,7 @@ class GRPOTrainer:
                for name in ("clip_fraction", "kl")},  # over the response tokens, as micro-batches differ in size
         })
         row.update(extra)
+        row.update(balance)
         if cfg.dynamic_sampling:
             row.update(sampling_rounds=len(rounds), groups_varied=varied, groups_trained=trained_groups)
         if cfg.overlong_filter:  # responses cut at the length limit, masked out of the loss
@@ -332,6 +336,33 @@ class GRPOTrainer:
         if len(groups) < ctx.dp_size:
             return [], 0
         return [seq for _, g in groups[ctx.dp_rank::ctx.dp_size] for seq in g], len(groups)
+
+    def _balanced(self, seqs: list[tuple]) -> tuple[list[tuple], dict[str, float]]:
+        """This replica's share of the update's sequences once they are dealt out over the replicas by
+        their tokens (TrainConfig.balance_batch, schedule.balanced_assignment), and the step's metrics:
+        ``dp_tokens_max_over_mean`` (the largest replica's tokens over the mean) as trained and as the
+        rollout left them (``_rollout``), and ``dp_sequences_moved``. Sequences not trained on stay on
+        their replica. Only those that move are exchanged."""
+        ctx = self.ctx
+        train = [s for s in seqs if trained(s)]
+        costs = ctx.all_gather_object_dp([len(s[0]) + len(s[1]) for s in train])
+        plan = balanced_assignment(costs)
+        moves = [(d, r, i) for d, part in enumerate(plan) for r, i in part if r != d]
+        received: dict[tuple[int, int], tuple] = {}
+        if moves:  # every replica has the same plan, so all of them take part or none
+            sent = {(r, i): train[i] for _, r, i in moves if r == ctx.dp_rank}
+            for part in ctx.all_gather_object_dp(sent):
+                received.update(part)
+        mine = [train[i] if r == ctx.dp_rank else received[(r, i)] for r, i in plan[ctx.dp_rank]]
+
+        def imbalance(loads: list[int]) -> float:
+            return max(loads) * len(loads) / max(1, sum(loads))
+
+        after = [sum(costs[r][i] for r, i in part) for part in plan]
+        return mine + [s for s in seqs if not trained(s)], {
+            "dp_tokens_max_over_mean": imbalance(after),
+            "dp_tokens_max_over_mean_rollout": imbalance([sum(c) for c in costs]),
+            "dp_sequences_moved": len(moves)}
 
     def _update(self, mbs: list[MicroBatch]) -> tuple[float, float, list[dict], bool, dict[str, float]]:
         """One optimizer step on the micro-batches: (grad norm, loss, per-micro-batch metrics, skipped,

@@ -180,3 +180,29 @@ def test_bfloat16_policy_pp2_equals_pp1(tmp_path):
         assert a[k].dtype == torch.bfloat16
         assert (a[k] != b[k]).float().mean() < 0.1, k
     assert all((a[k] != start[k]).float().mean() > 0.5 for k in a if k.endswith("linear_qkv.weight"))
+
+
+def test_balanced_replicas_equal_dp1(tmp_path):
+    """DP=2 with the update's sequences dealt out by their tokens (TrainConfig.balance_batch): the
+    replica holding the long prompt's group passes sequences to the other, and the step equals DP=1's
+    (the loss is normalised over both replicas). On a Qwen3-MoE with routing replay, so that the
+    moved sequences' routing travels with them."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, arch="qwen3_moe")
+    long_question = "A farmer keeps a ledger of every animal on the farm. " * 12 + "How many hens are left?"
+    rows = [{"question": q, "answer": f"#### {a}"} for q, a in
+            [(long_question, 3), ("What is 2 + 2?", 4), ("What is 3 + 5?", 8), ("What is 9 - 4?", 5)]]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = (f"--set=data.source={data}", "--set=data.limit=4", "--set=prompts_per_step=4",
+              "--set=routing_replay=true")
+    ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *common)
+    got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *common)
+    assert got[0]["dp_sequences_moved"] > 0, got[0]
+    assert got[0]["dp_tokens_max_over_mean"] < got[0]["dp_tokens_max_over_mean_rollout"], got[0]
+    assert "dp_sequences_moved" not in ref[0]
+    for k in ("reward_mean", "response_len"):
+        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-6), k
+    for k in ("loss", "grad_norm"):
+        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
+    ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4

@@ -8,7 +8,7 @@ import torch
 
 from specroll_mcore.rl.grpo import group_advantages, k3_kl, learning_rate, policy_loss, varied_groups
 from specroll_mcore.rl.rewards import overlong_penalty
-from specroll_mcore.rl.schedule import micro_batch_split
+from specroll_mcore.rl.schedule import balanced_assignment, micro_batch_split
 from specroll_mcore.rl.trainer import chosen_groups
 
 
@@ -88,6 +88,28 @@ def test_micro_batch_split_by_hand():
         micro_batch_split(lengths, 4, 40)
     with pytest.raises(ValueError, match="micro-batches need max_rows >= 1 and max_tokens >= 0, got 0, 100"):
         micro_batch_split(lengths, 0, 100)
+
+
+def test_balanced_assignment_by_hand():
+    # replica 0: a long group (212 tokens each) and a short one (52); replica 1: two short groups.
+    # Mean 552: replica 0 keeps 212, 212, 52, 52 (528) and passes on 212 (to replica 1, then the
+    # lighter) and 52 (to replica 1, still the lighter: 524 < 528).
+    costs = [[212, 212, 212, 52, 52, 52], [52, 52, 52, 52, 52, 52]]
+    plan = balanced_assignment(costs)
+    assert plan == [[(0, 0), (0, 1), (0, 3), (0, 4)], [(1, i) for i in range(6)] + [(0, 2), (0, 5)]]
+    loads = [sum(costs[r][i] for r, i in part) for part in plan]
+    assert loads == [528, 576] and max(loads) < max(map(sum, costs)) == 792
+    assert sorted(x for part in plan for x in part) == [(r, i) for r in range(2) for i in range(6)]  # each once
+
+
+def test_balanced_assignment_moves_nothing_that_does_not_help():
+    assert balanced_assignment([[62, 62, 62], [52, 52, 52]]) == [[(0, 0), (0, 1), (0, 2)], [(1, 0), (1, 1), (1, 2)]]
+    assert balanced_assignment([[10, 10], [10, 10]]) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]  # balanced already
+    assert balanced_assignment([[300], [], [5]]) == [[(0, 0)], [], [(2, 0)]]  # one sequence: no better split
+    assert balanced_assignment([[], []]) == [[], []]
+    # a replica with nothing to train (its responses all overlong-filtered) takes some
+    assert balanced_assignment([[40, 30, 20, 10], []]) == [[(0, 0), (0, 3)], [(0, 1), (0, 2)]]
+    assert balanced_assignment([[7]]) == [[(0, 0)]]
 
 
 def test_varied_groups_by_hand():

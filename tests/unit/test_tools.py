@@ -271,7 +271,22 @@ def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     assert variants["sorted"]["token_positions"] <= variants["rollout_order"]["token_positions"]
     assert report["grad_norm_rel_diff"] < 1e-4 and variants["sorted"]["grad_norm"] > 0
     code, err = refused(capsys, "bench_update.py", "--reps", "0")
-    assert code != 0 and "--micro-batch-size and --reps must be >= 1" in err
+    assert code != 0 and "--micro-batch-size, --reps and --replicas must be >= 1" in err
+    code, err = refused(capsys, "bench_update.py", "--replicas", "3", "--prompts", "2")
+    assert code != 0 and "--replicas 3 exceeds --prompts 2: every replica rolls out whole groups" in err
+
+
+def test_bench_update_replicas_smoke(tiny_ckpt, tmp_path):
+    out = tmp_path / "r.json"
+    run_tool("bench_update.py", "--checkpoint", tiny_ckpt, "--prompts", 3, "--samples", 2, "--max-new-tokens", 6,
+             "--micro-batch-size", 2, "--reps", 1, "--replicas", 2, "--set",
+             "reward_fn=rewards_for_tests:token_parity_reward", "--out", out, PYTHONPATH=str(ROOT / "tests"))
+    report = json.loads(out.read_text())
+    rolled, balanced = report["deals"]["as_rolled_out"], report["deals"]["balanced"]
+    assert rolled["sequences"] == [4, 2] and sum(balanced["sequences"]) == 6  # prompts 0, 2 | 1
+    assert sum(rolled["tokens"]) == sum(balanced["tokens"]) and balanced["max_over_mean"] <= rolled["max_over_mean"]
+    assert len(rolled["replica_runs_s"]) == 1
+    assert len(rolled["replica_runs_s"][0]) == len(rolled["token_positions"]) == 2
 
 
 def test_train_heads_smoke_and_bad_checkpoint(tmp_path, capsys):
