@@ -205,6 +205,25 @@ def vocab_parallel_logsumexp(logits: torch.Tensor, vocab_start: int, vocab_size:
     return m + torch.log(_reduce_tp(torch.exp(lse - m)))
 
 
+@torch.no_grad()
+def vocab_parallel_entropy(logits: torch.Tensor, vocab_start: int, vocab_size: int, ctx: Any,
+                           temperature: float = 1.0, rows_per_chunk: int = 1) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) over the full vocabulary of vocab-parallel logits
+    [B, ..., V/tp] -> [B, ...] (float32, or float64 for float64 logits; no gradients: a metric):
+    log Z - E_p[x - max] from each shard's sums, combined over TP, never gathering the vocabulary.
+    ``rows_per_chunk`` rows of the first dimension at a time, so that the temporaries stay small next
+    to the logits."""
+    out = []
+    for x in logits.split(rows_per_chunk):
+        x = _mask_padding(upcast(x) / temperature, vocab_start, vocab_size)
+        m = ctx.all_reduce_tp(x.amax(-1), "max")[..., None]
+        e = torch.exp(x - m)
+        centred = torch.where(e > 0, x - m, 0.0)  # padding ids: exp(-inf) = 0, and 0 x -inf would be nan
+        sums = ctx.all_reduce_tp(torch.stack([e.sum(-1), (e * centred).sum(-1)]))
+        out.append(torch.log(sums[0]) - sums[1] / sums[0])
+    return torch.cat(out)
+
+
 def vocab_parallel_log_probs(logits: torch.Tensor, ids: torch.Tensor, vocab_start: int, vocab_size: int,
                              ctx: Any) -> torch.Tensor:
     """Log-softmax over the full vocabulary of vocab-parallel logits [..., V/tp], read at global

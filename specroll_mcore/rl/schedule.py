@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker)
 
+from specroll_mcore.heads import vocab_parallel_entropy
 from specroll_mcore.model import PolicyModel, causal_mask
 from specroll_mcore.model.routing import fill_routing, replay_routing
 from specroll_mcore.parallel import grad_of, grad_sq_norm
@@ -113,7 +114,6 @@ def micro_batch_split(lengths: Sequence[int], max_rows: int, max_tokens: int = 0
     return out
 
 
-def span_logprobs(policy: PolicyModel, logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
 def balanced_assignment(costs: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
     """Which data-parallel replica trains each sequence of a policy update, so that the replicas' loads
     even out while few sequences move (verl's ``balance_batch``; the update's time is its slowest
@@ -145,6 +145,7 @@ def balanced_assignment(costs: Sequence[Sequence[int]]) -> list[list[tuple[int, 
     return out
 
 
+def span_logprobs(policy: PolicyModel, logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """:func:`token_logprobs` of the micro-batch's labels from logits over its ``loss_span``, laid
     out [B, L] as its labels (0 outside the span, where no loss reads them)."""
     span = mb.loss_span
@@ -175,9 +176,11 @@ LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_fn: LossFn,
                      temperature: float, recompute: bool = False) -> list[dict]:
     """Accumulate gradients of ``loss_fn`` over the micro-batches; returns the last stage's metrics
-    per micro-batch (shared with every stage). ``recompute``: activation recomputation per layer
-    (:meth:`PolicyModel.stage_forward`). Micro-batches that carry routing route by it, in their
-    forward and in their backward's recomputation (model/routing.py).
+    per micro-batch (shared with every stage): ``loss_fn``'s, and ``entropy_sum``, the policy's entropy
+    (at ``temperature``, over the whole vocabulary) summed over the tokens the loss reads.
+    ``recompute``: activation recomputation per layer (:meth:`PolicyModel.stage_forward`).
+    Micro-batches that carry routing route by it, in their forward and in their backward's
+    recomputation (model/routing.py).
 
     One forward, one backward (1F1B, megatron's non-interleaved order): stage s runs the forwards of
     ``pp - s - 1`` micro-batches ahead, then alternates the forward of the next micro-batch with the
@@ -208,6 +211,9 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         if not last:
             return out
         loss, m = loss_fn(mb, span_logprobs(policy, out[0], mb, temperature))
+        entropy = vocab_parallel_entropy(out[0].detach(), policy.vocab_start, policy.config.vocab_size, ctx,
+                                         temperature)
+        m["entropy_sum"] = float((entropy * mb.loss_mask[:, mb.loss_span]).sum())
         metrics.append(m)
         return loss
 

@@ -368,8 +368,10 @@ class GRPOTrainer:
         """One optimizer step on the micro-batches: (grad norm, loss, per-micro-batch metrics, skipped,
         step metrics). The step metrics: ``rollout_logp_gap_mean`` / ``_max``, |log-prob of this forward
         - the rollout's| over the response tokens (same weights: how far the rollout's numerics are from
-        the update's, where the rollout's log-probs are the old ones), and ``moe_aux_loss`` (the
-        unweighted load-balancing loss of a mixture of experts that applies one)."""
+        the update's, where the rollout's log-probs are the old ones), ``entropy`` (the policy's, at the
+        sampling temperature, mean over the response tokens of all replicas: its fall is the
+        entropy collapse DAPO's clip-higher works against) and ``moe_aux_loss`` (the unweighted
+        load-balancing loss of a mixture of experts that applies one)."""
         cfg, ctx, policy = self.cfg, self.ctx, self.policy
         recomputed = cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.temperature == 0
         if recomputed:
@@ -407,7 +409,9 @@ class GRPOTrainer:
         extra = {"moe_aux_loss": moe_aux_loss(policy, total_mbs, cfg.recompute_activations)} if balanced else {}
         finalize_grads(policy)
         norm = float(global_grad_norm(policy))
-        loss = float(ctx.all_reduce_dp(torch.tensor(sum(p["loss"] for p in parts))))
+        loss, entropy = ctx.all_reduce_dp(torch.tensor([sum(p[k] for p in parts) for k in ("loss", "entropy_sum")],
+                                                       dtype=torch.float64)).tolist()
+        extra["entropy"] = entropy / float(total_tokens)
         if not recomputed:
             gap_sum = ctx.all_reduce_dp(torch.tensor(sum(p["logp_gap_sum"] for p in parts)))
             gap_max = ctx.all_reduce_max(torch.tensor(max((p["logp_gap_max"] for p in parts), default=0.0)))

@@ -55,6 +55,8 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp, last_stage_l
         ref_values, ref_ids = torch.topk(full, 6, dim=-1)
         assert torch.equal(ids, ref_ids) and torch.allclose(values, ref_values)
         assert torch.allclose(got[name]["heads_lse"].double(), torch.logsumexp(full.double(), -1), atol=1e-5)
+        entropy = torch.distributions.Categorical(logits=full.double() / 0.7).entropy()
+        assert torch.allclose(got[name]["heads_entropy"].double(), entropy, atol=1e-5)
         assert (got[name]["heads_full"] - ref["heads_full"]).abs().max() < tol
         keys = SampleKeys(3, 1, torch.arange(15), torch.zeros(15, dtype=torch.long), torch.arange(15) + 4)
         coupled = filter_logits(full, 1.0, 0.9, 20) + gumbel_noise(keys, full.shape[-1], full.dtype)

@@ -1,5 +1,7 @@
 """Horizon heads: the root-token and draft-path inputs, and heads saved before them."""
 
+import math
+
 import pytest
 import torch
 
@@ -184,3 +186,19 @@ def test_head_loss_equals_full_vocabulary_reference_and_trains_every_head_weight
     assert m["loss"] == pytest.approx(float(loss.detach()), rel=1e-5) and m["grad_norm"] > 0
     assert all(not torch.equal(p, b) for p, b in zip(params, before))
     assert all(not p.requires_grad for p in model.gpt.parameters())
+
+
+def test_vocab_parallel_entropy_equals_the_categorical_entropy(ctx):
+    """The update's entropy metric against torch.distributions on the same logits: padding ids past
+    the vocabulary (a TP shard's tail) take no probability, temperature and chunking apply."""
+    from specroll_mcore.heads import vocab_parallel_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(5, 4, 64, generator=g)
+    logits[1, 2] = 0.0  # uniform over the 60 real ids
+    logits[2, 0, 7] = 80.0  # one id holds all the mass
+    got = vocab_parallel_entropy(logits, 0, 60, ctx, temperature=0.7, rows_per_chunk=2)
+    ref = torch.distributions.Categorical(logits=logits[..., :60].double() / 0.7).entropy()
+    assert got.shape == (5, 4) and torch.allclose(got.double(), ref, atol=1e-5)
+    assert got[1, 2].item() == pytest.approx(math.log(60), abs=1e-5) and got[2, 0].item() == pytest.approx(0, abs=1e-5)
+    assert torch.equal(vocab_parallel_entropy(logits.bfloat16(), 0, 60, ctx).isfinite(), torch.ones(5, 4).bool())

@@ -506,6 +506,28 @@ def test_the_update_computes_logits_over_the_responses_alone(tiny_ckpt, tmp_path
             torch.testing.assert_close(lp * mb.loss_mask, full_logprobs(mb), rtol=1e-5, atol=1e-6)
 
 
+def test_the_logged_entropy_is_the_policys_over_the_response_tokens(tiny_ckpt, tmp_path, ctx):
+    """The update's ``entropy``: the mean over the response tokens of the entropy of the policy's
+    next-token distribution, against transformers' logits of the checkpoint the run starts from (the
+    update computes it before its step), on ragged sequences in budgeted micro-batches, at T = 0.8."""
+    import transformers
+
+    args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "sampling.temperature=0.8",
+                     "data.max_prompt_tokens=100", "micro_batch_tokens=224", "micro_batch_size=3")
+    trainer = GRPOTrainer(load_config(TrainConfig, None, args))
+    seqs = step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5))
+    mbs = trainer._micro_batches(seqs)
+    assert len(mbs) > 1
+    extra = trainer._update(mbs)[4]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(Path(tiny_ckpt).parent / "hf", dtype=torch.float64)
+    entropies = []
+    with torch.no_grad():
+        for prompt, response, *_ in seqs:
+            logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1] / 0.8
+            entropies.append(torch.distributions.Categorical(logits=logits).entropy())
+    assert extra["entropy"] == pytest.approx(float(torch.cat(entropies).mean()), rel=1e-5)
+
+
 def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_ckpt, tmp_path, ctx):
     """kl_beta > 0: after steps that moved the policy, the reference log-probs are those of the
     starting checkpoint loaded afresh, and the policy's own weights come back to the bit (and so do its
