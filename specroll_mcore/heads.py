@@ -210,16 +210,21 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_start: int, vocab_size: i
                            temperature: float = 1.0, rows_per_chunk: int = 1) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) over the full vocabulary of vocab-parallel logits
     [B, ..., V/tp] -> [B, ...] (float32, or float64 for float64 logits; no gradients: a metric):
-    log Z - E_p[x - max] from each shard's sums, combined over TP, never gathering the vocabulary.
+    log Z - E_p[(x - max) / T] from each shard's sums, combined over TP, never gathering the vocabulary.
     ``rows_per_chunk`` rows of the first dimension at a time, so that the temporaries stay small next
     to the logits."""
+    local = logits.shape[-1]
+    padding = torch.arange(vocab_start, vocab_start + local, device=logits.device) >= vocab_size
     out = []
     for x in logits.split(rows_per_chunk):
-        x = _mask_padding(upcast(x) / temperature, vocab_start, vocab_size)
-        m = ctx.all_reduce_tp(x.amax(-1), "max")[..., None]
-        e = torch.exp(x - m)
-        centred = torch.where(e > 0, x - m, 0.0)  # padding ids: exp(-inf) = 0, and 0 x -inf would be nan
-        sums = ctx.all_reduce_tp(torch.stack([e.sum(-1), (e * centred).sum(-1)]))
+        x = upcast(x)
+        if vocab_start + local > vocab_size:  # TP's padding ids: no probability (finite, so 0 x it is 0)
+            x = x.masked_fill(padding, -1e30)
+        d = x - ctx.all_reduce_tp(x.amax(-1, keepdim=True), "max")
+        if temperature != 1.0:
+            d.div_(temperature)
+        e = torch.exp(d)
+        sums = ctx.all_reduce_tp(torch.stack([e.sum(-1), e.mul_(d).sum(-1)]))
         out.append(torch.log(sums[0]) - sums[1] / sums[0])
     return torch.cat(out)
 
