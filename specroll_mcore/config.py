@@ -747,6 +747,16 @@ class TrainConfig:
     it). At least ``data.max_prompt_tokens + sampling.max_new_tokens``; 0: micro-batches of
     ``micro_batch_size`` responses in the rollout's order."""
 
+    mini_batches: int = 1
+    """Optimizer steps per rollout batch: the step's responses in this many consecutive parts, one
+    optimizer step each (verl's ``train_batch_size / ppo_mini_batch_size``; DAPO's recipe takes 16).
+    The old log-probs stay those of the policy that sampled, so from the second part on the ratio
+    moves away from 1 and ``clip_low`` / ``clip_high`` act. Each part's loss is normalised over its
+    own tokens (or sequences) on all replicas."""
+
+    ppo_epochs: int = 1
+    """Passes over the step's mini-batches (verl's ``ppo_epochs``)."""
+
     balance_batch: bool = True
     """Deal the update's sequences out over the data-parallel replicas by their tokens (prompt +
     response), as verl's ``balance_batch``: each replica rolls out whole groups, whose lengths differ,
@@ -851,6 +861,11 @@ class TrainConfig:
         _check(self.micro_batch_tokens == 0 or self.micro_batch_tokens >= longest,
                f"TrainConfig.micro_batch_tokens must be 0 (off) or at least data.max_prompt_tokens + "
                f"sampling.max_new_tokens = {longest} (the longest sequence), got {self.micro_batch_tokens}")
+        responses = self.prompts_per_step * self.sampling.num_samples
+        _check(1 <= self.mini_batches <= responses,
+               f"TrainConfig.mini_batches must be in [1, prompts_per_step x sampling.num_samples = {responses}] "
+               f"(each optimizer step needs responses), got {self.mini_batches}")
+        _check(self.ppo_epochs >= 1, f"TrainConfig.ppo_epochs must be >= 1, got {self.ppo_epochs}")
         _check(self.lr > 0, f"TrainConfig.lr must be > 0, got {self.lr}")
         _check(self.weight_decay >= 0, f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay}")
         _check(0 <= self.lr_warmup_steps <= self.steps,

@@ -122,7 +122,7 @@ def bench(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
             mbs = trainer._micro_batches(seqs)
             trainer.ctx.barrier()
             t = time.perf_counter()
-            norm, *_ = trainer._update(mbs)
+            norm, *_ = trainer._update([mbs])
             trainer.ctx.barrier()
             if rep:
                 seconds[name].append(time.perf_counter() - t)
@@ -168,7 +168,7 @@ def bench_replicas(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
                 mbs = trainer._micro_batches(share)
                 positions[name].append(sum(mb.input_ids.numel() for mb in mbs))
                 t = time.perf_counter()
-                trainer._update(mbs)
+                trainer._update([mbs])
                 times.append(time.perf_counter() - t)
             if rep:
                 slowest[name].append(max(times))

@@ -235,8 +235,9 @@ class GRPOTrainer:
         if seqs and cfg.balance_batch and ctx.dp_size > 1:
             seqs, balance = self._balanced(seqs)
         if seqs:
-            mbs = self._micro_batches(seqs)
-            norm, loss, parts, skipped, extra = self._update(mbs)
+            minis = self._mini_batches(seqs)
+            norm, loss, parts, skipped, extra = self._update(minis)
+            mbs = [mb for part in minis for mb in part]
             real, positions = sum(int(mb.lengths.sum()) for mb in mbs), sum(mb.input_ids.numel() for mb in mbs)
             extra["update_padding"] = 1.0 - real / positions  # this replica's share of padded positions
         else:  # dynamic sampling found too few groups with a learning signal: no update
@@ -364,39 +365,83 @@ class GRPOTrainer:
             "dp_tokens_max_over_mean_rollout": imbalance([sum(c) for c in costs]),
             "dp_sequences_moved": len(moves)}
 
-    def _update(self, mbs: list[MicroBatch]) -> tuple[float, float, list[dict], bool, dict[str, float]]:
-        """One optimizer step on the micro-batches: (grad norm, loss, per-micro-batch metrics, skipped,
-        step metrics). The step metrics: ``rollout_logp_gap_mean`` / ``_max``, |log-prob of this forward
-        - the rollout's| over the response tokens (same weights: how far the rollout's numerics are from
-        the update's, where the rollout's log-probs are the old ones), ``entropy`` (the policy's, at the
-        sampling temperature, mean over the response tokens of all replicas: its fall is the
-        entropy collapse DAPO's clip-higher works against) and ``moe_aux_loss`` (the unweighted
-        load-balancing loss of a mixture of experts that applies one)."""
+    def _update(self, minis: list[list[MicroBatch]]) -> tuple[float, float, list[dict], bool, dict[str, Any]]:
+        """The step's optimizer steps: TrainConfig.ppo_epochs passes over the mini-batches, one
+        optimizer step each, every one on its micro-batches (gradient accumulation). The old log-probs
+        (the rollout's, or recomputed where it filtered its distribution) and the KL reference's are
+        those of the weights the step starts from, so that later mini-batches see the ratio to the
+        policy that sampled them (PPO's clipping at work). Returns (grad norm and loss, each the mean
+        over the optimizer steps; per-micro-batch metrics of them all; whether any was skipped; step
+        metrics). The step metrics: ``rollout_logp_gap_mean`` / ``_max``, |log-prob of the first
+        forward - the rollout's| over the response tokens (same weights: how far the rollout's numerics
+        are from the update's, where the rollout's log-probs are the old ones), ``entropy`` (the
+        policy's, at the sampling temperature, mean over the response tokens of all replicas and
+        optimizer steps: its fall is the entropy collapse DAPO's clip-higher works against),
+        ``moe_aux_loss`` (the unweighted load-balancing loss of a mixture of experts that applies one,
+        mean over the optimizer steps) and, where there are several, ``optimizer_steps``."""
         cfg, ctx, policy = self.cfg, self.ctx, self.policy
+        every = [mb for mbs in minis for mb in mbs]
         recomputed = cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.temperature == 0
         if recomputed:
             # the rollout's log-probs are of the filtered distribution: recompute unfiltered ones
-            for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature())):
+            for mb, lp in zip(every, forward_logprobs(policy, every, self._train_temperature())):
                 if lp is not None:
                     mb.old_logp = lp.detach()
         if self.ref_state is not None:
             with self._weights(self.ref_state):
-                for mb, lp in zip(mbs, forward_logprobs(policy, mbs, self._train_temperature(), replay=False)):
+                for mb, lp in zip(every, forward_logprobs(policy, every, self._train_temperature(), replay=False)):
                     mb.ref_logp = lp
+        norms, losses, parts, aux, skipped, taken = [], [], [], [], False, 0
+        entropy, tokens = 0.0, 0.0
+        extra: dict[str, Any] = {}
+        for epoch in range(cfg.ppo_epochs):
+            for k, mbs in enumerate(minis):
+                first = epoch == 0 and k == 0
+                out = self._optimizer_step(mbs, gap=first and not recomputed)
+                if out is None:  # every response of the mini-batch masked out (overlong filtering)
+                    skipped = True
+                    continue
+                norm, loss, step_parts, stepped, step_extra = out
+                skipped |= not stepped
+                taken += stepped
+                norms.append(norm)
+                losses.append(loss)
+                parts += step_parts
+                entropy += step_extra.pop("entropy_sum")
+                tokens += step_extra.pop("tokens")
+                if "moe_aux_loss" in step_extra:
+                    aux.append(step_extra.pop("moe_aux_loss"))
+                extra.update(step_extra)
+        if not norms:
+            return 0.0, 0.0, [], True, {}
+        extra["entropy"] = entropy / tokens
+        if aux:
+            extra["moe_aux_loss"] = sum(aux) / len(aux)
+        if cfg.mini_batches * cfg.ppo_epochs > 1:
+            extra["optimizer_steps"] = taken
+        return sum(norms) / len(norms), sum(losses) / len(losses), parts, skipped, extra
+
+    def _optimizer_step(self, mbs: list[MicroBatch], gap: bool) -> Optional[tuple[float, float, list[dict], bool,
+                                                                                   dict[str, float]]]:
+        """One optimizer step on the micro-batches of a mini-batch: (grad norm, loss, per-micro-batch
+        metrics, whether the weights were updated (not where the loss or the norm is not finite), step
+        metrics: ``entropy_sum`` and ``tokens`` over all replicas, ``moe_aux_loss``, and with ``gap``
+        the rollout log-prob gap); None where no replica has a response token to learn from."""
+        cfg, ctx, policy = self.cfg, self.ctx, self.policy
         total_tokens = ctx.all_reduce_dp(torch.tensor(float(sum(float(mb.loss_mask.sum()) for mb in mbs))))
         total_seqs = ctx.all_reduce_dp(torch.tensor(float(sum(int((mb.loss_mask.sum(1) > 0).sum()) for mb in mbs))))
-        if float(total_tokens) == 0:  # every response masked out (overlong filtering): nothing to learn from
+        if float(total_tokens) == 0:
             self.state["skipped_steps"] += 1
-            return 0.0, 0.0, [], True, {}
+            return None
 
         def loss_fn(mb: MicroBatch, logp: torch.Tensor):
             out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
                               cfg.loss_normalization, mb.ref_logp, cfg.kl_beta, float(total_tokens), float(total_seqs))
             m = {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction, "ratio": out.ratio_mean,
                  "kl": out.kl, "tokens": float(mb.loss_mask.sum())}
-            if not recomputed:  # the rollout's log-probs against this forward's, same weights: numerics alone
-                gap = torch.where(mb.loss_mask > 0, (logp.detach() - mb.old_logp).abs(), 0.0)
-                m["logp_gap_sum"], m["logp_gap_max"] = torch.stack([gap.sum(), gap.max()]).tolist()
+            if gap:  # the rollout's log-probs against this forward's, same weights: numerics alone
+                diff = torch.where(mb.loss_mask > 0, (logp.detach() - mb.old_logp).abs(), 0.0)
+                m["logp_gap_sum"], m["logp_gap_max"] = torch.stack([diff.sum(), diff.max()]).tolist()
             return out.loss, m
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -411,20 +456,20 @@ class GRPOTrainer:
         norm = float(global_grad_norm(policy))
         loss, entropy = ctx.all_reduce_dp(torch.tensor([sum(p[k] for p in parts) for k in ("loss", "entropy_sum")],
                                                        dtype=torch.float64)).tolist()
-        extra["entropy"] = entropy / float(total_tokens)
-        if not recomputed:
+        extra.update(entropy_sum=entropy, tokens=float(total_tokens))
+        if gap:
             gap_sum = ctx.all_reduce_dp(torch.tensor(sum(p["logp_gap_sum"] for p in parts)))
             gap_max = ctx.all_reduce_max(torch.tensor(max((p["logp_gap_max"] for p in parts), default=0.0)))
             extra.update(rollout_logp_gap_mean=float(gap_sum / total_tokens), rollout_logp_gap_max=float(gap_max))
         if not (math.isfinite(norm) and math.isfinite(loss)):
             self.optimizer.zero_grad(set_to_none=True)  # skip the update; the last checkpoint stays valid
             self.state["skipped_steps"] += 1
-            return norm, loss, parts, True, extra
+            return norm, loss, parts, False, extra
         parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
         self.optimizer.set_lr(self._lr())
         self.optimizer.step()
         self.state["policy_version"] += 1  # the heads are tied to the new policy version
-        return norm, loss, parts, False, extra
+        return norm, loss, parts, True, extra
 
     def _timed_vanilla(self, prompts: list, ids: list, step: int, row: dict[str, Any]) -> Any:
         """The vanilla engine's rollout of the same step (the reference SpecRoll's is timed against)."""
@@ -441,6 +486,19 @@ class GRPOTrainer:
 
     def _train_temperature(self) -> float:
         return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
+
+    def _mini_batches(self, seqs: list[tuple]) -> list[list[MicroBatch]]:
+        """This replica's sequences in TrainConfig.mini_batches consecutive parts, one optimizer step
+        each, each in micro-batches (:meth:`_micro_batches`). Where a part has no sequence here (fewer
+        trained sequences than mini-batches) it holds one with no loss, so that this replica still
+        joins that optimizer step's reductions."""
+        M = self.cfg.mini_batches
+        if M == 1:
+            return [self._micro_batches(seqs)]
+        train = [s for s in seqs if trained(s)]
+        bounds = [-(-k * len(train) // M) for k in range(M + 1)]  # the first parts take the larger shares
+        idle = (*seqs[0][:4], False, *seqs[0][5:])
+        return [self._micro_batches(train[bounds[k]:bounds[k + 1]] or [idle]) for k in range(M)]
 
     def _micro_batches(self, seqs: list[tuple]) -> list[MicroBatch]:
         """(prompt, response tokens, rollout log-probs, advantage, trained, ...) -> prompt + response

@@ -206,3 +206,20 @@ def test_balanced_replicas_equal_dp1(tmp_path):
         assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
     ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
     assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+
+
+def test_mini_batches_at_dp2_equal_dp1(tmp_path):
+    """Two optimizer steps per rollout batch (TrainConfig.mini_batches) over two epochs at DP=2 take
+    DP=1's steps: each replica's first half of its groups and the other replica's make up the first
+    mini-batch of DP=1 (prompts are dealt out in turn), each normalised over both replicas."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
+    common = ("--set=prompts_per_step=4", "--set=mini_batches=2", "--set=ppo_epochs=2", "--set=balance_batch=false")
+    ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *common)
+    got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *common)
+    assert ref[0]["optimizer_steps"] == got[0]["optimizer_steps"] == 4
+    for k in ("reward_mean", "response_len"):
+        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-6), k
+    for k in ("loss", "grad_norm", "entropy"):
+        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
+    ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4

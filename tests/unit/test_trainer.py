@@ -341,6 +341,11 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
         load_config(TrainConfig, None, ["min_lr=1e-5"])
     with pytest.raises(ValueError, match="TrainConfig.weight_decay must be >= 0, got -0.01"):
         load_config(TrainConfig, None, ["weight_decay=-0.01"])
+    with pytest.raises(ValueError, match=r"TrainConfig.mini_batches must be in \[1, prompts_per_step x "
+                                         r"sampling.num_samples = 8\] \(each optimizer step needs responses\), got 9"):
+        load_config(TrainConfig, None, ["prompts_per_step=2", "sampling.num_samples=4", "mini_batches=9"])
+    with pytest.raises(ValueError, match="TrainConfig.ppo_epochs must be >= 1, got 0"):
+        load_config(TrainConfig, None, ["ppo_epochs=0"])
     with pytest.raises(ValueError, match="TrainConfig.moe_aux_loss_coeff must be >= 0, got -0.1"):
         load_config(TrainConfig, None, ["moe_aux_loss_coeff=-0.1"])
     with pytest.raises(ValueError, match=r"TrainConfig.moe_aux_loss_coeff is 0.01 but the policy in .* has no experts"):
@@ -518,7 +523,7 @@ def test_the_logged_entropy_is_the_policys_over_the_response_tokens(tiny_ckpt, t
     seqs = step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5))
     mbs = trainer._micro_batches(seqs)
     assert len(mbs) > 1
-    extra = trainer._update(mbs)[4]
+    extra = trainer._update([mbs])[4]
     hf = transformers.AutoModelForCausalLM.from_pretrained(Path(tiny_ckpt).parent / "hf", dtype=torch.float64)
     entropies = []
     with torch.no_grad():
@@ -526,6 +531,39 @@ def test_the_logged_entropy_is_the_policys_over_the_response_tokens(tiny_ckpt, t
             logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1] / 0.8
             entropies.append(torch.distributions.Categorical(logits=logits).entropy())
     assert extra["entropy"] == pytest.approx(float(torch.cat(entropies).mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])  # the rollout's log-probs, or recomputed before the first step
+def test_mini_batches_take_optimizer_steps_against_the_sampling_policy(tiny_ckpt, tmp_path, ctx, top_p):
+    """TrainConfig.mini_batches = 2: two optimizer steps per rollout batch, equal to two updates by
+    hand on the two halves of its responses, each against the log-probs of the policy that sampled
+    (so the second half's ratio is no longer 1); an empty part (fewer responses than mini-batches on
+    a replica) holds one sequence with no loss."""
+    args = ["engine=vanilla", f"sampling.top_p={top_p}"]
+    split = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "a", *args, "mini_batches=2")))
+    by_hand = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "b", *args)))
+    seqs = step_sequences(split, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5))
+    minis = split._mini_batches(seqs)
+    assert [sum(len(mb.lengths) for mb in part) for part in minis] == [3, 3]
+    norm, _, parts, skipped, extra = split._update(minis)
+    assert not skipped and extra["optimizer_steps"] == 2 and split.state["policy_version"] == 2
+    ratios = [p["ratio"] for p in parts]
+    assert abs(ratios[0] - 1) < 1e-5 and abs(ratios[-1] - 1) > 1e-4, ratios  # the second: after a step
+    halves = [by_hand._micro_batches(half) for half in (seqs[:3], seqs[3:])]
+    if top_p < 1:  # both halves' old log-probs of the starting weights, then no recomputation
+        every = [mb for half in halves for mb in half]
+        for mb, lp in zip(every, forward_logprobs(by_hand.policy, every, 1.0)):
+            mb.old_logp = lp
+        by_hand.cfg.sampling.top_p = 1.0
+    for half in halves:
+        by_hand._update([half])
+    for a, b in zip(split.policy.gpt.parameters(), by_hand.policy.gpt.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    one = split._mini_batches(seqs[:1])
+    assert [[len(mb.lengths) for mb in part] for part in one] == [[1], [1]]
+    assert float(one[0][0].loss_mask.sum()) > 0 and float(one[1][0].loss_mask.sum()) == 0  # the second: no loss
+    row = run_rows(tiny_ckpt, tmp_path / "d", "engine=vanilla", "steps=1", "mini_batches=3", "ppo_epochs=2")[0]
+    assert row["optimizer_steps"] == 6 and row["policy_version"] == 6 and row["clip_fraction"] > 0
 
 
 def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_ckpt, tmp_path, ctx):
