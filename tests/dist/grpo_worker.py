@@ -15,6 +15,7 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.config import TrainConfig, load_config  # noqa: E402
 from specroll_mcore.distill import full_head_state  # noqa: E402
 from specroll_mcore.rl.trainer import GRPOTrainer  # noqa: E402
+from specroll_mcore.rollout.base import FINISH_EOS, FINISH_LENGTH  # noqa: E402
 
 BUSY_SLOW_PATH = ["engine=specroll", "steps=3", "spec.slow_path.window=4", "spec.slow_path.min_records=4",
                   "spec.slow_path.cooldown_batches=1", "spec.slow_path.time_cap=1.0",
@@ -37,9 +38,23 @@ if __name__ == "__main__":
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--specroll", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="more TrainConfig overrides")
+    ap.add_argument("--cut-odd-prompts", action="store_true",
+                    help="report the responses to the step's odd-numbered prompts as cut at the length limit, "
+                         "the others as ended by EOS")
     a = ap.parse_args()
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(a.ckpt, a.out, a.tp, a.pp) +
                                       (BUSY_SLOW_PATH if a.specroll else []) + a.set))
+    if a.cut_odd_prompts:  # at DP=2 every response of replica 1 is cut (prompts are dealt out in turn)
+        rollout_round = trainer._rollout_round
+
+        def cut_round(*args, **kwargs):
+            r = rollout_round(*args, **kwargs)
+            ctx, G = trainer.ctx, trainer.cfg.sampling.num_samples
+            r.rollout.finish_reason = [FINISH_LENGTH if (ctx.dp_rank + k // G * ctx.dp_size) % 2 else FINISH_EOS
+                                       for k in range(len(r.rollout.finish_reason))]
+            return r
+
+        trainer._rollout_round = cut_round
     trainer.run()
     ctx = trainer.ctx
     if a.specroll and ctx.is_last_stage:
