@@ -210,9 +210,11 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
                                    hidden_in, recompute=recompute, padding_mask=padding, logits_span=mb.loss_span)
         if not last:
             return out
-        loss, m = loss_fn(mb, span_logprobs(policy, out[0], mb, temperature))
+        # before the log-probs: megatron's vocab-parallel cross entropy works in place on a contiguous input,
+        # which the logits of a float32 policy at temperature 1 are once transposed back to [L, b]
         entropy = vocab_parallel_entropy(out[0].detach(), policy.vocab_start, policy.config.vocab_size, ctx,
                                          temperature)
+        loss, m = loss_fn(mb, span_logprobs(policy, out[0], mb, temperature))
         m["entropy_sum"] = float((entropy * mb.loss_mask[:, mb.loss_span]).sum())
         metrics.append(m)
         return loss

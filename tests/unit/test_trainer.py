@@ -511,13 +511,14 @@ def test_the_update_computes_logits_over_the_responses_alone(tiny_ckpt, tmp_path
             torch.testing.assert_close(lp * mb.loss_mask, full_logprobs(mb), rtol=1e-5, atol=1e-6)
 
 
-def test_the_logged_entropy_is_the_policys_over_the_response_tokens(tiny_ckpt, tmp_path, ctx):
+@pytest.mark.parametrize("temperature", [1.0, 0.8])  # (at 1 the log-probs' cross entropy could clobber the logits)
+def test_the_logged_entropy_is_the_policys_over_the_response_tokens(tiny_ckpt, tmp_path, ctx, temperature):
     """The update's ``entropy``: the mean over the response tokens of the entropy of the policy's
     next-token distribution, against transformers' logits of the checkpoint the run starts from (the
-    update computes it before its step), on ragged sequences in budgeted micro-batches, at T = 0.8."""
+    update computes it before its step), on ragged sequences in budgeted micro-batches."""
     import transformers
 
-    args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "sampling.temperature=0.8",
+    args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", f"sampling.temperature={temperature}",
                      "data.max_prompt_tokens=100", "micro_batch_tokens=224", "micro_batch_size=3")
     trainer = GRPOTrainer(load_config(TrainConfig, None, args))
     seqs = step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5))
@@ -528,7 +529,7 @@ def test_the_logged_entropy_is_the_policys_over_the_response_tokens(tiny_ckpt, t
     entropies = []
     with torch.no_grad():
         for prompt, response, *_ in seqs:
-            logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1] / 0.8
+            logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1] / temperature
             entropies.append(torch.distributions.Categorical(logits=logits).entropy())
     assert extra["entropy"] == pytest.approx(float(torch.cat(entropies).mean()), rel=1e-5)
 
