@@ -41,17 +41,20 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     rank's heads give only part of their gradient; without the TP sum the two ranks' copies would
     take different updates (2 x lr apart after one step)."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, arch="qwen3")
-    kl = "--set=kl_beta=0.1"  # each stage and shard swaps its reference weights in for the KL term's forward
-    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1, kl)
+    # each stage and shard swaps its reference weights in for the KL term's forward; two optimizer steps
+    # (the second against the rollout's log-probs, after the first moved the weights)
+    kl = ("--set=kl_beta=0.1", "--set=mini_batches=2")
+    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1, *kl)
     ref_w = load_full_state_dict(tmp_path / "tp1")
     norms = [k for k in ref_w if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
     assert len(norms) == 4 and all((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in norms)  # they moved
+    assert ref[0]["optimizer_steps"] == 2
     # PP=2 with one sequence per micro-batch (6 micro-batches of different lengths through 1F1B, in the
     # token budget's order: longest first, where TP=1 runs 2 of 3 in the rollout's order) and activation
     # recomputation (PP=2 with several padded sequences a micro-batch: the uneven-split test)
     pp2 = ("--set=micro_batch_size=1", "--set=micro_batch_tokens=524", "--set=recompute_activations=true")
     for tp, pp, extra in [(2, 1, ()), (1, 2, pp2)]:
-        got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, kl, *extra)
+        got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, *kl, *extra)
         for k in ("reward_mean", "response_len"):
             assert got[0][k] == ref[0][k], (tp, pp, k)
         for k in ("loss", "grad_norm", "entropy"):  # (the entropy: over TP's vocabulary shards)
@@ -59,7 +62,7 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
         w = load_full_state_dict(tmp_path / f"tp{tp}pp{pp}")
         shutil.rmtree(tmp_path / f"tp{tp}pp{pp}")
         diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
-        print(f"TP={tp} PP={pp} {extra}: max |weight diff| after one step = {diff:.2e}")
+        print(f"TP={tp} PP={pp} {extra}: max |weight diff| after two optimizer steps = {diff:.2e}")
         assert diff < 1e-4
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
 
