@@ -272,6 +272,19 @@ def full_to_hf(full: Mapping[str, torch.Tensor], model: ModelConfig,
     return dict(hf_tensors(full, model, arch))
 
 
+def _zero_width_shared_expert(layer: str, model: ModelConfig,
+                              like: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Qwen2-MoE layer's shared expert where the model has none: transformers' Qwen2-MoE always
+    builds one (``shared_expert_intermediate_size`` 0 in the exported config), so it is written with
+    zero width, and its gate as zeros, for every weight to load from the checkpoint; a zero-width
+    expert adds nothing to the layer's output."""
+    h, m = model.hidden_size, layer + "mlp."
+    yield from ((m + "shared_expert.gate_proj.weight", like.new_zeros(0, h)),
+                (m + "shared_expert.up_proj.weight", like.new_zeros(0, h)),
+                (m + "shared_expert.down_proj.weight", like.new_zeros(h, 0)),
+                (m + "shared_expert_gate.weight", like.new_zeros(1, h)))
+
+
 def hf_tensors(full: Mapping[str, torch.Tensor], model: ModelConfig,
                arch: str = "LlamaForCausalLM") -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors of ``arch`` (name, tensor) from the full Megatron form, one at a time in the
@@ -289,6 +302,8 @@ def hf_tensors(full: Mapping[str, torch.Tensor], model: ModelConfig,
             g, u = split_gate_up(full[mlayer + mname])
             yield layer + gate, g
             yield layer + up, u
+        if arch == "Qwen2MoeForCausalLM" and model.moe_shared_expert_ffn_hidden_size is None:
+            yield from _zero_width_shared_expert(layer, model, full[mlayer + "mlp.router.weight"])
         a = layer + "self_attn."
         q, k, v = split_qkv(full[mlayer + "self_attention.linear_qkv.weight"], model)
         if arch in FUSED_PROJECTIONS:

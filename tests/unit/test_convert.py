@@ -10,7 +10,7 @@ import transformers
 from hf_fixtures import LLAMA3_SCALING, save_tiny_hf, tiny_hf_config
 from specroll_mcore.checkpoint import convert
 from specroll_mcore.checkpoint.hf import fuse_qkv, model_config_from_hf, split_qkv
-from specroll_mcore.checkpoint.megatron import load_policy
+from specroll_mcore.checkpoint.megatron import load_full_state_dict, load_policy
 from specroll_mcore.config import SamplingConfig
 from specroll_mcore.model import causal_mask
 from specroll_mcore.rollout import VanillaEngine
@@ -75,7 +75,8 @@ def test_config_written_back_describes_the_same_model(arch):
                          ids=["qwen3_moe", "mixtral", "qwen2_moe", "qwen2_moe_shared"])
 def test_mixture_of_experts_without_its_source_config_exports_the_same_model(tmp_path, ctx, moe):
     """A checkpoint of a mixture of experts with no source config.json (a random init, say) is
-    written back as the architecture its ModelConfig describes, and transformers computes its logits."""
+    written back as the architecture its ModelConfig describes, transformers loads every weight of it
+    from the checkpoint and computes its logits; the export converts back to the same checkpoint."""
     from specroll_mcore.checkpoint import random_full_state_dict
     from specroll_mcore.checkpoint.megatron import write_checkpoint_files
     from specroll_mcore.config import tiny_llama
@@ -84,11 +85,16 @@ def test_mixture_of_experts_without_its_source_config_exports_the_same_model(tmp
     write_checkpoint_files(tmp_path / "mcore", random_full_state_dict(cfg, 0, std=0.08), cfg, 1, 1)
     (tmp_path / "mcore/latest_checkpointed_iteration.txt").write_text("release")
     convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    # (a Qwen2-MoE without a shared expert: one of zero width, as transformers' always has one)
+    hf, loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not loaded["missing_keys"] and not loaded["unexpected_keys"], loaded
     ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        diff = (hf(ids).logits - our_logits(load_policy(tmp_path / "mcore", ctx), ids)).abs().max().item()
+        diff = (hf.eval()(ids).logits - our_logits(load_policy(tmp_path / "mcore", ctx), ids)).abs().max().item()
     assert diff < 1e-4, f"{type(hf).__name__}: {diff:.2e}"
+    back, start = (load_full_state_dict(convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "back")),
+                   load_full_state_dict(tmp_path / "mcore"))
+    assert start.keys() == back.keys() and all(torch.equal(start[k], back[k]) for k in start)
 
 
 YARN_VARIANTS = [
