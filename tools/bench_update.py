@@ -43,7 +43,7 @@ warnings.filterwarnings("ignore")
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import TrainConfig, load_config  # noqa: E402
-from specroll_mcore.rl.schedule import balanced_assignment  # noqa: E402
+from specroll_mcore.rl.schedule import MicroBatch, balanced_assignment, sequence_tokens  # noqa: E402
 from specroll_mcore.rl.trainer import GRPOTrainer  # noqa: E402
 from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
@@ -97,32 +97,44 @@ def main() -> int:
     return 0
 
 
+def one_step(trainer: GRPOTrainer) -> tuple[list[tuple], float]:
+    """The first step's sequences to train on (the rollout of its prompts, scored) and the seconds the
+    rollout took. The optimizer step is patched out from here on, so that every timed update runs on
+    the same weights."""
+    trainer.policy.pack_for_inference()
+    t = time.perf_counter()
+    rollout = trainer._rollout_round(trainer._next_examples(), 0, False, False, {})
+    gen_s = time.perf_counter() - t
+    trainer.optimizer.step = lambda *a, **k: None
+    return trainer._training_sequences([rollout])[0], gen_s
+
+
+def timed_update(trainer: GRPOTrainer, seqs: list[tuple]) -> tuple[float, float, list[MicroBatch]]:
+    """(seconds, grad norm, micro-batches) of the update's forward-backward over ``seqs``."""
+    minis = trainer._mini_batches(seqs)
+    trainer.ctx.barrier()
+    t = time.perf_counter()
+    norm, *_ = trainer._update(minis)
+    trainer.ctx.barrier()
+    return time.perf_counter() - t, norm, [mb for part in minis for mb in part]
+
+
 def bench(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
     cfg = trainer.cfg
-    trainer.policy.pack_for_inference()
-    examples = trainer._next_examples()
-    t = time.perf_counter()
-    rollout = trainer._rollout_round(examples, 0, False, False, {})
-    gen_s = time.perf_counter() - t
-    seqs, _ = trainer._training_sequences([rollout])
-    longest = max(len(s[0]) + len(s[1]) for s in seqs)
+    seqs, gen_s = one_step(trainer)
+    longest = max(map(sequence_tokens, seqs))
     budget = args.micro_batch_size * longest
     splits = {"rollout_order": (args.micro_batch_size, 0), "sorted": (args.micro_batch_size, budget),
               "token_budget": (len(seqs), budget)}
-    trainer.optimizer.step = lambda *a, **k: None  # the same weights for every split and round
     seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
     norms: dict[str, float] = {}
     shapes: dict[str, dict] = {}
     for rep in range(args.reps + 1):  # round 0 untimed: first-call allocations
         for name in VARIANTS[rep % 3:] + VARIANTS[:rep % 3]:
             cfg.micro_batch_size, cfg.micro_batch_tokens = splits[name]
-            mbs = trainer._micro_batches(seqs)
-            trainer.ctx.barrier()
-            t = time.perf_counter()
-            norm, *_ = trainer._update([mbs])
-            trainer.ctx.barrier()
+            dt, norm, mbs = timed_update(trainer, seqs)
             if rep:
-                seconds[name].append(time.perf_counter() - t)
+                seconds[name].append(dt)
             norms[name] = norm
             real = sum(int(mb.lengths.sum()) for mb in mbs)
             positions = sum(mb.input_ids.numel() for mb in mbs)
@@ -144,17 +156,12 @@ def bench(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
 
 def bench_replicas(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
     cfg, R = trainer.cfg, args.replicas
-    trainer.policy.pack_for_inference()
-    t = time.perf_counter()
-    rollout = trainer._rollout_round(trainer._next_examples(), 0, False, False, {})
-    gen_s = time.perf_counter() - t
-    seqs, _ = trainer._training_sequences([rollout])
+    seqs, gen_s = one_step(trainer)
     G = cfg.sampling.num_samples
     shares = [[s for k, s in enumerate(seqs) if (k // G) % R == r] for r in range(R)]  # prompt i: replica i % R
-    plan = balanced_assignment([[len(s[0]) + len(s[1]) for s in share] for share in shares])
+    plan = balanced_assignment([list(map(sequence_tokens, share)) for share in shares])
     deals = {"as_rolled_out": shares, "balanced": [[shares[h][i] for h, i in part] for part in plan]}
-    cfg.micro_batch_tokens = args.micro_batch_size * max(len(s[0]) + len(s[1]) for s in seqs)
-    trainer.optimizer.step = lambda *a, **k: None  # the same weights for every share and round
+    cfg.micro_batch_tokens = args.micro_batch_size * max(map(sequence_tokens, seqs))
     slowest: dict[str, list[float]] = {name: [] for name in DEALS}
     per_replica: dict[str, list[list[float]]] = {name: [] for name in DEALS}
     positions: dict[str, list[int]] = {name: [] for name in DEALS}
@@ -162,18 +169,16 @@ def bench_replicas(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
         for name in DEALS[rep % 2:] + DEALS[:rep % 2]:
             times = []
             for share in deals[name]:
-                mbs = trainer._micro_batches(share)
+                dt, _, mbs = timed_update(trainer, share)
                 positions[name].append(sum(mb.input_ids.numel() for mb in mbs))
-                t = time.perf_counter()
-                trainer._update([mbs])
-                times.append(time.perf_counter() - t)
+                times.append(dt)
             if rep:
                 slowest[name].append(max(times))
                 per_replica[name].append(times)
     base = statistics.median(slowest["as_rolled_out"])
     out = {}
     for name in DEALS:
-        tokens = [sum(len(s[0]) + len(s[1]) for s in share) for share in deals[name]]
+        tokens = [sum(map(sequence_tokens, share)) for share in deals[name]]
         out[name] = {"tokens": tokens, "max_over_mean": max(tokens) * R / sum(tokens),
                      "token_positions": positions[name][:R],  # with the padding of each replica's micro-batches
                      "sequences": [len(share) for share in deals[name]], "seconds": statistics.median(slowest[name]),

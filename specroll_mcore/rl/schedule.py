@@ -47,6 +47,11 @@ class MicroBatch:
         return slice(self.loss_start, max(self.input_ids.shape[1] - 1, self.loss_start + 1))
 
 
+def sequence_tokens(seq: tuple) -> int:
+    """Prompt + response tokens of a (prompt, response, ...) sequence: its length in a micro-batch."""
+    return len(seq[0]) + len(seq[1])
+
+
 def trained(seq: tuple) -> bool:
     """Whether the loss reads a (prompt, response, log-probs, advantage[, trained[, routing]]) sequence:
     all do but those DAPO's overlong filtering marks ``trained`` False."""
@@ -60,7 +65,7 @@ def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
     the rollout's experts of the sequence's tokens [n, layers, k] (RolloutOutput.routing), replayed
     by the update; where the sequences carry it, tokens past it (the last one, padding) take experts
     0 .. k - 1, which no loss reads."""
-    L = max(len(s[0]) + len(s[1]) for s in seqs)
+    L = max(sequence_tokens(s) for s in seqs)
     B = len(seqs)
     ids = torch.zeros(B, L, dtype=torch.long)
     labels = torch.zeros(B, L, dtype=torch.long)
@@ -157,7 +162,9 @@ def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tens
     """log pi(labels) under softmax(logits / T) from vocab-parallel logits [B, L, V/tp] -> [B, L].
 
     Differentiable, never gathers the vocabulary (megatron's vocab-parallel cross entropy). TP
-    padding ids are excluded from the partition function, as the sampler excludes them."""
+    padding ids are excluded from the partition function, as the sampler excludes them. The logits
+    are overwritten where no copy of them is made (float32 at temperature 1, no padding ids, and a
+    layout the cross entropy takes as it is: it works in place): read anything else from them first."""
     x = logits.float()
     if temperature > 0 and temperature != 1.0:
         x = x / temperature
@@ -210,8 +217,7 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
                                    hidden_in, recompute=recompute, padding_mask=padding, logits_span=mb.loss_span)
         if not last:
             return out
-        # before the log-probs: megatron's vocab-parallel cross entropy works in place on a contiguous input,
-        # which the logits of a float32 policy at temperature 1 are once transposed back to [L, b]
+        # before the log-probs, which may overwrite the logits (token_logprobs)
         entropy = vocab_parallel_entropy(out[0].detach(), policy.vocab_start, policy.config.vocab_size, ctx,
                                          temperature)
         loss, m = loss_fn(mb, span_logprobs(policy, out[0], mb, temperature))

@@ -41,7 +41,8 @@ from specroll_mcore.rl.grpo import group_advantages, learning_rate, policy_loss,
 from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        balanced_assignment, global_grad_norm, micro_batch_split, moe_aux_loss,
-                                       pack_micro_batch, routers_training, set_moe_aux_loss_scale, trained)
+                                       pack_micro_batch, routers_training, sequence_tokens, set_moe_aux_loss_scale,
+                                       trained)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
 from specroll_mcore.rollout.base import FINISH_LENGTH
 from specroll_mcore.rollout.profile import speculative_setup
@@ -346,7 +347,7 @@ class GRPOTrainer:
         their replica. Only those that move are exchanged."""
         ctx = self.ctx
         train = [s for s in seqs if trained(s)]
-        costs = ctx.all_gather_object_dp([len(s[0]) + len(s[1]) for s in train])
+        costs = ctx.all_gather_object_dp([sequence_tokens(s) for s in train])
         plan = balanced_assignment(costs)
         moves = [(d, r, i) for d, part in enumerate(plan) for r, i in part if r != d]
         received: dict[tuple[int, int], tuple] = {}
@@ -489,13 +490,12 @@ class GRPOTrainer:
 
     def _mini_batches(self, seqs: list[tuple]) -> list[list[MicroBatch]]:
         """This replica's sequences in TrainConfig.mini_batches consecutive parts, one optimizer step
-        each, each in micro-batches (:meth:`_micro_batches`). Where a part has no sequence here (fewer
-        trained sequences than mini-batches) it holds one with no loss, so that this replica still
-        joins that optimizer step's reductions."""
-        M = self.cfg.mini_batches
-        if M == 1:
-            return [self._micro_batches(seqs)]
-        train = [s for s in seqs if trained(s)]
+        each, each in micro-batches (:meth:`_micro_batches`). Sequences not trained on (overlong
+        filtering: the longest ones) are left out, as their loss terms and its normalisation are 0. A
+        part left with no sequence here (all filtered, or fewer than the parts) holds one with no loss,
+        so that this replica still joins that optimizer step's reductions (a step whose replicas all
+        have none skips it)."""
+        M, train = self.cfg.mini_batches, [s for s in seqs if trained(s)]
         bounds = [-(-k * len(train) // M) for k in range(M + 1)]  # the first parts take the larger shares
         idle = (*seqs[0][:4], False, *seqs[0][5:])
         return [self._micro_batches(train[bounds[k]:bounds[k + 1]] or [idle]) for k in range(M)]
@@ -503,12 +503,8 @@ class GRPOTrainer:
     def _micro_batches(self, seqs: list[tuple]) -> list[MicroBatch]:
         """(prompt, response tokens, rollout log-probs, advantage, trained, ...) -> prompt + response
         sequences, labels shifted by one, loss on response tokens only; split by
-        TrainConfig.micro_batch_size and micro_batch_tokens (schedule.micro_batch_split). Sequences
-        not trained on (overlong filtering: the longest ones) are left out, as their loss terms and
-        its normalisation are 0; where all are, one stays, so that this replica still joins the
-        update's reductions (a step whose replicas all have none skips its update)."""
-        seqs = [s for s in seqs if trained(s)] or seqs[:1]
-        split = micro_batch_split([len(s[0]) + len(s[1]) for s in seqs], self.cfg.micro_batch_size,
+        TrainConfig.micro_batch_size and micro_batch_tokens (schedule.micro_batch_split)."""
+        split = micro_batch_split([sequence_tokens(s) for s in seqs], self.cfg.micro_batch_size,
                                   self.cfg.micro_batch_tokens)
         return [pack_micro_batch([seqs[i] for i in idx], self.ctx.device) for idx in split]
 

@@ -462,7 +462,7 @@ def test_overlong_filtered_sequences_are_left_out_of_the_update(tiny_ckpt, tmp_p
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
     seqs = step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5))
     seqs = [(p, t, lp, a, n < 12, *rest) for (p, t, lp, a, _, *rest), n in zip(seqs, (12, 2, 7, 1, 12, 5))]
-    mbs = trainer._micro_batches(seqs)
+    [mbs] = trainer._mini_batches(seqs)
     assert sum(len(mb.lengths) for mb in mbs) == 4  # the two cut at 12 tokens are left out
     total = float(sum(mb.loss_mask.sum() for mb in mbs))
 
@@ -475,7 +475,8 @@ def test_overlong_filtered_sequences_are_left_out_of_the_update(tiny_ckpt, tmp_p
     for a, b in zip(grads(mbs), grads([pack_micro_batch(seqs, ctx.device)])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     cut = [(*s[:4], False, *s[5:]) for s in seqs]
-    assert [len(mb.lengths) for mb in trainer._micro_batches(cut)] == [1]
+    [[one]] = trainer._mini_batches(cut)
+    assert len(one.lengths) == 1 and float(one.loss_mask.sum()) == 0
 
 
 def test_the_update_computes_logits_over_the_responses_alone(tiny_ckpt, tmp_path, ctx):
