@@ -29,9 +29,10 @@ change of kernel does); float64 keeps the BLAS path.
 
 Half precision (bfloat16, float16) takes :func:`half_product`, ``W @ x^T`` in calls of at most
 :data:`HALF_MAX_ROWS` rows: oneDNN's bfloat16 kernels give a row in that form the same result in
-any call of up to ~200 rows (every SmolLM2 layer and its vocabulary projection, AVX-512 with AMX;
-``x @ W^T`` only up to 32 rows; without AMX, a one-row call over more than :data:`HALF_GEMV_MAX_IN`
-inputs only as a two-row call), and in isolated calls faster than ``x @ W^T`` from 16 rows on. A decode
+any call of two to ~200 rows (every SmolLM2 layer and its vocabulary projection, AVX-512 with AMX;
+``x @ W^T`` only up to 32 rows), and in isolated calls faster than ``x @ W^T`` from 16 rows on. A
+one-row call runs as two rows (the row twice): oneDNN's one-row kernel sums in another order
+(:data:`HALF_ONE_ROW_AS_TWO`). A decode
 step and a tree then compute a token's products bit for bit alike, which bfloat16 rounding
 otherwise turns into flipped samples (with ordered attention, model/attention.py).
 
@@ -80,12 +81,14 @@ layer rows and ~32 vocabulary rows; one bound for both)."""
 HALF_MAX_ROWS = 128
 """Half-precision products run in calls of at most this many rows (row-invariant up to ~200 rows on
 the CPUs measured; 256 rows of SmolLM2's 1536-input product are not)."""
-HALF_GEMV_MAX_IN = 1024
-"""A one-row half-precision product with more inputs than this runs as a two-row call (the row twice):
-oneDNN's one-row bfloat16 kernel splits a longer reduction otherwise than its kernel for two rows and
-more (AVX-512 bfloat16 without AMX, measured: a few outputs in 10^4 of SmolLM2's 1536-input product
-differ), which alone would break the row invariance. Up to 1024 inputs one row matches (and is the
-faster call: 52 against 80 us for SmolLM2's 576 x 576 product)."""
+HALF_ONE_ROW_AS_TWO = True
+"""A one-row half-precision product runs as a two-row call (the row twice, one kept): oneDNN's
+one-row bfloat16 kernel sums otherwise than its kernel for two rows and more, which alone would break
+the row invariance. Measured: without AMX (a 2-core EPYC), a few outputs in 10^4 of products over
+more than 1024 inputs (SmolLM2's 1536-input MLP output); with AMX (a 2-core Xeon), rarely over 48
+inputs (one token's expert product in a tiny Qwen3-MoE of the tests). With AMX the two-row call is
+also the faster one (SmolLM2's 576 x 1536 product 36 against 64 us, 576 x 576 29 against 39 us);
+without it, up to 1024 inputs, the slower (80 against 52 us for 576 x 576)."""
 PACK_ROWS_HINT = 8
 """The row count oneDNN lays the packed weights out for (any count works; 8 measured best of 1 / 8)."""
 PANEL_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
@@ -269,7 +272,7 @@ def half_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     x [..., in]: a row's result is the same in any call (see the module docstring). Also the
     float32/float64 vocabulary projection's form off the packed paths."""
     flat = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-    one_row_pad = flat.shape[1] > HALF_GEMV_MAX_IN and weight.dtype in (torch.bfloat16, torch.float16)
+    one_row_pad = HALF_ONE_ROW_AS_TWO and weight.dtype in (torch.bfloat16, torch.float16)
 
     def call(rows: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] as weight @ rows^T
         if len(rows) == 1 and one_row_pad:

@@ -164,6 +164,12 @@ KEY_BLOCK = 64
 """Ordered attention pads each token's keys (and a step's cache read) to a multiple of this many: the
 kernels then see whole blocks of keys (masked ones at the end), whatever the longest token of the
 forward; unpadded, a token's bfloat16 results change with the forward's key count (measured)."""
+SCORE_DEPTH = 32
+"""Ordered attention's score product pads the head dimension with zeros to a multiple of this many (a
+bfloat16 AMX tile's depth): over 24 dimensions (a test model's heads) oneDNN's batched bfloat16
+product gave a row another result in a call of 32 rows or more than in one of fewer (measured on a
+2-core Xeon with AMX); over 32, 48 and 64 never. Head dimensions of real models (64, 96, 128) need
+no padding."""
 
 
 def one_token_key_order(mask: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -200,7 +206,10 @@ def ordered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     sk, groups, k_len = key.shape[0], key.shape[2], valid.shape[-1]
     per_group, blocks = heads // groups, k_len // KEY_BLOCK
     q = query.permute(1, 2, 0, 3).reshape(b, groups, per_group * sq, d)
-    scores = torch.matmul(q, key.permute(1, 2, 3, 0)).view(b, groups, per_group, sq, sk)
+    keys = key.permute(1, 2, 3, 0)  # [b, ng, d, sk]
+    if d % SCORE_DEPTH:  # zeros to a multiple of SCORE_DEPTH: the products are the same, and row-invariant
+        q, keys = F.pad(q, (0, -d % SCORE_DEPTH)), F.pad(keys, (0, 0, 0, -d % SCORE_DEPTH))
+    scores = torch.matmul(q, keys).view(b, groups, per_group, sq, sk)
     if order is None:
         scores, shared = scores[..., :k_len], blocks
     else:

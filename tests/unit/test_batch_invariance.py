@@ -37,7 +37,7 @@ def test_one_token_key_order():
 @needs_bf16_kernels
 def test_half_products_do_not_depend_on_the_row_count():
     g = torch.Generator().manual_seed(0)
-    # (1536, 576): SmolLM2's MLP output product, whose one-row call oneDNN computes otherwise (HALF_GEMV_MAX_IN)
+    # (1536, 576): SmolLM2's MLP output product, whose one-row call oneDNN computes otherwise (HALF_ONE_ROW_AS_TWO)
     for n_in, n_out in ((64, 96), (96, 1000), (1536, 576)):
         w = (0.05 * torch.randn(n_out, n_in, generator=g)).bfloat16()
         x = torch.randn(cpu_gemm.HALF_MAX_ROWS + 40, n_in, generator=g).bfloat16()
