@@ -269,6 +269,14 @@ class ParallelConfig:
     which for a small model or a large vocabulary is worth several layers: giving the last stage
     fewer layers balances the stages (see pipeline_split)."""
 
+    expert_model_parallel_size: int = 1
+    """EP (mixtures of experts; megatron-core's field of the same name): each layer's routed experts are
+    split over this many data-parallel ranks, ``num_experts / EP`` each, and tokens travel to their
+    experts and back by all-to-all (megatron-core's alltoall token dispatcher); attention, norms, the
+    router and a shared expert stay replicated. The ranks of an EP group run every forward together,
+    so a rank whose responses have finished joins the others' forwards with no tokens until all have
+    (PolicyModel.expert_lockstep). Must divide the data-parallel size and the number of experts."""
+
     rollout_groups: Optional[int] = None
     """Groups of responses a rollout interleaves over the pipeline stages (rollout/base.run_groups):
     None, one per stage (no stage waits once the pipeline is full); 1, the whole batch per forward
@@ -284,6 +292,8 @@ class ParallelConfig:
                f"ParallelConfig.pipeline_model_parallel_size must be >= 1, got {self.pipeline_model_parallel_size}")
         _check_stage_counts(self.pipeline_model_parallel_size, self.num_layers_in_first_pipeline_stage,
                             self.num_layers_in_last_pipeline_stage)
+        _check(self.expert_model_parallel_size >= 1,
+               f"ParallelConfig.expert_model_parallel_size must be >= 1, got {self.expert_model_parallel_size}")
         _check(self.rollout_groups is None or self.rollout_groups >= 1,
                f"ParallelConfig.rollout_groups must be >= 1 (or unset: one per pipeline stage), "
                f"got {self.rollout_groups}")
@@ -298,7 +308,18 @@ class ParallelConfig:
                f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes")
         check_tensor_parallel(model, tp)
         self.stage_layers(model.num_layers)
-        return world_size // (tp * pp)
+        dp, ep = world_size // (tp * pp), self.expert_model_parallel_size
+        if ep > 1:
+            _check(model.is_moe, f"ParallelConfig.expert_model_parallel_size is {ep} but the model has no experts "
+                                 f"(ModelConfig.num_experts unset): leave it at 1 for a dense model")
+            _check(model.num_experts % ep == 0,
+                   f"ModelConfig.num_experts ({model.num_experts}) is not divisible by "
+                   f"ParallelConfig.expert_model_parallel_size ({ep}): every EP rank holds as many experts")
+            _check(dp % ep == 0,
+                   f"the data-parallel size ({dp} = world size {world_size} / (TP {tp} x PP {pp})) is not divisible "
+                   f"by ParallelConfig.expert_model_parallel_size ({ep}): experts are split over data-parallel "
+                   f"ranks; launch a multiple of {tp * pp * ep} processes")
+        return dp
 
     def stage_layers(self, num_layers: int) -> list[int]:
         """Layers per pipeline stage, first stage first (see :func:`pipeline_split`)."""
@@ -888,6 +909,11 @@ class TrainConfig:
         _check(self.overlong_penalty >= 0, f"TrainConfig.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         _check(self.save_every >= 1 and self.keep_last >= 1,
                f"TrainConfig.save_every and keep_last must be >= 1, got {self.save_every}, {self.keep_last}")
+        _check(not (self.shard_optimizer and self.parallel.expert_model_parallel_size > 1),
+               "TrainConfig.shard_optimizer splits AdamW's state over data-parallel replicas that hold the same "
+               "weights, which experts split over expert-parallel ranks are not "
+               f"(parallel.expert_model_parallel_size {self.parallel.expert_model_parallel_size}); set one of them "
+               "off: shard_optimizer false, or expert_model_parallel_size 1")
 
 
 _NESTED = {(top, name): sub for top in (GenerateConfig, TrainConfig) for name, sub in

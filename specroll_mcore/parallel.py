@@ -47,6 +47,14 @@ def apply_cpu_compat() -> list[str]:
        tied embedding to CUDA before all-reducing it between the first and last pipeline stages
        (tied embeddings with PP > 1); on CPU the all-reduce must happen where the tensor is.
 
+    3. megatron-core's all-to-all token dispatcher (expert parallelism) without CUDA streams. It
+       creates a CUDA stream when it is first built and, at one point of every dispatch, copies the
+       split sizes of its all-to-alls to the host on that stream and waits for it there
+       (``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``); without CUDA both raise. On a
+       CPU the sizes are on the host already: the class gets a placeholder stream, and the method
+       turns the split sizes into the host arrays megatron-core hands to the all-to-all, at the same
+       point, with nothing to wait for.
+
     Not patched, replaced instead: megatron's ``DotProductAttention`` (CUDA RNG tracker, global
     memory buffer) is swapped for our own core attention in the layer spec (model/attention.py), and
     its RoPE for ours (positions per row, needed for ragged KV caches and trees).
@@ -58,8 +66,30 @@ def apply_cpu_compat() -> list[str]:
         return []
     if not _CPU_COMPAT_APPLIED:
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
+        MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_split_sizes
         _CPU_COMPAT_APPLIED = True
-    return ["torch.cuda.current_device -> cpu"]
+    return ["torch.cuda.current_device -> cpu",
+            "MoEAlltoAllTokenDispatcher: no CUDA stream, split sizes to host arrays without one"]
+
+
+_NO_STREAM = object()
+"""The all-to-all token dispatcher's stream on a CPU (item 3 of :func:`apply_cpu_compat`): never used."""
+
+
+def _host_split_sizes(self, point: str, tokens_per_expert: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` on a CPU (item 3 of
+    :func:`apply_cpu_compat`): at the dispatcher's copy point, the split sizes of its all-to-alls
+    become host arrays, as megatron-core's version leaves them; the tensors are on the host, so
+    there is no stream to wait for."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
 
 
 def apply_megatron_compat() -> list[str]:
@@ -121,6 +151,15 @@ class ParallelContext:
     dp_group: Optional[dist.ProcessGroup]
     pp_ranks: Sequence[int]
     """Global ranks of this rank's pipeline, first stage first."""
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = None
+    """Expert parallelism (ParallelConfig.expert_model_parallel_size): the data-parallel ranks that
+    split a mixture of experts' routed experts between them."""
+    expert_dp_rank: int = 0
+    expert_dp_group: Optional[dist.ProcessGroup] = None
+    """The ranks that hold the same experts (data-parallel size / EP of them): an expert's gradient
+    is summed over these, every other parameter's over the whole data-parallel group."""
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     """ParallelConfig.num_layers_in_first/last_pipeline_stage (None: an even split)."""
@@ -253,6 +292,26 @@ class ParallelContext:
             out.append(t)
         return out
 
+    def all_reduce_ep(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Over the expert-parallel group (the ranks that split the experts)."""
+        if self.ep_size > 1:
+            self._all_reduce(tensor, self.ep_group, getattr(dist.ReduceOp, op.upper()))
+        return tensor
+
+    def all_reduce_expert_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that hold the same experts (an expert's gradient)."""
+        if self.dp_size > self.ep_size:
+            self._all_reduce(tensor, self.expert_dp_group)
+        return tensor
+
+    def all_gather_ep(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every EP rank's tensor (same shape on all), in EP rank order."""
+        if self.ep_size == 1:
+            return [tensor]
+        parts = [torch.empty_like(tensor) for _ in range(self.ep_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.ep_group)
+        return parts
+
     # -- tensor parallel ------------------------------------------------------------------------
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Concatenate vocab-parallel logits [..., V/tp] into the full padded vocabulary [..., V]."""
@@ -311,13 +370,17 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     # Validate before any process group exists, so a bad layout fails fast and cleanly.
+    model_parallel = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
     if model is not None:
         parallel.validate(model, world_size)
-    elif world_size % (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size):
+    elif world_size % model_parallel:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size "
             f"({parallel.tensor_model_parallel_size}) x pipeline_model_parallel_size "
             f"({parallel.pipeline_model_parallel_size})")
+    elif (world_size // model_parallel) % parallel.expert_model_parallel_size:
+        raise ValueError(f"the data-parallel size ({world_size // model_parallel}) is not divisible by "
+                         f"expert_model_parallel_size ({parallel.expert_model_parallel_size})")
 
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -342,6 +405,7 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
         create_gloo_process_groups=False,
     )
     if use_cuda:
@@ -374,6 +438,11 @@ def context_from_parallel_state(device: torch.device, parallel: Optional[Paralle
         pp_group=pp_group,
         dp_group=ps.get_data_parallel_group(),
         pp_ranks=list(dist.get_process_group_ranks(pp_group)),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        expert_dp_rank=ps.get_expert_data_parallel_rank(),
+        expert_dp_group=ps.get_expert_data_parallel_group(),
         first_stage_layers=parallel.num_layers_in_first_pipeline_stage if parallel is not None else None,
         last_stage_layers=parallel.num_layers_in_last_pipeline_stage if parallel is not None else None,
     )
@@ -386,22 +455,31 @@ def grad_of(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return p.main_grad if hasattr(p, "main_grad") else p.grad
 
 
+def expert_parallel(p: torch.nn.Parameter) -> bool:
+    """Whether ``p`` is split over expert-parallel ranks (a routed expert's weight under EP > 1:
+    megatron-core's ``allreduce`` attribute, False for those)."""
+    return not getattr(p, "allreduce", True)
+
+
 def grad_sq_norm(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
-    """Squared L2 norm of ``params``' gradients (:func:`grad_of`) over the TP group (float64):
-    megatron's TP-sharded parameters (``tensor_model_parallel``) add up over the ranks, replicated
-    ones count once."""
+    """Squared L2 norm of ``params``' gradients (:func:`grad_of`) over the TP and EP groups (float64):
+    megatron's TP-sharded parameters (``tensor_model_parallel``) add up over the TP ranks, the experts
+    split over EP ranks (:func:`expert_parallel`) over those, replicated ones count once."""
     sharded = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    experts = torch.zeros((), dtype=torch.float64, device=ctx.device)
     replicated = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for p in params:
         g = grad_of(p)
         if g is None:
             continue
         sq = torch.linalg.vector_norm(g, dtype=torch.float64).square()  # no float64 copy of the gradient
-        if getattr(p, "tensor_model_parallel", False):
+        if expert_parallel(p):
+            experts += sq
+        elif getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:
             replicated += sq
-    return ctx.all_reduce_tp(sharded) + replicated
+    return ctx.all_reduce_tp(sharded) + ctx.all_reduce_ep(experts) + replicated
 
 
 def average_grads_dp(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> None:

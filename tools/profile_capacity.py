@@ -41,6 +41,7 @@ def main() -> int:
                     help="load the checkpoint in this dtype (default: its own)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (a mixture of experts)")
     ap.add_argument("--tokens", default="1,2,4,8,12,16,24,32,48,64,96,128,192,256,384,512")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
@@ -49,7 +50,8 @@ def main() -> int:
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
     ckpt = resolve_checkpoint(args.checkpoint)
-    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                             expert_model_parallel_size=args.ep))
     policy = load_policy(ckpt, ctx, params_dtype=args.dtype)
     sizes = [int(x) for x in args.tokens.split(",")]
     fp = read_checkpoint_config(ckpt).get("policy_fingerprint")

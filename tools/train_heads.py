@@ -76,6 +76,8 @@ def main() -> int:
     ap.add_argument("--checkpoint", default="smollm2", help="Megatron checkpoint dir, or smollm2 (the default model)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (the heads train on the last)")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel size (a mixture of experts: its experts split over data-parallel ranks)")
     ap.add_argument("--dtype", choices=["float32", "float64", "bfloat16"],
                     help="parameter dtype of the policy and heads (default: the checkpoint's)")
     ap.add_argument("--num-heads", type=int, default=3)
@@ -104,7 +106,8 @@ def main() -> int:
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
     ckpt = resolve_checkpoint(args.checkpoint)
-    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                             expert_model_parallel_size=args.ep))
     if args.batch % ctx.dp_size:
         raise SystemExit(f"--batch {args.batch} is not divisible by the {ctx.dp_size} data-parallel replicas "
                          f"(world size / (tp x pp)); pass a multiple of {ctx.dp_size}")
@@ -190,7 +193,8 @@ def main() -> int:
     state = full_head_state(policy)
     positions = ctx.all_reduce_dp(torch.tensor([len(train), len(heldout)]))
     if report:
-        summary = {"checkpoint": str(ckpt), "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size},
+        summary = {"checkpoint": str(ckpt), "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+                                                            "ep": ctx.ep_size},
                    "train_positions": int(positions[0]), "heldout_positions": int(positions[1]),
                    "heldout_before": before, "heldout_after": after, "final_loss": history[-1],
                    "seconds": {"sampling": t_sample, "total": time.perf_counter() - t0}}

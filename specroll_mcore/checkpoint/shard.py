@@ -11,7 +11,8 @@ How each parameter is split over TP follows megatron-core's layers:
   * RowParallelLinear: dim 1;
   * a mixture of experts' MLPs (each expert's, the shared expert's) as the dense MLP;
   * norms, the router, the shared expert's gate and the heads' token counts: replicated.
-Layer numbers are global in the full form and local to the stage in the shard.
+Layer numbers are global in the full form and local to the stage in the shard. Expert parallelism
+splits a shard's routed experts further, at load time (:func:`expert_shard`): files hold every expert.
 """
 
 from __future__ import annotations
@@ -65,6 +66,43 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], model: ModelConfig) ->
     if name.endswith(_ROW_PARALLEL):
         return torch.cat(shards, 1)
     return shards[0]
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+def expert_shard(local: Mapping[str, torch.Tensor], num_experts: int, ep_size: int, ep_rank: int
+                 ) -> dict[str, torch.Tensor]:
+    """Expert parallelism: a stage's state dict holding every routed expert -> the one EP rank
+    ``ep_rank`` holds: its ``num_experts / ep_size`` consecutive experts (megatron-core's
+    ``local_expert_indices``), numbered from 0; every other tensor as it is."""
+    per_rank = num_experts // ep_size
+    out: dict[str, torch.Tensor] = {}
+    for name, t in local.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        e = int(m.group(2))
+        if e >= num_experts:
+            raise KeyError(f"{name}: expert {e} of a model with {num_experts} experts")
+        if e // per_rank == ep_rank:
+            out[f"{m.group(1)}{e - ep_rank * per_rank}{m.group(3)}"] = t
+    return out
+
+
+def expert_unshard(parts: Sequence[Mapping[str, torch.Tensor]], num_experts: int) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`expert_shard`: each EP rank's experts (local numbers), rank order -> every
+    expert under its global number."""
+    per_rank = num_experts // len(parts)
+    out: dict[str, torch.Tensor] = {}
+    for rank, part in enumerate(parts):
+        for name, t in part.items():
+            m = _EXPERT.match(name)
+            if m is None:
+                raise KeyError(f"{name} is not a routed expert's tensor")
+            out[f"{m.group(1)}{int(m.group(2)) + rank * per_rank}{m.group(3)}"] = t
+    return out
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:

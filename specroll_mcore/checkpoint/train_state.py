@@ -6,6 +6,8 @@ Layout (a Megatron-LM checkpoint directory, so `specroll convert mcore-to-hf` re
     OUT/latest_checkpointed_iteration.txt           N (written last, atomically)
     OUT/iter_000000N/mp_rank_TT[_PPP]/model_optim_rng.pt   model shard, optimizer state, RNG
     OUT/iter_000000N/mp_rank_TT[_PPP]/optim_dpR.pt  optimizer state of DP replica R > 0 (sharded only)
+    OUT/iter_000000N/mp_rank_TT[_PPP]/optim_epE.pt  optimizer state of expert-parallel rank E > 0 (its
+                                                    experts' AdamW state; the model shard holds every expert)
     OUT/iter_000000N/trainer_state.json             step, data position, policy version, counters
     OUT/iter_000000N/heads.pt                       unsharded heads + what they are tied to
     OUT/iter_000000N/engine_state_dpR.pt            SpecRoll engine: slow-path records, monitor, time
@@ -33,6 +35,7 @@ from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, 
 STATE_FILE = "trainer_state.json"
 ENGINE_STATE_FILE = "engine_state_dp{dp}.pt"
 OPTIMIZER_SHARD_FILE = "optim_dp{dp}.pt"  # a sharded optimizer's state on data-parallel replica dp > 0
+EXPERT_OPTIMIZER_FILE = "optim_ep{ep}.pt"  # the optimizer state of expert-parallel rank ep > 0
 OLD_ENGINE_STATE_FILE = "slow_path_dp{dp}.pt"  # checkpoints written before the tree-size calibration
 
 
@@ -65,11 +68,21 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
         tmp.mkdir(parents=True)
     ctx.barrier()
     d = tmp / shard_dir_name(ctx.tp_rank, ctx.pp_rank, ctx.pp_size)
-    if ctx.dp_rank == 0:  # data-parallel replicas hold identical weights (and optimizer states, unless sharded)
+    experts = (ctx.ep_rank, ctx.ep_size)
+    # data-parallel replicas hold identical weights (and optimizer states, unless sharded), but for the experts
+    # split over an expert-parallel group: the one with replica 0 gathers them into the shard (every expert, as
+    # without EP), and each of its ranks keeps its experts' optimizer state
+    model = policy.expert_state_dict() if ctx.expert_dp_rank == 0 else None
+    if ctx.dp_rank == 0:
         d.mkdir(parents=True, exist_ok=True)
-        model = {k: v.detach().cpu() for k, v in policy.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        model = {k: v.cpu() for k, v in model.items()}
         torch.save({"model": model, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-                    "iteration": step, "checkpoint_version": CHECKPOINT_VERSION}, d / "model_optim_rng.pt")
+                    "iteration": step, "checkpoint_version": CHECKPOINT_VERSION, "experts": experts},
+                   d / "model_optim_rng.pt")
+    elif ctx.expert_dp_rank == 0:  # an expert-parallel rank > 0: its experts' optimizer state
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({"optimizer": optimizer.state_dict(), "experts": experts},
+                   d / EXPERT_OPTIMIZER_FILE.format(ep=ctx.ep_rank))
     elif getattr(optimizer, "shard", None) is not None:  # this replica's shard of the optimizer state
         d.mkdir(parents=True, exist_ok=True)
         torch.save({"optimizer": optimizer.state_dict()}, d / OPTIMIZER_SHARD_FILE.format(dp=ctx.dp_rank))
@@ -112,8 +125,16 @@ def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: Any
         raise FileNotFoundError(f"{path} is missing: resume with the TP/PP layout the checkpoint was saved with")
     blob = torch.load(path, map_location="cpu", weights_only=False)
     policy.load_local_state_dict(blob["model"])
+    saved_ep = blob.get("experts", (0, 1))[1]
+    if saved_ep != ctx.ep_size:
+        raise ValueError(f"{iter_dir} was saved with expert_model_parallel_size {saved_ep}, this run has "
+                         f"{ctx.ep_size}: the optimizer state of experts is kept per expert-parallel rank; resume "
+                         f"with expert_model_parallel_size {saved_ep}")
     optim = blob["optimizer"]
-    if ctx.dp_rank > 0 and getattr(optimizer, "shard", None) is not None:
+    if ctx.ep_rank > 0:
+        optim = torch.load(path.parent / EXPERT_OPTIMIZER_FILE.format(ep=ctx.ep_rank), map_location="cpu",
+                           weights_only=False)["optimizer"]
+    elif ctx.dp_rank > 0 and getattr(optimizer, "shard", None) is not None:
         shard = path.parent / OPTIMIZER_SHARD_FILE.format(dp=ctx.dp_rank)
         if not shard.is_file():
             raise FileNotFoundError(f"{shard} is missing: resume with the TrainConfig.shard_optimizer and "

@@ -10,8 +10,9 @@ that skip the empty ones in inference.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from specroll_mcore import cpu_gemm
-from specroll_mcore.checkpoint.shard import check_full_state_dict, local_state_dict, shard_tensor
+from specroll_mcore.checkpoint.shard import (check_full_state_dict, expert_shard, expert_unshard, local_state_dict,
+                                             shard_tensor)
 from specroll_mcore.config import ModelConfig, check_tensor_parallel
 from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
 from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
@@ -93,9 +95,11 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
     experts, weighed by their probabilities renormalised over the k (megatron-core's top-k then
     softmax) or not (its pre-softmax routing). Dropless (no expert capacity); megatron-core's
     Switch load-balancing loss on each router in training where ``moe_aux_loss_coeff`` > 0 (see
-    rl/schedule.py for its scale and padding), else none; the all-gather token dispatcher (the one
-    without all-to-all, which gloo lacks). A batch-invariant policy (half precision on CPU) routes in
-    float64, where a router product does not depend on the rows in the call (measured on
+    rl/schedule.py for its scale and padding), else none; megatron-core's all-gather token dispatcher
+    without expert parallelism (every rank holds every expert, nothing travels), its all-to-all one
+    with it (``ParallelConfig.expert_model_parallel_size``: each token goes to the ranks of its
+    experts and back; on CPU through the shim in parallel.py). A batch-invariant policy (half
+    precision on CPU) routes in float64, where a router product does not depend on the rows in the call (measured on
     Qwen3-30B-A3B's 128 x 2048 router: in bfloat16, 1 of 64 rows differs from its one-row product in
     calls of 64 rows or more; in float32, nearly every row; in float64, none), and a flipped expert
     choice would change a token's hidden state far more than a rounding. Every router carries
@@ -109,7 +113,9 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
                 moe_shared_expert_gate=model.moe_shared_expert_gate,
                 moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
                 moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_enable_routing_replay=True,
+                expert_model_parallel_size=ctx.ep_size,
+                moe_token_dispatcher_type="alltoall" if ctx.ep_size > 1 else "allgather",
+                moe_grouped_gemm=False, moe_enable_routing_replay=True,
                 moe_router_dtype="fp64" if batch_invariant(model.torch_dtype, ctx.device) else None)
 
 
@@ -250,6 +256,11 @@ class PolicyModel(torch.nn.Module):
         """Whether rollouts keep each token's experts in their KV caches (:meth:`new_cache`) for the
         policy update to replay (``TrainConfig.routing_replay``; model/routing.py)."""
         self._rope_scale = rope_attention_factor(config.rope_scaling)  # (YaRN's factor on cos and sin; else 1)
+        self._lockstep = False  # inside expert_lockstep: every forward of this stage joins the EP group's count
+        if ctx.ep_size > 1:  # megatron-core's mark of a parameter split over expert-parallel ranks, as its
+            for name, p in self.gpt.named_parameters():  # Transformer Engine layers set it (local ones do not)
+                if ".mlp.experts.local_experts." in name:
+                    p.allreduce = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -314,6 +325,8 @@ class PolicyModel(torch.nn.Module):
         load-balancing loss leaves it out."""
         b = input_ids.shape[0]
         gpt = self.gpt
+        if self._lockstep:
+            self._lockstep_count(True)
         if self.ctx.is_first_stage:
             hidden = gpt.embedding(input_ids=input_ids, position_ids=meta.positions)  # [s, b, h]
         else:
@@ -399,6 +412,68 @@ class PolicyModel(torch.nn.Module):
         logits, hidden = out
         return (logits, hidden) if return_hidden else logits
 
+    @contextlib.contextmanager
+    def expert_lockstep(self) -> Iterator[None]:
+        """Inference forwards of this stage that the ranks of its expert-parallel group make together.
+
+        Under expert parallelism every MoE layer's forward is a collective of the EP group (its
+        tokens go to the ranks of their experts by all-to-all), so its ranks must run the same number
+        of forwards, while each samples its own prompts: one finishes its responses, or takes fewer
+        speculative steps, before another. In the block, each forward of this stage first adds 1 to a
+        count over the EP group; on leaving it, a rank whose forwards are done adds 0 and, while the
+        count says another rank is still in a forward, joins that forward's MoE layers with a dummy
+        token (:meth:`_idle_forward`), until every rank has left the block. Tokens do not depend on it.
+        Without expert parallelism (or nested) the block is a no-op. A rank that raises in the block
+        does not join the others' forwards."""
+        if self.ctx.ep_size == 1 or self._lockstep:
+            yield
+            return
+        self._lockstep = True
+        try:
+            yield
+        finally:
+            self._lockstep = False
+        while self._lockstep_count(False):
+            self._idle_forward()
+
+    def _lockstep_count(self, forward: bool) -> int:
+        """This stage's EP group agrees on one forward: how many of its ranks run it with tokens."""
+        flag = torch.tensor([int(forward)], dtype=torch.int32, device=self.ctx.device)
+        return int(self.ctx.all_reduce_ep(flag).item())
+
+    @torch.no_grad()
+    def _idle_forward(self) -> None:
+        """This stage's MoE layers on one zero token, whose output is dropped: the all-to-alls of another
+        EP rank's forward (megatron-core's router does not take an empty input). A router that replays
+        or records routing is left as it was."""
+        hooks = [r.router_replay for r in self.routers]
+        actions = [h.router_replay_action for h in hooks]
+        for h in hooks:
+            h.router_replay_action = None
+        try:
+            token = torch.zeros(1, 1, self.config.hidden_size, dtype=self.dtype, device=self.ctx.device)
+            for layer in self.gpt.decoder.layers:
+                layer.mlp(token)
+        finally:
+            for h, action in zip(hooks, actions):
+                h.router_replay_action = action
+
+    def expert_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights (megatron names, local layer numbers), every routed expert included:
+        under expert parallelism each rank holds ``num_experts / EP`` of them, gathered here over the
+        EP group (a collective: every rank of the group calls it); checkpoints hold the full set, as
+        without EP, so any EP size loads them (:meth:`load_local_state_dict` keeps its own)."""
+        own = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        if self.ctx.ep_size == 1:
+            return own
+        local = {k: v for k, v in own.items() if ".mlp.experts.local_experts." in k}
+        parts = [{} for _ in range(self.ctx.ep_size)]
+        for name in sorted(local):  # the same order on every rank
+            for rank, t in enumerate(self.ctx.all_gather_ep(local[name])):
+                parts[rank][name] = t
+        rest = {k: v for k, v in own.items() if k not in local}
+        return {**rest, **expert_unshard(parts, self.config.num_experts)}
+
     def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load weights given in the full form (see checkpoint/shard.py), sharding for this rank."""
         check_full_state_dict(full, self.config)
@@ -407,7 +482,11 @@ class PolicyModel(torch.nn.Module):
                                                     self.ctx.stage_layers(self.config.num_layers)))
 
     def load_local_state_dict(self, local: Mapping[str, torch.Tensor]) -> None:
-        """Load this rank's shard (megatron names, local layer numbers); every parameter must be given."""
+        """Load this rank's shard (megatron names, local layer numbers); every parameter must be given.
+        Under expert parallelism the shard holds every routed expert (as checkpoints do) and this rank
+        keeps its own."""
+        if self.ctx.ep_size > 1:
+            local = expert_shard(local, self.config.num_experts, self.ctx.ep_size, self.ctx.ep_rank)
         own = self.gpt.state_dict()
         missing = sorted(k for k in own if k not in local and not k.endswith("_extra_state"))
         unexpected = sorted(k for k in local if k not in own)

@@ -23,7 +23,7 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear
 from specroll_mcore.heads import vocab_parallel_entropy
 from specroll_mcore.model import PolicyModel, causal_mask
 from specroll_mcore.model.routing import fill_routing, replay_routing
-from specroll_mcore.parallel import grad_of, grad_sq_norm
+from specroll_mcore.parallel import ParallelContext, expert_parallel, grad_of, grad_sq_norm
 
 
 @dataclass
@@ -39,6 +39,7 @@ class MicroBatch:
     ref_logp: Optional[torch.Tensor] = None
     routing: Optional[torch.Tensor] = None  # [B, L, layers, k] the rollout's experts to replay (model/routing.py)
     loss_start: int = 0  # the first position any row's loss reads (the shortest prompt's last token)
+    stand_in: bool = False  # a forward and backward with nothing to learn (see expert_stand_ins)
 
     @property
     def loss_span(self) -> slice:
@@ -91,6 +92,25 @@ def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
     return MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device), old.to(device),
                       torch.tensor([s[3] for s in seqs], device=device), routing=routing,
                       loss_start=max(0, min(len(s[0]) for s in seqs) - 1))
+
+
+def expert_stand_ins(micro_batches: list[MicroBatch], ctx: ParallelContext) -> list[MicroBatch]:
+    """Expert parallelism: ``micro_batches`` and as many stand-ins as the EP group's largest count
+    needs. Each MoE layer's forward and backward is a collective of the EP group (all-to-alls), so its
+    ranks must run as many micro-batches, while each trains its own sequences (their counts differ
+    where balance_batch moves some or micro_batch_tokens splits them by length). A stand-in is the
+    first two tokens of one sequence, with no loss; its routers add no load-balancing loss
+    (:func:`forward_backward`): the update is the one without expert parallelism."""
+    if ctx.ep_size == 1:
+        return micro_batches
+    count = int(ctx.all_reduce_ep(torch.tensor([len(micro_batches)], device=ctx.device), "max").item())
+    mb = micro_batches[0]
+    two = slice(0, 2)
+    stand_in = MicroBatch(mb.input_ids[:1, two], torch.full_like(mb.lengths[:1], 2), mb.labels[:1, two],
+                          torch.zeros_like(mb.loss_mask[:1, two]), torch.zeros_like(mb.old_logp[:1, two]),
+                          mb.advantages[:1], None if mb.ref_logp is None else torch.zeros_like(mb.ref_logp[:1, two]),
+                          None if mb.routing is None else mb.routing[:1, two], loss_start=0, stand_in=True)
+    return micro_batches + [stand_in] * (count - len(micro_batches))
 
 
 def micro_batch_split(lengths: Sequence[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
@@ -193,10 +213,12 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
     ``pp - s - 1`` micro-batches ahead, then alternates the forward of the next micro-batch with the
     backward of the oldest one, then drains the backwards; a stage holds at most ``pp - s``
     micro-batches' activations. Every stage runs its backwards in micro-batch order, so gradients
-    accumulate in the same order at any pipeline size."""
+    accumulate in the same order at any pipeline size. Under expert parallelism the ranks of an EP
+    group run as many micro-batches (:func:`expert_stand_ins`); the metrics are the given ones'."""
     ctx = policy.ctx
     first, last = ctx.is_first_stage, ctx.is_last_stage
     metrics: list[dict] = []
+    micro_batches = expert_stand_ins(micro_batches, ctx)
 
     def input_shape(mb: MicroBatch) -> tuple[int, int, int]:
         b, L = mb.input_ids.shape
@@ -213,8 +235,12 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         # inverts it (some of its docstrings say otherwise)
         padding = positions >= mb.lengths[:, None].to(ctx.device) if policy.config.is_moe else None
         replay_routing(policy.routers, mb.routing)
-        out = policy.stage_forward(mb.input_ids, policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths)),
-                                   hidden_in, recompute=recompute, padding_mask=padding, logits_span=mb.loss_span)
+        with routers_training(policy, False) if mb.stand_in else contextlib.nullcontext():
+            out = policy.stage_forward(mb.input_ids, policy.metadata(positions, causal_mask(b, L, ctx.device,
+                                                                                            mb.lengths)),
+                                       hidden_in, recompute=recompute, padding_mask=padding, logits_span=mb.loss_span)
+        if mb.stand_in:
+            return out if not last else out[0].sum() * 0.0
         if not last:
             return out
         # before the log-probs, which may overwrite the logits (token_logprobs)
@@ -228,7 +254,8 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
     def backward(hidden_in: Optional[torch.Tensor], out: torch.Tensor, mb: MicroBatch, grad: Optional[torch.Tensor]):
         if recompute:  # the recomputed layers route as this micro-batch's forward did
             replay_routing(policy.routers, mb.routing)
-        out.backward(grad)  # grad is None for the loss
+        with routers_training(policy, False) if mb.stand_in else contextlib.nullcontext():
+            out.backward(grad)  # grad is None for the loss
         return None if hidden_in is None else hidden_in.grad
 
     M = len(micro_batches)
@@ -261,12 +288,13 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
 
 
 @contextlib.contextmanager
-def routers_training(policy: PolicyModel) -> Iterator[None]:
-    """megatron-core's routers in training mode, the rest of the policy as it is (evaluation mode: no
-    dropout, none configured anyway): a router attaches its load-balancing loss only in training."""
+def routers_training(policy: PolicyModel, training: bool = True) -> Iterator[None]:
+    """megatron-core's routers in training mode (or, ``training`` False, in evaluation mode), the rest
+    of the policy as it is (evaluation mode: no dropout, none configured anyway): a router attaches
+    its load-balancing loss only in training (not a stand-in micro-batch's, :func:`expert_stand_ins`)."""
     modes = [r.training for r in policy.routers]
     for r in policy.routers:
-        r.training = True
+        r.training = training
     try:
         yield
     finally:
@@ -306,7 +334,10 @@ def finalize_grads(policy: PolicyModel) -> None:
         g = grad_of(p)
         if g is None:
             continue
-        ctx.all_reduce_dp(g)
+        if expert_parallel(p):
+            ctx.all_reduce_expert_dp(g)
+        else:
+            ctx.all_reduce_dp(g)
         if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
             ctx.all_reduce_tp(g)
     if ctx.pp_size > 1 and policy.config.tie_word_embeddings and (ctx.is_first_stage or ctx.is_last_stage):
@@ -337,6 +368,12 @@ def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], tempe
     old log-probs recomputed under filtered sampling, and the reference policy's log-probs.
     ``replay``: route by the micro-batches' routing where they carry it (the reference policy routes
     by its own routers: ``replay=False``)."""
+    with policy.expert_lockstep():  # (expert parallelism: replicas hold different numbers of micro-batches)
+        return _forward_logprobs(policy, micro_batches, temperature, replay)
+
+
+def _forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temperature: float,
+                      replay: bool) -> list:
     ctx = policy.ctx
     out: list = []
     for mb in micro_batches:

@@ -85,7 +85,7 @@ def cached_profile(policy: PolicyModel, policy_fingerprint: Optional[str]) -> Op
 
     ctx = policy.ctx
     return load_profile(profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size,
-                                    ctx.pp_size))
+                                    ctx.pp_size, ctx.ep_size))
 
 
 def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[Any, Optional[Latency]]:
@@ -136,9 +136,11 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
     curve["grid"] = grid
     record = {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {tolerance} x latency(1)",
               "hardware": hardware_name(), "dtype": dtype_name(policy), "tp": ctx.tp_size, "pp": ctx.pp_size,
+              "ep": ctx.ep_size,
               "policy_fingerprint": fp, "curve": curve, "quick": quick}
     if ctx.rank == 0:
-        save_capacity(profile_key(fp, dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size), record)
+        save_capacity(profile_key(fp, dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size, ctx.ep_size),
+                      record)
     return record
 
 
@@ -220,18 +222,20 @@ def forward_grid(policy: PolicyModel, c_hw: int, reps: int, contexts: Sequence[i
     sync = torch.cuda.synchronize if policy.ctx.device.type == "cuda" else (lambda: None)
     rows, nodes = grid_axes(c_hw)
     seconds = []
-    for context in contexts:
-        per_context = []
-        for r in rows:
-            shapes = [n for n in nodes if n <= 2 or r * n <= c_hw]
-            cache = _committed_cache(policy, r, context, context + max(shapes))
-            medians = alternated_medians({n: _step(policy, cache, r, n) for n in shapes}, reps, sync)
-            del cache
-            per_context.append([medians.get(n) for n in nodes])
-            if verbose:
-                print(f"  context {context:5d}, {r:4d} rows: " + "  ".join(
-                    f"{n} nodes {s * 1e3:.1f} ms" for n, s in zip(nodes, per_context[-1]) if s is not None), flush=True)
-        seconds.append(per_context)
+    with policy.expert_lockstep():
+        for context in contexts:
+            per_context = []
+            for r in rows:
+                shapes = [n for n in nodes if n <= 2 or r * n <= c_hw]
+                cache = _committed_cache(policy, r, context, context + max(shapes))
+                medians = alternated_medians({n: _step(policy, cache, r, n) for n in shapes}, reps, sync)
+                del cache
+                per_context.append([medians.get(n) for n in nodes])
+                if verbose:
+                    print(f"  context {context:5d}, {r:4d} rows: " + "  ".join(
+                        f"{n} nodes {s * 1e3:.1f} ms" for n, s in zip(nodes, per_context[-1]) if s is not None),
+                          flush=True)
+            seconds.append(per_context)
     return {"rows": rows, "nodes": nodes, "contexts": list(contexts), "seconds": seconds}
 
 
@@ -246,12 +250,13 @@ def forward_latency(policy: PolicyModel, sizes: Sequence[int], reps: int, contex
     each timing waits for the device (kernels run asynchronously)."""
     sync = torch.cuda.synchronize if policy.ctx.device.type == "cuda" else (lambda: None)
     res = {"tokens": list(sizes), "context": context, "tree_row_s": [], "decode_rows_s": []}
-    for n in sizes:
-        medians = alternated_medians({"tree_row_s": tree_forward(policy, n, context),
-                                      "decode_rows_s": decode_forward(policy, n, context)}, reps, sync)
-        for name, seconds in medians.items():
-            res[name].append(seconds)
-        if verbose:
-            print(f"  forward with {n:4d} tokens: tree row {res['tree_row_s'][-1] * 1e3:8.1f} ms   "
-                  f"decode rows {res['decode_rows_s'][-1] * 1e3:8.1f} ms", flush=True)
+    with policy.expert_lockstep():
+        for n in sizes:
+            medians = alternated_medians({"tree_row_s": tree_forward(policy, n, context),
+                                          "decode_rows_s": decode_forward(policy, n, context)}, reps, sync)
+            for name, seconds in medians.items():
+                res[name].append(seconds)
+            if verbose:
+                print(f"  forward with {n:4d} tokens: tree row {res['tree_row_s'][-1] * 1e3:8.1f} ms   "
+                      f"decode rows {res['decode_rows_s'][-1] * 1e3:8.1f} ms", flush=True)
     return res

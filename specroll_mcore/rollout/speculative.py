@@ -386,10 +386,11 @@ class SpeculativeEngine:
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
         rollout = _Rollout(self, sampling)
         self._draft_vocab = self.draft_vocab()  # (the output layer may have changed since the last rollout)
-        state = RolloutState(self.model, prompts, ids, sampling, step, rules, extra_capacity=self.spec.n_max)
-        groups = rollout.start(state, prompts)
-        run_groups(lambda i: groups[i].slots.numel() > 0, len(groups), self.model.ctx,
-                   lambda i: rollout.forward(groups[i]), lambda i: rollout.advance(groups[i]))
+        with self.model.expert_lockstep():  # (expert parallelism: forwards in step with the EP group)
+            state = RolloutState(self.model, prompts, ids, sampling, step, rules, extra_capacity=self.spec.n_max)
+            groups = rollout.start(state, prompts)
+            run_groups(lambda i: groups[i].slots.numel() > 0, len(groups), self.model.ctx,
+                       lambda i: rollout.forward(groups[i]), lambda i: rollout.advance(groups[i]))
         return state.output(rollout.stats())
 
 

@@ -65,6 +65,11 @@ class VanillaEngine:
         if features_topk < 0 or features_topk > self.model.config.vocab_size:
             raise ValueError(f"features_topk must be in [0, vocab size {self.model.config.vocab_size}], "
                              f"got {features_topk}")
+        with self.model.expert_lockstep():  # (expert parallelism: forwards in step with the EP group)
+            return self._generate(prompts, sampling, step, prompt_ids, features_topk)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int,
+                  prompt_ids: Optional[Sequence[int]], features_topk: int) -> RolloutOutput:
         model, cfg = self.model, self.model.config
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)

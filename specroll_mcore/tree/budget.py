@@ -261,10 +261,12 @@ def tree_size(expected: Sequence[float], rows: int, latency: Latency,
     return best
 
 
-def profile_key(model_fingerprint: str, dtype: str, hardware: str, tp: int, pp: int) -> str:
+def profile_key(model_fingerprint: str, dtype: str, hardware: str, tp: int, pp: int, ep: int = 1) -> str:
     """The cache key of a capacity profile: the weights, the dtype the policy computes in (the same
-    checkpoint loaded in bfloat16 has another latency curve), the hardware and the layout."""
-    raw = json.dumps([model_fingerprint, dtype, hardware, tp, pp])
+    checkpoint loaded in bfloat16 has another latency curve), the hardware and the layout (expert
+    parallelism, whose all-to-alls a forward waits for, only where it is used: profiles cached
+    before it keep their keys)."""
+    raw = json.dumps([model_fingerprint, dtype, hardware, tp, pp] + ([ep] if ep > 1 else []))
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

@@ -41,8 +41,9 @@ def train(src: Path, tmp_path: Path, nproc: int, *layout) -> tuple[dict, dict]:
 def test_train_heads_in_every_layout_matches_one_process(tmp_path):
     src = tiny_policy_checkpoint(tmp_path / "fresh", with_heads=False)
     ref, ref_heads = train(src, tmp_path, 1)
-    assert ref["layout"] == {"tp": 1, "pp": 1, "dp": 1}
-    for layout, want in [(("--tp", 2), {"tp": 2, "pp": 1, "dp": 1}), (("--pp", 2), {"tp": 1, "pp": 2, "dp": 1})]:
+    assert ref["layout"] == {"tp": 1, "pp": 1, "dp": 1, "ep": 1}
+    for layout, want in [(("--tp", 2), {"tp": 2, "pp": 1, "dp": 1, "ep": 1}),
+                         (("--pp", 2), {"tp": 1, "pp": 2, "dp": 1, "ep": 1})]:
         got, heads = train(src, tmp_path, 2, *layout)
         assert got["layout"] == want
         assert (got["train_positions"], got["heldout_positions"]) == (ref["train_positions"], ref["heldout_positions"])
@@ -54,7 +55,7 @@ def test_train_heads_in_every_layout_matches_one_process(tmp_path):
             for metric, values in ref[name].items():
                 assert got[name][metric] == pytest.approx(values, abs=1e-9), (layout, name, metric)
     got, heads = train(src, tmp_path, 2)  # world 2, TP=PP=1: two data-parallel replicas
-    assert got["layout"] == {"tp": 1, "pp": 1, "dp": 2}
+    assert got["layout"] == {"tp": 1, "pp": 1, "dp": 2, "ep": 1}
     assert (got["train_positions"], got["heldout_positions"]) == (ref["train_positions"], ref["heldout_positions"])
     assert got["heldout_before"] == ref["heldout_before"]
     assert all(v.abs().max() > 0 for v in heads.values())

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import make_policy
 from specroll_mcore import parallel
-from specroll_mcore.config import ModelConfig, ParallelConfig, SamplingConfig, tiny_llama
+from specroll_mcore.config import ModelConfig, ParallelConfig, SamplingConfig, TrainConfig, tiny_llama
 from specroll_mcore.rollout import VanillaEngine
 
 
@@ -63,6 +63,25 @@ def test_parallel_layout(tp, pp, world, match):
     cfg = tiny_llama(num_experts=4) if "experts" in match else tiny_llama()
     with pytest.raises(ValueError, match=match):
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate(cfg, world)
+
+
+@pytest.mark.parametrize("experts, ep, world, match", [
+    (None, 2, 2, r"expert_model_parallel_size is 2 but the model has no experts"),
+    (6, 4, 4, r"num_experts \(6\) is not divisible by ParallelConfig.expert_model_parallel_size \(4\)"),
+    (4, 2, 3, r"data-parallel size \(3 = world size 3 / \(TP 1 x PP 1\)\) is not divisible by "
+              r"ParallelConfig.expert_model_parallel_size \(2\)"),
+    (4, 0, 2, r"expert_model_parallel_size must be >= 1, got 0"),
+])
+def test_expert_parallel_layout(experts, ep, world, match):
+    cfg = tiny_llama(num_experts=experts) if experts else tiny_llama()
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(expert_model_parallel_size=ep).validate(cfg, world)
+
+
+def test_a_sharded_optimizer_is_refused_with_expert_parallelism():
+    with pytest.raises(ValueError, match=r"shard_optimizer splits AdamW's state over data-parallel replicas that "
+                                         r"hold the same weights, which experts split over expert-parallel ranks"):
+        TrainConfig(shard_optimizer=True, parallel=ParallelConfig(expert_model_parallel_size=2))
 
 
 def test_a_policy_is_not_built_in_a_tensor_parallel_layout_its_experts_cannot_take():

@@ -199,3 +199,24 @@ def test_update_routes_each_token_to_its_rollout_experts(ctx):
     assert (n_kept, n_again) == (2 * 2, 2 * 2 * 2)  # the recomputation ran the routers again
     for a, b in zip(kept, again):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_expert_shards_split_and_join_the_experts():
+    """Expert parallelism's load-time split (each EP rank keeps its consecutive experts, numbered from
+    0) and the save-time join give back the full set; other tensors pass through."""
+    from specroll_mcore.checkpoint.shard import expert_shard, expert_unshard
+
+    full = {f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc{j}.weight": torch.full((2,), 10. * i + e)
+            for i in range(2) for e in range(4) for j in (1, 2)}
+    full["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 2)
+    parts = [expert_shard(full, 4, 2, rank) for rank in range(2)]
+    assert parts[1]["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"][0] == 12.0
+    assert all("decoder.layers.0.mlp.router.weight" in p for p in parts)
+    for p in parts:  # 2 layers x 2 local experts (numbered 0, 1) x 2 linears
+        assert sorted({int(k.split(".")[6]) for k in p if ".experts." in k}) == [0, 1]
+        assert sum(".experts." in k for k in p) == 8
+    joined = expert_unshard([{k: v for k, v in p.items() if ".experts." in k} for p in parts], 4)
+    assert set(joined) == {k for k in full if ".experts." in k}
+    assert all(torch.equal(joined[k], full[k]) for k in joined)
+    with pytest.raises(KeyError, match="expert 4 of a model with 4 experts"):
+        expert_shard({"decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight": torch.zeros(1)}, 4, 2, 0)

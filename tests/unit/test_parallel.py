@@ -8,7 +8,9 @@ from specroll_mcore import parallel
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compatibility only applies without CUDA")
 def test_cpu_compat_items(ctx):
-    assert parallel.apply_cpu_compat() == ["torch.cuda.current_device -> cpu"]
+    assert parallel.apply_cpu_compat() == ["torch.cuda.current_device -> cpu",
+                                           "MoEAlltoAllTokenDispatcher: no CUDA stream, split sizes to host arrays "
+                                           "without one"]
     assert torch.cuda.current_device() == torch.device("cpu")
     # megatron's TP mappings allocate on torch.cuda.current_device(): they must run on CPU.
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -21,6 +23,27 @@ def test_cpu_compat_items(ctx):
     assert torch.Tensor.cuda is original
     with pytest.raises((AssertionError, RuntimeError)):
         x.cuda()  # outside model construction, CUDA calls still fail loudly
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compatibility only applies without CUDA")
+def test_cpu_compat_all_to_all_dispatcher(ctx):
+    """Item 3: megatron-core's all-to-all token dispatcher builds without a CUDA stream, and at its copy
+    point (only there) its split sizes become the host arrays it hands to the all-to-all; the
+    dispatcher itself runs at EP=2 in tests/dist/test_expert_parallel.py."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    parallel.apply_cpu_compat()
+    assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is not None  # (megatron-core makes one when None)
+    state = SimpleNamespace(drop_and_pad=False, cuda_dtoh_point="before_permutation_1", output_splits_tp=None,
+                            input_splits=torch.tensor([3, 1]), output_splits=torch.tensor([2, 2]))
+    tokens = torch.tensor([4, 0])
+    assert MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize(state, "before_ep_alltoall", tokens) is tokens
+    assert torch.is_tensor(state.input_splits)  # not the copy point: unchanged
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize(state, "before_permutation_1", tokens)
+    assert state.input_splits.tolist() == [3, 1] and not torch.is_tensor(state.input_splits)
+    assert state.output_splits.tolist() == [2, 2] and state.output_splits_tp is None
 
 
 def test_megatron_compat_items(ctx):

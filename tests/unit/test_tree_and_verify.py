@@ -358,6 +358,7 @@ def test_quick_profile_goes_on_while_the_curve_is_flat(ctx, tmp_path, monkeypatc
 def test_latency_profile_leaves_out_each_shapes_first_forward(monkeypatch):
     """A shape's first forward in a process is slower (allocations, kernel setup); timed, it would
     inflate the one-token latency that C_hw is measured against (a 2x C_hw on a 2-core machine)."""
+    import contextlib
     import time
     from types import SimpleNamespace
 
@@ -373,7 +374,7 @@ def test_latency_profile_leaves_out_each_shapes_first_forward(monkeypatch):
 
     monkeypatch.setattr(profile, "tree_forward", fake)
     monkeypatch.setattr(profile, "decode_forward", fake)
-    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")))
+    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")), expert_lockstep=contextlib.nullcontext)
     res = profile.forward_latency(cpu_policy, [1, 4], reps=1)
     assert max(res["tree_row_s"] + res["decode_rows_s"]) < 0.04, res
 
@@ -381,6 +382,7 @@ def test_latency_profile_leaves_out_each_shapes_first_forward(monkeypatch):
 def test_latency_grid_times_every_shape_after_an_untimed_first_forward(monkeypatch):
     """The grid runs each shape once untimed (as the one-row curve) and measures what the engine
     weighs: rows x nodes up to C_hw tokens, and one and two nodes for every row count."""
+    import contextlib
     import time
     from types import SimpleNamespace
 
@@ -399,7 +401,7 @@ def test_latency_grid_times_every_shape_after_an_untimed_first_forward(monkeypat
 
     monkeypatch.setattr(profile, "_committed_cache", lambda policy, rows, context, capacity: (rows, context, capacity))
     monkeypatch.setattr(profile, "_step", fake_step)
-    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")))
+    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")), expert_lockstep=contextlib.nullcontext)
     grid = profile.forward_grid(cpu_policy, 4, reps=2, contexts=(8, 32))
     assert (grid["rows"], grid["nodes"], grid["contexts"]) == ([1, 2, 4], [1, 2, 4], [8, 32])
     for c in grid["seconds"]:
