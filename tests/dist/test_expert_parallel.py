@@ -67,8 +67,9 @@ def _prompts(tmp_path: Path) -> Path:
 def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
     """Two GRPO steps with SpecRoll rollouts on a Qwen3-MoE at DP=2, with routing replay and a
     load-balancing loss, one sequence per micro-batch, and the long prompt's group dealt out by
-    balance_batch: the replicas train 5 and 7 micro-batches, so one runs two stand-ins. At EP=2 the
-    steps equal EP=1's: losses, gradient norms, load-balancing losses and weights. A run stopped
+    balance_batch: in the first step the replicas train 5 and 7 micro-batches, so one runs two
+    stand-ins. At EP=2 the steps equal EP=1's: losses, gradient norms, load-balancing losses and
+    weights. A run stopped
     after step 1 at EP=2 and resumed (each expert-parallel rank loading its experts' AdamW state)
     ends with the same weights; resuming it at EP=1 is refused by name."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=True, arch="qwen3_moe")
