@@ -1,7 +1,7 @@
-"""Run under torchrun (2 processes): a Qwen3-MoE at DP=2 without and with expert parallelism (EP=2),
-rebuilt from the same seeded weights in one launch; each replica rolls out its own prompts, whose
-responses take different numbers of forwards, and computes log-probs over its own number of
-micro-batches. Saves each rank's results for both layouts (tests/dist/test_expert_parallel.py)."""
+"""Run under torchrun (2 processes, or 4 with --pp 2): a Qwen3-MoE at DP=2 without and with expert
+parallelism (EP=2), rebuilt from the same seeded weights in one launch; each replica rolls out its
+own prompts, whose responses take different numbers of forwards, and computes log-probs over its own
+number of micro-batches. Saves each rank's results for both layouts (tests/dist/test_expert_parallel.py)."""
 
 import argparse
 import warnings
@@ -36,7 +36,14 @@ def run(dtype: str, ctx) -> dict:
     prompts, out = PROMPTS[ctx.dp_rank], {}
     out["local_experts"] = len(model.gpt.decoder.layers[0].mlp.experts.local_experts)
     gathered = model.expert_state_dict()
-    out["gathered_equal"] = all(torch.equal(gathered[k], full[k]) for k in gathered if ".local_experts." in k)
+    first = sum(ctx.stage_layers(cfg.num_layers)[:ctx.pp_rank])  # this stage's first layer
+
+    def global_name(k: str) -> str:
+        _, _, i, rest = k.split(".", 3)
+        return f"decoder.layers.{int(i) + first}.{rest}"
+
+    out["gathered_equal"] = all(torch.equal(gathered[k], full[global_name(k)]) for k in gathered
+                                if ".local_experts." in k)
     out["gathered_experts"] = sum(".local_experts." in k for k in gathered)
     for T in (1.0, 0.0):
         sp = SamplingConfig(temperature=T, top_p=0.9 if T else 1.0, max_new_tokens=MAX_NEW[ctx.dp_rank],
@@ -60,11 +67,12 @@ def run(dtype: str, ctx) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--pp", type=int, default=1)
     a = ap.parse_args()
     results = {}
     for ep in (1, 2):
         for dtype in ("float32", "bfloat16"):
-            ctx = parallel.initialize(ParallelConfig(expert_model_parallel_size=ep),
+            ctx = parallel.initialize(ParallelConfig(expert_model_parallel_size=ep, pipeline_model_parallel_size=a.pp),
                                       tiny_qwen3_moe(params_dtype=dtype, num_experts=8))
             results[(ep, dtype)] = run(dtype, ctx)
     torch.save(results, f"{a.out}.rank{ctx.rank}.pt")

@@ -1,5 +1,6 @@
 """Expert parallelism (ParallelConfig.expert_model_parallel_size): a mixture of experts whose experts
-are split over the data-parallel ranks equals the same layout without it (2 processes, gloo).
+are split over the data-parallel ranks equals the same layout without it (2 processes, and 4 with
+pipeline parallelism; gloo).
 
 Rollouts and log-probs compare exactly: an expert computes each token routed to it alone (the
 products are row-invariant on CPU), wherever the token came from. The replicas of these tests
@@ -25,34 +26,39 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.dist
 
 
-def test_rollouts_and_logprobs_at_ep2_equal_ep1(tmp_path):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_rollouts_and_logprobs_at_ep2_equal_ep1(tmp_path, pp):
     """Each replica rolls out its own prompts (replica 1's responses twice as long: it runs forwards
     while replica 0 has finished), vanilla and SpecRoll, at T=1 with top-p and at T=0, in float32 and
     bfloat16, and computes log-probs over 3 and 2 micro-batches: tokens, log-probs, the recorded
     routing and the logits are those without expert parallelism, bit for bit. Each rank holds half
-    the experts, and the experts gathered for a checkpoint are the full set."""
+    the experts, and the experts gathered for a checkpoint are the full set. PP=2 (4 processes):
+    each stage's EP group keeps its own lockstep."""
     out = tmp_path / "res"
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "expert_worker.py"), f"--out={out}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={2 * pp}",
+           str(HERE / "expert_worker.py"), f"--out={out}", f"--pp={pp}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rank in (0, 1):
+    for rank in range(2 * pp):
         res = torch.load(f"{out}.rank{rank}.pt", weights_only=False)
+        last = rank >= 2 * (pp - 1)  # (ranks 0, 1: the first stage's two replicas)
         for dtype in ("float32", "bfloat16"):
             ref, got = res[(1, dtype)], res[(2, dtype)]
             assert (ref["local_experts"], got["local_experts"]) == (8, 4)
-            assert got["gathered_equal"] and got["gathered_experts"] == 2 * 4 * 8  # 2 linears x 4 layers x 8
+            # 2 linears x 8 experts x the stage's layers (4 in all)
+            assert got["gathered_equal"] and got["gathered_experts"] == 2 * 8 * 4 // pp
             for name in ("vanilla-1.0", "vanilla-0.0", "spec-1.0", "spec-0.0"):
                 assert got[name]["tokens"] == ref[name]["tokens"], (rank, dtype, name)
                 assert all(torch.equal(a, b) for a, b in zip(got[name]["logprobs"], ref[name]["logprobs"]))
             assert all(torch.equal(a, b) for a, b in zip(got["vanilla-1.0"]["routing"], ref["vanilla-1.0"]["routing"]))
-            assert len(got["logprobs"]) == (3 if rank == 0 else 2)
-            assert all(torch.equal(a, b) for a, b in zip(got["logprobs"], ref["logprobs"]))
-            assert torch.equal(got["causal"], ref["causal"])
+            assert len(got["logprobs"]) == (3 if rank % 2 == 0 else 2)
+            if last:  # (log-probs and logits are the last stage's)
+                assert all(torch.equal(a, b) for a, b in zip(got["logprobs"], ref["logprobs"]))
+                assert torch.equal(got["causal"], ref["causal"])
         lengths = [len(t) for t in res[(2, "float32")]["vanilla-1.0"]["tokens"]]
-        assert lengths == ([10] * 6 if rank == 0 else [20] * 4)  # the replicas' forwards differ in number
+        assert lengths == ([10] * 6 if rank % 2 == 0 else [20] * 4)  # the replicas' forwards differ in number
 
 
 def _prompts(tmp_path: Path) -> Path:
