@@ -819,7 +819,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     shard_optimizer: bool = False
     """Split AdamW's moment buffers over the data-parallel replicas (ZeRO stage 1; each replica
-    saves its shard, and a run resumes with the data-parallel size it was saved with)."""
+    saves its shard, and a run resumes with the data-parallel size it was saved with). Under expert
+    parallelism the experts' over the replicas that hold the same experts."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -909,11 +910,6 @@ class TrainConfig:
         _check(self.overlong_penalty >= 0, f"TrainConfig.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         _check(self.save_every >= 1 and self.keep_last >= 1,
                f"TrainConfig.save_every and keep_last must be >= 1, got {self.save_every}, {self.keep_last}")
-        _check(not (self.shard_optimizer and self.parallel.expert_model_parallel_size > 1),
-               "TrainConfig.shard_optimizer splits AdamW's state over data-parallel replicas that hold the same "
-               "weights, which experts split over expert-parallel ranks are not "
-               f"(parallel.expert_model_parallel_size {self.parallel.expert_model_parallel_size}); set one of them "
-               "off: shard_optimizer false, or expert_model_parallel_size 1")
 
 
 _NESTED = {(top, name): sub for top in (GenerateConfig, TrainConfig) for name, sub in

@@ -160,3 +160,45 @@ class MainParamAdamW:
                     m.copy_(a)
                     p.copy_(m)
         (self.optimizer if self.shard is None else self.optimizer.optim).load_state_dict(state)
+
+
+class ExpertSplitAdamW:
+    """AdamW for a policy whose routed experts are split over expert-parallel ranks, with its state
+    sharded (ZeRO-1): the other parameters' state over the data-parallel replicas, which hold them
+    all alike, and the experts' over the replicas that hold the same experts (the expert-data-parallel
+    group; not sharded where it is one rank). Two :class:`MainParamAdamW`, one interface; its state
+    dict holds both parts (``dense``, ``experts``), this replica's shard of each."""
+
+    def __init__(self, dense: list[torch.nn.Parameter], experts: list[torch.nn.Parameter],
+                 shard_group: Optional[dist.ProcessGroup], expert_shard_group: Optional[dist.ProcessGroup],
+                 no_weight_decay: Optional[Callable[[torch.nn.Parameter], bool]] = None, **adamw: Any) -> None:
+        self.parts = {"dense": MainParamAdamW(dense, shard_group, no_weight_decay, **adamw),
+                      "experts": MainParamAdamW(experts, expert_shard_group, no_weight_decay, **adamw)}
+        self.shard = self.parts["dense"].shard
+
+    def set_lr(self, lr: float) -> None:
+        for part in self.parts.values():
+            part.set_lr(lr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts.values():
+            part.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        for part in self.parts.values():
+            part.step()
+
+    def close(self) -> None:
+        for part in self.parts.values():
+            part.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != set(self.parts):
+            raise ValueError("the checkpoint's optimizer state was not saved with expert parallelism and a sharded "
+                             "optimizer: resume with the TrainConfig.shard_optimizer and parallel layout it was saved "
+                             "with")
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])

@@ -79,13 +79,13 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
         torch.save({"model": model, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
                     "iteration": step, "checkpoint_version": CHECKPOINT_VERSION, "experts": experts},
                    d / "model_optim_rng.pt")
+    elif getattr(optimizer, "shard", None) is not None:  # this replica's shard of the optimizer state
+        d.mkdir(parents=True, exist_ok=True)  # (and, under expert parallelism, of its experts')
+        torch.save({"optimizer": optimizer.state_dict()}, d / OPTIMIZER_SHARD_FILE.format(dp=ctx.dp_rank))
     elif ctx.expert_dp_rank == 0:  # an expert-parallel rank > 0: its experts' optimizer state
         d.mkdir(parents=True, exist_ok=True)
         torch.save({"optimizer": optimizer.state_dict(), "experts": experts},
                    d / EXPERT_OPTIMIZER_FILE.format(ep=ctx.ep_rank))
-    elif getattr(optimizer, "shard", None) is not None:  # this replica's shard of the optimizer state
-        d.mkdir(parents=True, exist_ok=True)
-        torch.save({"optimizer": optimizer.state_dict()}, d / OPTIMIZER_SHARD_FILE.format(dp=ctx.dp_rank))
     if heads is not None and ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0:
         torch.save({"heads": heads, "meta": heads_meta}, tmp / HEADS_FILE)
     if engine_state is not None and ctx.is_last_stage and ctx.tp_rank == 0:  # one per data-parallel replica
@@ -131,7 +131,7 @@ def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: Any
                          f"{ctx.ep_size}: the optimizer state of experts is kept per expert-parallel rank; resume "
                          f"with expert_model_parallel_size {saved_ep}")
     optim = blob["optimizer"]
-    if ctx.ep_rank > 0:
+    if ctx.ep_rank > 0 and getattr(optimizer, "shard", None) is None:
         optim = torch.load(path.parent / EXPERT_OPTIMIZER_FILE.format(ep=ctx.ep_rank), map_location="cpu",
                            weights_only=False)["optimizer"]
     elif ctx.dp_rank > 0 and getattr(optimizer, "shard", None) is not None:

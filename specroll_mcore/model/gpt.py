@@ -99,10 +99,12 @@ def moe_fields(model: ModelConfig, ctx: ParallelContext) -> dict:
     without expert parallelism (every rank holds every expert, nothing travels), its all-to-all one
     with it (``ParallelConfig.expert_model_parallel_size``: each token goes to the ranks of its
     experts and back; on CPU through the shim in parallel.py). A batch-invariant policy (half
-    precision on CPU) routes in float64, where a router product does not depend on the rows in the call (measured on
-    Qwen3-30B-A3B's 128 x 2048 router: in bfloat16, 1 of 64 rows differs from its one-row product in
-    calls of 64 rows or more; in float32, nearly every row; in float64, none), and a flipped expert
-    choice would change a token's hidden state far more than a rounding. Every router carries
+    precision on CPU) routes in float64, where a router product depends on the rows in the call by
+    far less (measured on Qwen3-30B-A3B's 128 x 2048 router: in bfloat16, 1 of 64 rows differs from
+    its one-row product in calls of 64 rows or more; in float32, nearly every row; in float64 none on
+    one CPU, and on a 2-core Xeon with AMX every row, by at most 3e-11 relative), so that an expert
+    choice flips only at a near-tie of that size: a flipped choice would change a token's hidden state
+    far more than a rounding. Every router carries
     megatron-core's routing-replay hook (idle unless :mod:`specroll_mcore.model.routing` sets it): what
     rollouts record and the policy update replays (``TrainConfig.routing_replay``)."""
     if not model.is_moe:

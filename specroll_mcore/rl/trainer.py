@@ -35,7 +35,7 @@ from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, l
                                                    save_training_checkpoint)
 from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
-from specroll_mcore.optimizer import MainParamAdamW
+from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW
 from specroll_mcore.rl.data import Example, load_examples, render_prompt
 from specroll_mcore.rl.grpo import group_advantages, learning_rate, policy_loss, varied_groups
 from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
@@ -107,9 +107,15 @@ class GRPOTrainer:
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer,
                                      pipeline_groups=groups) if cfg.compare_vanilla_every else None
         params = [p for p in self.policy.gpt.parameters() if p.requires_grad]
-        self.optimizer = MainParamAdamW(params, shard_group=self.ctx.dp_group if cfg.shard_optimizer else None,
-                                        no_weight_decay=lambda p: p.ndim < 2, lr=cfg.lr,
-                                        betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+        adamw = dict(no_weight_decay=lambda p: p.ndim < 2, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                     weight_decay=cfg.weight_decay)
+        if cfg.shard_optimizer and self.ctx.ep_size > 1:  # experts' state over the ranks holding them alike
+            self.optimizer: Any = ExpertSplitAdamW([p for p in params if not parallel.expert_parallel(p)],
+                                                   [p for p in params if parallel.expert_parallel(p)],
+                                                   self.ctx.dp_group, self.ctx.expert_dp_group, **adamw)
+        else:
+            self.optimizer = MainParamAdamW(params, shard_group=self.ctx.dp_group if cfg.shard_optimizer else None,
+                                            **adamw)
         # the frozen reference for the KL term: this stage's weights as loaded (a resumed run too)
         self.ref_state = {k: p.detach().clone() for k, p in self.policy.gpt.named_parameters()} \
             if cfg.kl_beta > 0 else None

@@ -75,9 +75,9 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
     load-balancing loss, one sequence per micro-batch, and the long prompt's group dealt out by
     balance_batch: in the first step the replicas train 5 and 7 micro-batches, so one runs two
     stand-ins. At EP=2 the steps equal EP=1's: losses, gradient norms, load-balancing losses and
-    weights. A run stopped
-    after step 1 at EP=2 and resumed (each expert-parallel rank loading its experts' AdamW state)
-    ends with the same weights; resuming it at EP=1 is refused by name."""
+    weights, also with a sharded optimizer (ZeRO-1). Runs stopped after step 1 at EP=2 and resumed
+    (each expert-parallel rank loading its experts' AdamW state, or each replica its shards) end with
+    the same weights; resuming at EP=1 is refused by name."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=True, arch="qwen3_moe")
     common = (f"--set=data.source={_prompts(tmp_path)}", "--set=data.limit=8", "--set=prompts_per_step=4",
               "--set=routing_replay=true", "--set=moe_aux_loss_coeff=0.05", "--set=micro_batch_size=1",
@@ -99,16 +99,27 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
     assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-5
     assert (tmp_path / "ep2" / "iter_0000002" / "mp_rank_00" / "optim_ep1.pt").is_file()
 
-    resumed = tmp_path / "resumed"  # the EP=2 run as it stood after step 1
-    shutil.copytree(tmp_path / "ep2", resumed)
-    shutil.rmtree(resumed / "iter_0000002")
-    (resumed / "latest_checkpointed_iteration.txt").write_text("1")
-    rows = run(ckpt, tmp_path / "resumed", 1, 1, 2, *common, ep2, "--set=resume=true")
-    assert rows[-1]["step"] == 2 and rows[-1]["grad_norm"] == pytest.approx(got[1]["grad_norm"], rel=1e-6)
-    w = load_full_state_dict(tmp_path / "resumed")
+    # and with AdamW's state sharded (ZeRO-1): the experts' over the replicas holding the same experts (here
+    # one each), the rest over both replicas, each of which saves its part
+    sharded = ("--set=shard_optimizer=true",)
+    run(ckpt, tmp_path / "ep2_sharded", 1, 1, 2, *common, ep2, *sharded)
+    w = load_full_state_dict(tmp_path / "ep2_sharded")
     assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-5
+    parts = torch.load(tmp_path / "ep2_sharded" / "iter_0000002" / "mp_rank_00" / "optim_dp1.pt",
+                       weights_only=False)["optimizer"]
+    assert parts["dense"]["zero_shard"] == [1, 2] and "zero_shard" not in parts["experts"]
 
-    proc = launch(ckpt, tmp_path / "resumed", 1, 1, 2, *common, "--set=steps=3", "--set=resume=true")
+    for name, extra in (("ep2", ()), ("ep2_sharded", sharded)):  # each run as it stood after step 1, resumed
+        resumed = tmp_path / f"{name}_resumed"
+        shutil.copytree(tmp_path / name, resumed)
+        shutil.rmtree(resumed / "iter_0000002")
+        (resumed / "latest_checkpointed_iteration.txt").write_text("1")
+        rows = run(ckpt, resumed, 1, 1, 2, *common, ep2, *extra, "--set=resume=true")
+        assert rows[-1]["step"] == 2 and rows[-1]["grad_norm"] == pytest.approx(got[1]["grad_norm"], rel=1e-6)
+        w = load_full_state_dict(resumed)
+        assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-5, name
+
+    proc = launch(ckpt, tmp_path / "ep2_resumed", 1, 1, 2, *common, "--set=steps=3", "--set=resume=true")
     assert proc.returncode != 0
     assert "was saved with expert_model_parallel_size 2, this run has 1" in proc.stdout + proc.stderr
 

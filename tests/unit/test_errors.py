@@ -4,7 +4,7 @@ import pytest
 
 from conftest import make_policy
 from specroll_mcore import parallel
-from specroll_mcore.config import ModelConfig, ParallelConfig, SamplingConfig, TrainConfig, tiny_llama
+from specroll_mcore.config import ModelConfig, ParallelConfig, SamplingConfig, tiny_llama
 from specroll_mcore.rollout import VanillaEngine
 
 
@@ -76,12 +76,6 @@ def test_expert_parallel_layout(experts, ep, world, match):
     cfg = tiny_llama(num_experts=experts) if experts else tiny_llama()
     with pytest.raises(ValueError, match=match):
         ParallelConfig(expert_model_parallel_size=ep).validate(cfg, world)
-
-
-def test_a_sharded_optimizer_is_refused_with_expert_parallelism():
-    with pytest.raises(ValueError, match=r"shard_optimizer splits AdamW's state over data-parallel replicas that "
-                                         r"hold the same weights, which experts split over expert-parallel ranks"):
-        TrainConfig(shard_optimizer=True, parallel=ParallelConfig(expert_model_parallel_size=2))
 
 
 def test_a_policy_is_not_built_in_a_tensor_parallel_layout_its_experts_cannot_take():

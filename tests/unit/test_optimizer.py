@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from specroll_mcore.optimizer import MainParamAdamW
+from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW
 from specroll_mcore.parallel import grad_of
 
 ADAMW = {"lr": 1e-6, "betas": (0.9, 0.99), "weight_decay": 0.01}
@@ -134,3 +134,25 @@ def test_a_sharded_state_does_not_load_into_an_unsharded_optimizer():
     state = {**opt.state_dict(), "zero_shard": [1, 2]}
     with pytest.raises(ValueError, match="shard 1 of 2 data-parallel replicas, this run's is unsharded: resume with"):
         opt.load_state_dict(state)
+
+
+def test_expert_split_optimizer_steps_both_parts_and_checks_what_it_resumes():
+    """The two parts of ExpertSplitAdamW (the sharding itself runs at DP=2 in
+    tests/dist/test_expert_parallel.py) take AdamW's steps as one optimizer over all parameters, and
+    its state resumes, while the state of an optimizer saved without it is refused by name."""
+    dense, expert = bf16_param(64, seed=1), bf16_param(32, seed=2)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in (dense, expert)]
+    opt, ref_opt = ExpertSplitAdamW([dense], [expert], None, None, **ADAMW), MainParamAdamW(ref, **ADAMW)
+    c = [torch.randn(p.shape, generator=torch.Generator().manual_seed(3)).bfloat16().float() for p in ref]
+    for _ in range(2):
+        for o, ps in ((opt, (dense, expert)), (ref_opt, ref)):
+            o.zero_grad()
+            for p, g in zip(ps, c):
+                backward(p, g)
+            o.step()
+    assert torch.equal(dense, ref[0]) and torch.equal(expert, ref[1])
+    resumed = ExpertSplitAdamW([bf16_param(64, seed=1)], [bf16_param(32, seed=2)], None, None, **ADAMW)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert torch.equal(resumed.parts["experts"].main[0], opt.parts["experts"].main[0])
+    with pytest.raises(ValueError, match="was not saved with expert parallelism and a sharded optimizer"):
+        resumed.load_state_dict(ref_opt.state_dict())
