@@ -91,6 +91,9 @@ def test_a_policy_is_not_built_in_a_tensor_parallel_layout_its_experts_cannot_ta
 def test_initialize_rejects_a_layout_that_does_not_fit_the_world():
     with pytest.raises(ValueError, match="world size 1 is not divisible"):
         parallel.initialize(ParallelConfig(tensor_model_parallel_size=2), tiny_llama())
+    with pytest.raises(ValueError, match=r"the data-parallel size \(1\) is not divisible by "
+                                         r"expert_model_parallel_size \(2\)"):
+        parallel.initialize(ParallelConfig(expert_model_parallel_size=2))  # (no model: tools that load one later)
 
 
 def test_tokenizer_larger_than_vocabulary(ctx):
