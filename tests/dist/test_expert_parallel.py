@@ -75,7 +75,8 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
     load-balancing loss, one sequence per micro-batch, and the long prompt's group dealt out by
     balance_batch: in the first step the replicas train 5 and 7 micro-batches, so one runs two
     stand-ins. At EP=2 the steps equal EP=1's: losses, gradient norms, load-balancing losses and
-    weights, also with a sharded optimizer (ZeRO-1). Runs stopped after step 1 at EP=2 and resumed
+    weights (to 0.1 x lr, as in test_grpo_layouts.py: SpecRoll's float32 log-probs move by rounding with
+    the trees' shapes, which each run's measured capacity sets), also with a sharded optimizer (ZeRO-1). Runs stopped after step 1 at EP=2 and resumed
     (each expert-parallel rank loading its experts' AdamW state, or each replica its shards) end with
     the same weights; resuming at EP=1 is refused by name."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=True, arch="qwen3_moe")
@@ -90,13 +91,13 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
         for k in ("reward_mean", "response_len", "dp_sequences_moved"):
             assert a[k] == b[k], k
         for k in ("loss", "grad_norm", "moe_aux_loss", "entropy"):
-            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
     ref_w = load_full_state_dict(tmp_path / "ep1")
     start = load_full_state_dict(ckpt)
     experts = [k for k in ref_w if ".local_experts." in k]
     assert len(experts) == 2 * 2 * 4 and all((ref_w[k] != start[k]).any() for k in experts)  # every expert moved
     w = load_full_state_dict(tmp_path / "ep2")  # the checkpoint holds every expert, as without EP
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-5
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
     assert (tmp_path / "ep2" / "iter_0000002" / "mp_rank_00" / "optim_ep1.pt").is_file()
 
     # and with AdamW's state sharded (ZeRO-1): the experts' over the replicas holding the same experts (here
@@ -104,7 +105,7 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
     sharded = ("--set=shard_optimizer=true",)
     run(ckpt, tmp_path / "ep2_sharded", 1, 1, 2, *common, ep2, *sharded)
     w = load_full_state_dict(tmp_path / "ep2_sharded")
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-5
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
     parts = torch.load(tmp_path / "ep2_sharded" / "iter_0000002" / "mp_rank_00" / "optim_dp1.pt",
                        weights_only=False)["optimizer"]
     assert parts["dense"]["zero_shard"] == [1, 2] and "zero_shard" not in parts["experts"]
@@ -115,9 +116,9 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
         shutil.rmtree(resumed / "iter_0000002")
         (resumed / "latest_checkpointed_iteration.txt").write_text("1")
         rows = run(ckpt, resumed, 1, 1, 2, *common, ep2, *extra, "--set=resume=true")
-        assert rows[-1]["step"] == 2 and rows[-1]["grad_norm"] == pytest.approx(got[1]["grad_norm"], rel=1e-6)
+        assert rows[-1]["step"] == 2 and rows[-1]["grad_norm"] == pytest.approx(got[1]["grad_norm"], rel=1e-4)
         w = load_full_state_dict(resumed)
-        assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-5, name
+        assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4, name
 
     proc = launch(ckpt, tmp_path / "ep2_resumed", 1, 1, 2, *common, "--set=steps=3", "--set=resume=true")
     assert proc.returncode != 0
@@ -136,3 +137,22 @@ def test_train_heads_at_ep2_equals_ep1(tmp_path):
         assert got[k] == ref[k], k
     assert set(heads) == set(ref_heads)
     assert max((heads[k] - v).abs().max().item() for k, v in ref_heads.items()) < 1e-9
+
+
+@pytest.mark.slow
+def test_grpo_step_at_pp2_ep2_equals_ep1(tmp_path):
+    """PP=2 x DP=2 (4 processes), EP=2 against EP=1: a GRPO step with SpecRoll rollouts, routing replay,
+    a load-balancing loss, activation recomputation and balance_batch, one sequence per micro-batch, so
+    that each stage's EP group runs stand-ins through 1F1B (`make test-slow`; ~70 s on 2 cores)."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=True, num_layers=4, arch="qwen3_moe")
+    common = (f"--set=data.source={_prompts(tmp_path)}", "--set=data.limit=8", "--set=prompts_per_step=4",
+              "--set=routing_replay=true", "--set=moe_aux_loss_coeff=0.05", "--set=micro_batch_size=1",
+              "--set=engine=specroll", "--set=recompute_activations=true")
+    ref = run(ckpt, tmp_path / "ep1", 1, 2, 4, *common)
+    got = run(ckpt, tmp_path / "ep2", 1, 2, 4, *common, "--set=parallel.expert_model_parallel_size=2")
+    assert got[0]["dp_sequences_moved"] == ref[0]["dp_sequences_moved"] > 0
+    for k in ("grad_norm", "moe_aux_loss", "entropy"):
+        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4), k
+    ref_w, w = load_full_state_dict(tmp_path / "ep1"), load_full_state_dict(tmp_path / "ep2")
+    # 0.1 x lr (see test_grpo_steps_at_ep2_equal_ep1_and_resume)
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
