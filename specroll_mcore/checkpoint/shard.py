@@ -71,6 +71,11 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], model: ModelConfig) ->
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 
 
+def routed_expert(name: str) -> bool:
+    """Whether ``name`` is a routed expert's tensor (what expert parallelism splits; not a shared expert's)."""
+    return _EXPERT.match(name) is not None
+
+
 def expert_shard(local: Mapping[str, torch.Tensor], num_experts: int, ep_size: int, ep_rank: int
                  ) -> dict[str, torch.Tensor]:
     """Expert parallelism: a stage's state dict holding every routed expert -> the one EP rank

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from specroll_mcore import cpu_gemm
 from specroll_mcore.checkpoint.shard import (check_full_state_dict, expert_shard, expert_unshard, local_state_dict,
-                                             shard_tensor)
+                                             routed_expert, shard_tensor)
 from specroll_mcore.config import ModelConfig, check_tensor_parallel
 from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
 from specroll_mcore.heads import TOKEN_COUNTS, HorizonHeads, horizon_heads_spec, vocab_rows
@@ -261,7 +261,7 @@ class PolicyModel(torch.nn.Module):
         self._lockstep = False  # inside expert_lockstep: every forward of this stage joins the EP group's count
         if ctx.ep_size > 1:  # megatron-core's mark of a parameter split over expert-parallel ranks, as its
             for name, p in self.gpt.named_parameters():  # Transformer Engine layers set it (local ones do not)
-                if ".mlp.experts.local_experts." in name:
+                if routed_expert(name):
                     p.allreduce = False
 
     @property
@@ -468,7 +468,7 @@ class PolicyModel(torch.nn.Module):
         own = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
         if self.ctx.ep_size == 1:
             return own
-        local = {k: v for k, v in own.items() if ".mlp.experts.local_experts." in k}
+        local = {k: v for k, v in own.items() if routed_expert(k)}
         parts = [{} for _ in range(self.ctx.ep_size)]
         for name in sorted(local):  # the same order on every rank
             for rank, t in enumerate(self.ctx.all_gather_ep(local[name])):
