@@ -647,8 +647,8 @@ def _import(path: str) -> Any:
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
     cols = [("step", "{:>4}"), ("reward_mean", "{:>7.3f}"), ("accuracy", "{:>6.3f}"), ("response_len", "{:>6.1f}"),
-            ("tau", "{:>5.2f}"), ("generation_s", "{:>7.1f}"), ("vanilla_gen_s", "{:>7.1f}"), ("training_s", "{:>7.1f}"),
-            ("gen_share", "{:>5.2f}")]
+            ("entropy", "{:>6.3f}"), ("tau", "{:>5.2f}"), ("generation_s", "{:>7.1f}"), ("vanilla_gen_s", "{:>7.1f}"),
+            ("training_s", "{:>7.1f}"), ("gen_share", "{:>5.2f}")]
     head = " ".join(f"{c[:12]:>12}" for c, _ in cols)
     lines = [head]
     for r in rows:

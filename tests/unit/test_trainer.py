@@ -17,7 +17,7 @@ from grpo_fixtures import tiny_policy_checkpoint
 from specroll_mcore.config import TrainConfig, load_config
 from specroll_mcore.rl.grpo import policy_loss
 from specroll_mcore.rl.schedule import finalize_grads, forward_backward, forward_logprobs, pack_micro_batch
-from specroll_mcore.rl.trainer import GRPOTrainer, response_sequences
+from specroll_mcore.rl.trainer import GRPOTrainer, response_sequences, summary_table
 from specroll_mcore.rollout import VanillaEngine
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -533,6 +533,17 @@ def test_the_logged_entropy_is_the_policys_over_the_response_tokens(tiny_ckpt, t
             logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1] / temperature
             entropies.append(torch.distributions.Categorical(logits=logits).entropy())
     assert extra["entropy"] == pytest.approx(float(torch.cat(entropies).mean()), rel=1e-5)
+
+
+def test_the_summary_table_shows_each_steps_entropy_and_a_dash_for_what_a_step_lacks():
+    rows = [{"step": 1, "reward_mean": 0.25, "accuracy": 0.125, "response_len": 80.0, "entropy": 1.8234, "tau": 2.1,
+             "generation_s": 12.0, "vanilla_gen_s": 18.0, "training_s": 30.0, "gen_share": 0.29},
+            {"step": 2, "reward_mean": 0.5, "accuracy": 0.25, "response_len": 70.0, "generation_s": 11.0,
+             "training_s": 29.0, "gen_share": 0.28}]  # a skipped update logs no entropy; vanilla not timed
+    head, first, second = (line.split() for line in summary_table(rows).splitlines())
+    assert head[:6] == ["step", "reward_mean", "accuracy", "response_len", "entropy", "tau"]
+    assert first[4] == "1.823" and first[6:8] == ["12.0", "18.0"]
+    assert second[4] == "-" and second[7] == "-"
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])  # the rollout's log-probs, or recomputed before the first step
