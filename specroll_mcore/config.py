@@ -877,6 +877,8 @@ class TrainConfig:
         _check(self.engine in ("vanilla", "specroll"),
                f"TrainConfig.engine must be 'vanilla' or 'specroll', got {self.engine!r}")
         _check(self.steps >= 1, f"TrainConfig.steps must be >= 1, got {self.steps}")
+        _check(self.reward_fn is None or (isinstance(self.reward_fn, str) and all(self.reward_fn.partition(":")[::2])),
+               f"TrainConfig.reward_fn must look like 'module:function', got {self.reward_fn!r}")
         _check(self.prompts_per_step >= 1, f"TrainConfig.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.micro_batch_size >= 1, f"TrainConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         longest = self.data.max_prompt_tokens + self.sampling.max_new_tokens

@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -58,6 +58,7 @@ class GRPOTrainer:
             raise ValueError(f"TrainConfig.prompts_per_step ({cfg.prompts_per_step}) is below the data-parallel size "
                              f"({self.ctx.dp_size}): every replica needs a prompt per step; raise prompts_per_step "
                              "or run fewer data-parallel replicas (world size / (TP x PP))")
+        self.reward_fn = reward_function(cfg.reward_fn) if cfg.reward_fn else None  # before the slow work
         torch.manual_seed(cfg.seed)
         self.source = resolve_checkpoint(cfg.checkpoint)
         self.out = Path(cfg.output_dir)
@@ -122,7 +123,6 @@ class GRPOTrainer:
         self.state: dict[str, Any] = {"step": 0, "policy_version": 0, "cursor": 0, "epoch": 0,
                                       "skipped_steps": 0, "data_skipped": self.data_report.skipped}
         self.heads_meta: dict[str, Any] = {"num_heads": self.policy.num_heads}
-        self.reward_fn = _import(cfg.reward_fn) if cfg.reward_fn else None
         self._prepare_output()
         if cfg.resume:
             self._resume()
@@ -636,13 +636,20 @@ def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _import(path: str) -> Any:
+def reward_function(path: str) -> Callable[..., tuple[float, float]]:
+    """``TrainConfig.reward_fn`` (``module:function``, the format the config checks) -> the function."""
     import importlib
 
-    if ":" not in path:
-        raise ValueError(f"TrainConfig.reward_fn must look like 'module:function', got {path!r}")
     module, name = path.split(":", 1)
-    return getattr(importlib.import_module(module), name)
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"TrainConfig.reward_fn {path!r}: cannot import {module!r} ({e}); put its directory on "
+                         "PYTHONPATH or install its package") from e
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise ValueError(f"TrainConfig.reward_fn {path!r}: {mod.__file__} has no function {name!r}")
+    return fn
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:

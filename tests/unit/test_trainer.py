@@ -346,6 +346,13 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
         load_config(TrainConfig, None, ["prompts_per_step=2", "sampling.num_samples=4", "mini_batches=9"])
     with pytest.raises(ValueError, match="TrainConfig.ppo_epochs must be >= 1, got 0"):
         load_config(TrainConfig, None, ["ppo_epochs=0"])
+    with pytest.raises(ValueError, match="TrainConfig.reward_fn must look like 'module:function', got 'my_reward'"):
+        load_config(TrainConfig, None, ["reward_fn=my_reward"])
+    with pytest.raises(ValueError, match=r"reward_fn 'no_such_module:f': cannot import 'no_such_module' .* PYTHONPATH"):
+        GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r", "reward_fn=no_such_module:f")))
+    with pytest.raises(ValueError, match=r"reward_fn 'rewards_for_tests:nope': .*rewards_for_tests.py has no function"):
+        GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "r",
+                                                             "reward_fn=rewards_for_tests:nope")))
     with pytest.raises(ValueError, match="TrainConfig.moe_aux_loss_coeff must be >= 0, got -0.1"):
         load_config(TrainConfig, None, ["moe_aux_loss_coeff=-0.1"])
     with pytest.raises(ValueError, match=r"TrainConfig.moe_aux_loss_coeff is 0.01 but the policy in .* has no experts"):
