@@ -10,7 +10,8 @@ import transformers
 from hf_fixtures import LLAMA3_SCALING, save_tiny_hf, tiny_hf_config
 from specroll_mcore.checkpoint import convert
 from specroll_mcore.checkpoint.hf import fuse_qkv, model_config_from_hf, split_qkv
-from specroll_mcore.checkpoint.megatron import load_full_state_dict, load_policy
+from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, TRACKER_FILE, load_full_state_dict, load_heads,
+                                                load_policy, save_heads)
 from specroll_mcore.config import SamplingConfig
 from specroll_mcore.model import causal_mask
 from specroll_mcore.rollout import VanillaEngine
@@ -246,6 +247,33 @@ def test_incomplete_checkpoint(tmp_path, ctx):
     shutil.rmtree(tmp_path / "mcore/release/mp_rank_01")
     with pytest.raises(FileNotFoundError, match="mp_rank_01/model_optim_rng.pt is missing"):
         load_policy(tmp_path / "mcore", ctx)
+
+
+def test_a_checkpoint_without_its_tracker_file_is_incomplete(tmp_path, ctx):
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    ckpt = convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore")
+    (ckpt / TRACKER_FILE).unlink()  # (a copy cut short: the tracker is written last)
+    with pytest.raises(FileNotFoundError, match=f"{TRACKER_FILE} is missing: .* holds no complete checkpoint"):
+        load_policy(ckpt, ctx)
+
+
+def test_heads_are_refused_when_missing_or_fitted_on_other_weights(tmp_path, ctx):
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    ckpt = convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore")
+    with pytest.raises(FileNotFoundError, match="heads.pt does not exist: train heads with tools/train_heads.py"):
+        load_policy(ckpt, ctx, with_heads=True)
+    heads = {"heads.layers.0.weight": 0.01 * torch.randn(64, 64)}
+    save_heads(ckpt, heads, {"num_heads": 1})
+    assert load_policy(ckpt, ctx, with_heads=True).num_heads == 1
+    config = json.loads((ckpt / CONFIG_FILE).read_text())
+    fitted_on, config["policy_fingerprint"] = config["policy_fingerprint"], "0123456789abcdef"
+    (ckpt / CONFIG_FILE).write_text(json.dumps(config))  # the weights changed, the heads did not follow
+    with pytest.raises(ValueError, match=f"were fitted on policy {fitted_on}, the checkpoint holds policy "
+                                         "0123456789abcdef: retrain or consolidate them"):
+        load_policy(ckpt, ctx, with_heads=True)
+    stale, meta = load_heads(ckpt, allow_stale=True)
+    assert meta["fitted_on"] == fitted_on
+    assert torch.equal(stale["heads.layers.0.weight"], heads["heads.layers.0.weight"])
 
 
 def test_shape_that_does_not_match_config(tmp_path):
