@@ -670,7 +670,7 @@ def _check_template_kwargs(kwargs: Any, owner: str) -> None:
 def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     """Nested dict -> dataclass, with errors that name the offending field path."""
     if not isinstance(data, dict):
-        raise ValueError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
+        raise ValueError(f"{path.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     _check(not unknown, f"unknown field(s) {[f'{path}{u}' for u in unknown]}; known: {sorted(fields)}")
@@ -689,7 +689,7 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     try:
         return cls(**kwargs)
     except TypeError as e:
-        raise ValueError(f"{path or 'config'}: {e}") from None
+        raise ValueError(f"{path.rstrip('.') or 'config'}: {e}") from None
 
 
 def _set_path(d: dict[str, Any], dotted: str, raw: str) -> None:

@@ -171,6 +171,12 @@ def test_generate_config_errors(tmp_path):
     bad.write_text("sampling:\n  top_p: 2.0\n")
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2.0"):
         load_generate_config(str(bad))
+    bad.write_text("sampling: 0.7\n")  # (meant sampling.temperature)
+    with pytest.raises(ValueError, match="sampling must be a mapping, got float"):
+        load_generate_config(str(bad))
+    bad.write_text("- checkpoint: smollm2\n")
+    with pytest.raises(ValueError, match="config must be a mapping, got list"):
+        load_generate_config(str(bad))
 
 
 def test_spec_config_errors():
