@@ -287,6 +287,24 @@ def test_shape_that_does_not_match_config(tmp_path):
             convert.convert_hf_to_mcore(tmp_path / arch, tmp_path / "out")
 
 
+def test_weights_that_do_not_match_config_or_index(tmp_path):
+    model = save_tiny_hf(tmp_path / "hf", "llama", False)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1  # a config.json of a deeper model beside these weights
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    last = cfg["num_hidden_layers"] - 1
+    with pytest.raises(ValueError, match=rf"model.layers.{last}.mlp.down_proj.weight is missing from .*; does "
+                                         "config.json belong to these weights\\?"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[1].unlink()  # a download cut short
+    with pytest.raises(FileNotFoundError, match=f"weight shards listed in the index are missing: .*{shards[1].name}"):
+        convert.convert_hf_to_mcore(tmp_path / "sharded", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_tp_that_does_not_divide_heads(tmp_path):
     save_tiny_hf(tmp_path / "hf", "llama", False)
     with pytest.raises(ValueError, match=r"num_query_groups \(2 KV heads\) is not divisible by .*\(4\)"):

@@ -33,6 +33,8 @@ def test_token_id_outside_vocabulary(engine):
 def test_duplicate_prompt_ids(engine):
     with pytest.raises(ValueError, match="prompt_ids must be unique"):
         engine.generate([[5], [6]], SamplingConfig(), prompt_ids=[3, 3])
+    with pytest.raises(ValueError, match="prompt_ids has 1 entries for 2 prompts"):
+        engine.generate([[5], [6]], SamplingConfig(), prompt_ids=[3])
 
 
 @pytest.mark.parametrize("kwargs, match", [
