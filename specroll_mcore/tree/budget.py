@@ -324,11 +324,25 @@ def profile_path(cache: Optional[Path] = None) -> Path:
     return root / "capacity_profiles.json"
 
 
+def _cached_profiles(path: Path) -> dict:
+    """The profiles in the cache file ``path`` (none where it does not exist)."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        data = e
+    if not isinstance(data, dict):
+        raise ValueError(f"the capacity profile cache {path} is not a JSON object ({data}): delete it, and the "
+                         "profiles are measured again on first use (or with tools/profile_capacity.py)")
+    return data
+
+
 def save_capacity(key: str, record: dict, cache: Optional[Path] = None) -> Path:
     """Add one profile to the cache file (atomically replaced)."""
     path = profile_path(cache)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(path.read_text()) if path.is_file() else {}
+    data = _cached_profiles(path)
     data[key] = record
     from specroll_mcore.checkpoint.megatron import write_json_atomic
 
@@ -343,7 +357,4 @@ one, see rollout/profile.ensure_capacity)."""
 
 def load_profile(key: str, cache: Optional[Path] = None) -> Optional[dict]:
     """The cached capacity profile under ``key`` (see :func:`profile_key`), or None."""
-    path = profile_path(cache)
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get(key)
+    return _cached_profiles(profile_path(cache)).get(key)

@@ -430,6 +430,18 @@ def test_a_profile_from_before_grids_sizes_trees_by_its_one_row_curve(ctx, tmp_p
     assert cap == (4, LatencyCurve((1, 4, 8), (1.0, 1.5, 3.0)))  # (tools/profile_capacity.py measures a grid)
 
 
+@pytest.mark.parametrize("text", ['{"key": {"c_hw": 4', '["a list"]'])
+def test_a_capacity_profile_cache_that_is_not_a_json_object_is_named(tmp_path, text):
+    from specroll_mcore.tree import budget
+
+    budget.profile_path(tmp_path).write_text(text)  # (edited by hand, say)
+    for call in (lambda: budget.load_profile("key", tmp_path), lambda: budget.save_capacity("key", {}, tmp_path)):
+        with pytest.raises(ValueError, match=r"capacity profile cache .*capacity_profiles.json is not a JSON object "
+                                             r".*: delete it, and the profiles are measured again"):
+            call()
+    assert budget.profile_path(tmp_path).read_text() == text  # not overwritten
+
+
 def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
     """The same weights loaded in another dtype (TrainConfig / `specroll generate` params_dtype) have
     another latency curve: a float32 profile is not taken for a bfloat16 policy."""
