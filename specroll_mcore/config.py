@@ -735,6 +735,41 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation during GRPO (verl's validation): the policy answers the ``data`` prompts with
+    the rollout engine and the step's reward function scores them; ``eval_accuracy``, ``eval_reward_mean``
+    and ``eval_response_len`` (over all responses) join the step's metrics. It changes nothing in
+    training: the slow path neither records these rollouts nor consolidates after them, and their
+    sampling noise is keyed by step 0 whatever the step, so every evaluation draws the same noise
+    (differences between evaluations are the policy's)."""
+
+    every: int = 0
+    """Evaluate after every ``every`` GRPO steps and after the last; 0: never."""
+
+    before_training: bool = False
+    """Also evaluate the starting policy (a row of step 0 in metrics.jsonl)."""
+
+    data: DataConfig = field(default_factory=lambda: DataConfig(split="test", limit=64))
+    """The held-out prompts; ``synthetic`` with a split other than ``train`` draws its problems from
+    another seed than training's."""
+
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples=1,
+                                                                           max_new_tokens=160))
+    """Greedy by default (accuracy of the policy's answer); ``num_samples`` > 1 at T > 0 gives mean@n."""
+
+    batch_prompts: int = 64
+    """Prompts per rollout on each data-parallel replica (with their ``num_samples`` responses)."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"EvalConfig.every must be >= 0 (0: never), got {self.every}")
+        _check(self.batch_prompts >= 1, f"EvalConfig.batch_prompts must be >= 1, got {self.batch_prompts}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or self.before_training
+
+
+@dataclass
 class TrainConfig:
     """``specroll train``: GRPO with SpecRoll (or vanilla) rollouts on a megatron-core policy."""
 
@@ -752,6 +787,7 @@ class TrainConfig:
                                                                            max_new_tokens=160))
     spec: SpecConfig = field(default_factory=SpecConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     steps: int = 20
     prompts_per_step: int = 8
@@ -916,7 +952,9 @@ class TrainConfig:
 
 _NESTED = {(top, name): sub for top in (GenerateConfig, TrainConfig) for name, sub in
            (("parallel", ParallelConfig), ("sampling", SamplingConfig), ("spec", SpecConfig), ("data", DataConfig))}
-_NESTED.update({(SpecConfig, "reflex"): ReflexConfig, (SpecConfig, "slow_path"): SlowPathConfig})
+_NESTED.update({(SpecConfig, "reflex"): ReflexConfig, (SpecConfig, "slow_path"): SlowPathConfig,
+                (TrainConfig, "eval"): EvalConfig, (EvalConfig, "data"): DataConfig,
+                (EvalConfig, "sampling"): SamplingConfig})
 
 
 def load_config(cls: type, path: Optional[str], overrides: Sequence[str] = ()) -> Any:

@@ -33,7 +33,7 @@ from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, load_policy, model_
                                                 stage_layers_of, stop_token_ids)
 from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
                                                    save_training_checkpoint)
-from specroll_mcore.config import TrainConfig
+from specroll_mcore.config import DataConfig, TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW
 from specroll_mcore.rl.data import Example, load_examples, render_prompt
@@ -85,19 +85,11 @@ class GRPOTrainer:
         # Data: prompts that do not fit are skipped and counted (a cut question changes its answer).
         examples, self.data_report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed,
                                                    cfg.data.name)
-        limit = min(cfg.data.max_prompt_tokens, self.policy.config.max_position_embeddings - 1)
-        self.examples: list[Example] = []
-        self.prompt_ids: dict[int, list[int]] = {}
-        for ex in examples:
-            ids = render_prompt(self.tokenizer, ex.question, cfg.data.chat, cfg.data.chat_template_kwargs)
-            if len(ids) > limit:
-                self.data_report.skip("prompt over the context limit")
-                continue
-            self.examples.append(ex)
-            self.prompt_ids[ex.id] = ids
+        self.examples, self.prompt_ids = self._usable(examples, cfg.data, self.data_report)
         if len(self.examples) < cfg.prompts_per_step:
             raise ValueError(f"only {len(self.examples)} usable prompts (skipped: {self.data_report.skipped}); "
                              f"TrainConfig.prompts_per_step is {cfg.prompts_per_step}")
+        self._prepare_eval()
 
         spec = latency = None
         if cfg.engine == "specroll":
@@ -129,6 +121,86 @@ class GRPOTrainer:
         self.writer = self._tensorboard()
 
     # -- setup -------------------------------------------------------------------------------------------
+    def _usable(self, examples: list[Example], data: DataConfig, report: Any
+                ) -> tuple[list[Example], dict[int, list[int]]]:
+        """The examples whose prompt fits the context, and their token ids; the others are skipped and
+        counted in ``report`` (a cut question changes its answer)."""
+        limit = min(data.max_prompt_tokens, self.policy.config.max_position_embeddings - 1)
+        kept, prompt_ids = [], {}
+        for ex in examples:
+            ids = render_prompt(self.tokenizer, ex.question, data.chat, data.chat_template_kwargs)
+            if len(ids) > limit:
+                report.skip("prompt over the context limit")
+                continue
+            kept.append(ex)
+            prompt_ids[ex.id] = ids
+        return kept, prompt_ids
+
+    def _prepare_eval(self) -> None:
+        """The held-out prompts of TrainConfig.eval: those that are training prompts too are left out,
+        and the rest cut to a multiple of the data-parallel size, so that every replica rolls out as
+        many of them in as many rollouts as the others (expert parallelism runs them in lockstep)."""
+        ev, dp = self.cfg.eval, self.ctx.dp_size
+        self.eval_examples: list[Example] = []
+        self.eval_prompt_ids: dict[int, list[int]] = {}
+        if not ev.enabled:
+            return
+        examples, self.eval_report = load_examples(ev.data.source, ev.data.split, ev.data.limit, self.cfg.seed,
+                                                   ev.data.name)
+        trained = {ex.question for ex in self.examples}
+        for ex in examples:
+            if ex.question in trained:
+                self.eval_report.skip("also a training prompt")
+        examples = [ex for ex in examples if ex.question not in trained]
+        usable, self.eval_prompt_ids = self._usable(examples, ev.data, self.eval_report)
+        if len(usable) < dp:
+            raise ValueError(f"only {len(usable)} usable evaluation prompts (skipped: {self.eval_report.skipped}) "
+                             f"for {dp} data-parallel replicas: raise TrainConfig.eval.data.limit or give "
+                             "eval.data another source")
+        for _ in range(len(usable) % dp):
+            self.eval_report.skip("left over from an even split over the data-parallel replicas")
+        self.eval_examples = usable[:len(usable) - len(usable) % dp]
+
+    def _score(self, tokens: list[int], reference: str) -> tuple[float, float]:
+        """(reward, correct) of one response: TrainConfig.reward_fn, or math-verify's check with the
+        format reward."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if self.reward_fn is not None:
+            return self.reward_fn(text, reference, tokens)
+        return score(text, reference, RewardConfig(self.cfg.format_reward))
+
+    def evaluate(self) -> dict[str, Any]:
+        """TrainConfig.eval's held-out evaluation of the current policy: each replica rolls out its
+        share of the prompts (``batch_prompts`` at a time) inside the engine's :meth:`held_out`, with
+        noise keyed by step 0, and scores every response by the reward function (without the overlong
+        penalty, a shaping of training). Returns ``eval_accuracy``, ``eval_reward_mean`` and
+        ``eval_response_len`` over all replicas' responses, ``eval_prompts``, ``eval_s``, and for the
+        speculative engine ``eval_tau``."""
+        ev, ctx = self.cfg.eval, self.ctx
+        G, batch = ev.sampling.num_samples, ev.batch_prompts * ctx.dp_size
+        t0 = time.perf_counter()
+        self.policy.pack_for_inference()
+        sums = torch.zeros(4, dtype=torch.float64)  # reward, correct, tokens, responses
+        stats = []
+        with self.engine.held_out():
+            for start in range(0, len(self.eval_examples), batch):
+                mine = self.eval_examples[start:start + batch][ctx.dp_rank::ctx.dp_size]
+                out = self.engine.generate([self.eval_prompt_ids[e.id] for e in mine], ev.sampling, step=0,
+                                           prompt_ids=[e.id for e in mine])
+                for k, toks in enumerate(out.tokens):
+                    r, c = self._score(toks, mine[k // G].reference)
+                    sums += torch.tensor([float(r), float(c), len(toks), 1.0], dtype=torch.float64)
+                stats.append(out.stats)
+        sums = ctx.all_reduce_dp(sums)
+        n = float(sums[3])
+        row = {"eval_accuracy": float(sums[1]) / n, "eval_reward_mean": float(sums[0]) / n,
+               "eval_response_len": float(sums[2]) / n, "eval_prompts": len(self.eval_examples),
+               "eval_s": time.perf_counter() - t0}
+        combined = combined_stats(stats)
+        if "tau" in combined:
+            row["eval_tau"] = combined["tau"]
+        return row
+
     def _prepare_output(self) -> None:
         has_checkpoint = latest_training_checkpoint(self.out) is not None
         if not self.cfg.resume and has_checkpoint:
@@ -312,11 +384,7 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         rewards, correct = [], []
         for k, toks in enumerate(rollout.tokens):
-            text = self.tokenizer.decode(toks, skip_special_tokens=True)
-            if self.reward_fn is not None:
-                r, c = self.reward_fn(text, mine[k // G].reference, toks)
-            else:
-                r, c = score(text, mine[k // G].reference, RewardConfig(cfg.format_reward))
+            r, c = self._score(toks, mine[k // G].reference)
             rewards.append(float(r) + overlong_penalty(len(toks), cfg.sampling.max_new_tokens, cfg.overlong_buffer,
                                                        cfg.overlong_penalty))
             correct.append(float(c))
@@ -554,9 +622,16 @@ class GRPOTrainer:
         from tqdm import tqdm
 
         rows = []
+        ev = self.cfg.eval
+        if ev.before_training and self.state["step"] == 0:
+            row = {"step": 0, **self.evaluate()}
+            self.log(row)
+            rows.append(row)
         bar = tqdm(total=self.cfg.steps, initial=self.state["step"], desc="GRPO", disable=self.ctx.rank != 0)
         while self.state["step"] < self.cfg.steps:
             row = self.step()
+            if ev.every and (self.state["step"] % ev.every == 0 or self.state["step"] == self.cfg.steps):
+                row.update(self.evaluate())
             self.log(row)
             rows.append(row)
             bar.update(1)
@@ -655,7 +730,7 @@ def reward_function(path: str) -> Callable[..., tuple[float, float]]:
 def summary_table(rows: list[dict[str, Any]]) -> str:
     cols = [("step", "{:>4}"), ("reward_mean", "{:>7.3f}"), ("accuracy", "{:>6.3f}"), ("response_len", "{:>6.1f}"),
             ("entropy", "{:>6.3f}"), ("tau", "{:>5.2f}"), ("generation_s", "{:>7.1f}"), ("vanilla_gen_s", "{:>7.1f}"),
-            ("training_s", "{:>7.1f}"), ("gen_share", "{:>5.2f}")]
+            ("training_s", "{:>7.1f}"), ("gen_share", "{:>5.2f}"), ("eval_accuracy", "{:>6.3f}")]
     head = " ".join(f"{c[:12]:>12}" for c, _ in cols)
     lines = [head]
     for r in rows:

@@ -25,9 +25,10 @@ group sizes its trees by its own unfinished responses.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -115,6 +116,19 @@ class SpeculativeEngine:
             self.calibration.load_state_dict(state["calibration"])
         if state.get("slow_path") is not None and self.slow_path is not None:
             self.slow_path.load_state_dict(state["slow_path"])
+
+    @contextlib.contextmanager
+    def held_out(self) -> Iterator[None]:
+        """Rollouts inside leave the engine's adaptation as it was (an evaluation's): the slow path
+        neither records them nor consolidates after them, and the tree-size calibration they moved is
+        put back. Their tokens are the same as anywhere (only speed adapts)."""
+        calibration, slow_path = self.calibration.state_dict(), self.slow_path
+        self.slow_path = None
+        try:
+            yield
+        finally:
+            self.slow_path = slow_path
+            self.calibration.load_state_dict(calibration)
 
     def draft_vocab(self) -> Optional[DraftVocab]:
         """The ids the heads draft from (``SpecConfig.draft_vocab``), from their token counts and the

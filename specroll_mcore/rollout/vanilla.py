@@ -8,6 +8,7 @@ go in groups, one per stage, whose forwards interleave over the stages (base.run
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -49,6 +50,10 @@ class VanillaEngine:
         self.tokenizer = tokenizer
         self.max_prefill_tokens = max_prefill_tokens
         self.groups = num_groups(pipeline_groups, model.ctx.pp_size)
+
+    def held_out(self) -> contextlib.AbstractContextManager:
+        """As :meth:`SpeculativeEngine.held_out`; this engine keeps nothing from one rollout to the next."""
+        return contextlib.nullcontext()
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int = 0,

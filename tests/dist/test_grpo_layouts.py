@@ -98,14 +98,24 @@ def test_dynamic_sampling_at_dp2_equals_dp1(tmp_path):
     out further rounds together and deal the chosen groups out evenly; two steps give DP=1's rounds,
     rewards, loss and weights. On a Qwen3-MoE with a load-balancing loss, weighed over the micro-batches
     of both replicas as over one process's, and routing replay (the chosen groups' routing travels
-    with them to the replica that trains on them). With fewer prompts per step than replicas the run
-    stops with an error naming the field."""
+    with them to the replica that trains on them). The held-out evaluation, its prompts split over the
+    replicas, gives DP=1's figures. With fewer prompts per step than replicas the run stops with an
+    error naming the field."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, arch="qwen3_moe")
     dyn = ["--set=steps=2", "--set=dynamic_sampling=true", "--set=max_sampling_rounds=4",
            "--set=reward_fn=rewards_for_tests:flat_for_even_answers_reward", "--set=moe_aux_loss_coeff=0.05",
            "--set=routing_replay=true"]
-    ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *dyn)
-    got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *dyn)
+    # held-out evaluation before training and after each step: 6 prompts, 2 a rollout per replica
+    evaluation = ["--set=eval.every=1", "--set=eval.before_training=true", "--set=eval.data.limit=6",
+                  "--set=eval.batch_prompts=2", "--set=eval.sampling.max_new_tokens=8"]
+    ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *dyn, *evaluation)
+    got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *dyn, *evaluation)
+    assert [r["step"] for r in got] == [0, 1, 2]
+    for a, b in zip(ref, got):
+        assert a["eval_prompts"] == b["eval_prompts"] == 6
+        assert (a["eval_accuracy"], a["eval_response_len"]) == (b["eval_accuracy"], b["eval_response_len"])
+        assert b["eval_reward_mean"] == pytest.approx(a["eval_reward_mean"], rel=1e-6)
+    ref, got = ref[1:], got[1:]
     assert sum(r["sampling_rounds"] for r in ref) > len(ref), ref  # a step took another round
     for a, b in zip(ref, got):
         for k in ("sampling_rounds", "groups_varied", "groups_trained", "response_len"):

@@ -158,6 +158,66 @@ def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
     assert len({r["reward_mean"] for r in a}) > 1 or a[0]["grad_norm"] > 0  # there was a learning signal
 
 
+EVAL = ["eval.data.limit=6", "eval.sampling.max_new_tokens=10", "eval.batch_prompts=4"]
+
+
+def test_evaluation_scores_the_policy_on_held_out_prompts_and_changes_nothing_in_training(tiny_ckpt, tmp_path, ctx):
+    """TrainConfig.eval: rows of the evaluated steps (0, 2 and the last) carry the held-out metrics,
+    the starting policy's equal to its greedy responses scored directly; a run with evaluation trains
+    as one without (the speculative engine's slow path and tree calibration included)."""
+    from specroll_mcore.checkpoint.megatron import load_policy
+    from specroll_mcore.config import SamplingConfig
+    from specroll_mcore.rl.data import load_examples, render_prompt
+    from rewards_for_tests import token_parity_reward
+
+    plain = run_rows(tiny_ckpt, tmp_path / "plain", "engine=specroll")
+    rows = run_rows(tiny_ckpt, tmp_path / "eval", "engine=specroll", "eval.every=2", "eval.before_training=true",
+                    *EVAL)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows if "eval_accuracy" in r] == [0, 2, 3]
+    for a, b in zip(plain, rows[1:]):
+        for k in ("reward_mean", "accuracy", "response_len", "tau", "acceptance_per_head", "slow_path_records",
+                  "slow_path_events"):
+            assert a[k] == b[k], (k, a[k], b[k])
+        for k in ("loss", "grad_norm", "entropy"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a[k], b[k])
+
+    # the reference: the starting policy's greedy responses to the held-out prompts, scored directly
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "ref", "engine=vanilla",
+                                                                   "eval.every=1", *EVAL)))
+    train_questions = {e.question for e in trainer.examples}
+    held_out = [e for e in load_examples("synthetic", "test", 6, 0)[0] if e.question not in train_questions]
+    assert [e.id for e in trainer.eval_examples] == [e.id for e in held_out] and len(held_out) == 6
+    policy = load_policy(tiny_ckpt, ctx)
+    prompts = [render_prompt(trainer.tokenizer, e.question) for e in held_out]
+    out = VanillaEngine(policy, eos_token_ids=trainer.eos).generate(
+        prompts, SamplingConfig(temperature=0.0, max_new_tokens=10))
+    scores = [token_parity_reward(None, None, t) for t in out.tokens]
+    first = rows[0]
+    assert first["eval_prompts"] == 6 and first["eval_tau"] >= 1
+    assert first["eval_accuracy"] == pytest.approx(sum(c for _, c in scores) / 6)
+    assert first["eval_reward_mean"] == pytest.approx(sum(r for r, _ in scores) / 6)
+    assert first["eval_response_len"] == pytest.approx(sum(map(len, out.tokens)) / 6)
+
+
+def test_evaluation_prompts_that_are_training_prompts_are_left_out(tiny_ckpt, tmp_path, ctx):
+    rows = [{"question": f"What is {i} plus {i}?", "answer": f"#### {2 * i}"} for i in range(6)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = overrides(tiny_ckpt, tmp_path / "r", "engine=vanilla", f"data.source={data}", "data.limit=4",
+                     "eval.every=1", f"eval.data.source={data}", "eval.data.limit=6")
+    trainer = GRPOTrainer(load_config(TrainConfig, None, args))
+    assert [e.question for e in trainer.eval_examples] == [r["question"] for r in rows[4:]]
+    assert trainer.eval_report.skipped == {"also a training prompt": 4}
+    with pytest.raises(ValueError, match=r"only 0 usable evaluation prompts \(skipped: \{'also a training "
+                                         r"prompt': 4\}\) for 1 data-parallel replicas: raise TrainConfig.eval"):
+        GRPOTrainer(load_config(TrainConfig, None, [*args, "eval.data.limit=4"]))
+    with pytest.raises(ValueError, match="EvalConfig.every must be >= 0"):
+        load_config(TrainConfig, None, ["eval.every=-1"])
+    with pytest.raises(ValueError, match="EvalConfig.batch_prompts must be >= 1"):
+        load_config(TrainConfig, None, ["eval.batch_prompts=0"])
+
+
 DYNAMIC = ["dynamic_sampling=true", "max_sampling_rounds=4", "reward_fn=rewards_for_tests:flat_for_even_answers_reward"]
 
 
