@@ -151,8 +151,13 @@ def save_atomic(obj: Any, path: Path) -> None:
 
 
 def load_heads(ckpt_dir: Path, allow_stale: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Head weights saved with :func:`save_heads`. Heads fitted on other policy weights are refused
-    unless ``allow_stale`` (they still give exact tokens, but their acceptance collapses)."""
+    """Head weights saved with :func:`save_heads`, or, in a GRPO run's output directory, those of its
+    latest checkpoint (saved with that iteration's weights: the heads the trainer had adapted to
+    them). Heads fitted on other policy weights are refused unless ``allow_stale`` (they still give
+    exact tokens, but their acceptance collapses)."""
+    if (Path(ckpt_dir) / TRACKER_FILE).is_file() and (iteration_dir(ckpt_dir) / HEADS_FILE).is_file():
+        blob = torch.load(iteration_dir(ckpt_dir) / HEADS_FILE, map_location="cpu", weights_only=True)
+        return blob["heads"], blob["meta"]
     path = Path(ckpt_dir) / HEADS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: train heads with tools/train_heads.py first")
