@@ -1,4 +1,4 @@
-"""The ``specroll`` command: ``generate``, ``train`` (GRPO) and ``convert``.
+"""The ``specroll`` command: ``generate``, ``train`` (GRPO), ``eval`` (the held-out evaluation of a checkpoint) and ``convert``.
 
 Run with torchrun for TP/PP/DP, e.g.
     torchrun --nproc_per_node 2 -m specroll_mcore.cli generate --set parallel.tensor_model_parallel_size=2
@@ -118,6 +118,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """The held-out evaluation of a GRPO config (its ``eval`` section, scored by its reward) of the
+    config's checkpoint, as ``specroll train`` runs it during training."""
+    import transformers
+
+    from specroll_mcore import parallel
+    from specroll_mcore.checkpoint.megatron import load_policy, stop_token_ids, write_json_atomic
+    from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
+    from specroll_mcore.config import TrainConfig, load_config
+    from specroll_mcore.rl.data import load_examples
+    from specroll_mcore.rl.evaluation import HeldOut, evaluate, make_scorer, reward_function, usable_prompts
+    from specroll_mcore.rollout import make_engine
+    from specroll_mcore.rollout.profile import speculative_setup
+
+    cfg = load_config(TrainConfig, args.config, args.set)
+    ctx = parallel.initialize(cfg.parallel)
+    reward_fn = reward_function(cfg.reward_fn) if cfg.reward_fn else None
+    ckpt = resolve_checkpoint(cfg.checkpoint)
+    policy = load_policy(ckpt, ctx, with_heads=cfg.engine == "specroll")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
+    positions = policy.config.max_position_embeddings
+    # the training prompts, left out of the evaluation as in training (the same held-out prompts)
+    examples, report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed, cfg.data.name)
+    training = usable_prompts(examples, cfg.data, tokenizer, positions, report)[0]
+    held_out = HeldOut.load(cfg.eval, cfg.seed, tokenizer, positions, training, ctx.dp_size)
+    spec = latency = None
+    if cfg.engine == "specroll":
+        spec, latency = speculative_setup(policy, cfg.spec, ckpt)
+    engine = make_engine(cfg.engine, policy, spec, latency, eos_token_ids=stop_token_ids(ckpt, tokenizer),
+                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups)
+    row = {"checkpoint": str(ckpt), "engine": cfg.engine, "skipped": held_out.report.skipped,
+           **evaluate(engine, held_out, cfg.eval, make_scorer(cfg, tokenizer, reward_fn), ctx)}
+    if ctx.rank == 0:
+        print(json.dumps(row))
+        if args.out:
+            write_json_atomic(Path(args.out), row)
+    parallel.destroy()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specroll", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -132,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config field, e.g. steps=40 or sampling.num_samples=8 (repeatable)")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     t.set_defaults(func=cmd_train)
+    e = sub.add_parser("eval", help="the held-out evaluation of a GRPO config, of its checkpoint")
+    e.add_argument("--config", help="a GRPO YAML file: its checkpoint, engine, reward and eval section (see "
+                   "examples/configs/qwen2.5_7b_gsm8k_1node.yaml)")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. checkpoint=runs/NAME or eval.data.limit=200 (repeatable)")
+    e.add_argument("--out", help="also write the figures here (JSON)")
+    e.set_defaults(func=cmd_eval)
     c = sub.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron")
     c.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "smollm2"])
     c.add_argument("src", nargs="?", help="HF directory or .gguf file (hf-to-mcore), Megatron checkpoint (mcore-to-hf)")

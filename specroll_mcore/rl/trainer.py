@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -33,18 +33,19 @@ from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, load_policy, model_
                                                 stage_layers_of, stop_token_ids)
 from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
                                                    save_training_checkpoint)
-from specroll_mcore.config import DataConfig, TrainConfig
+from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW
-from specroll_mcore.rl.data import Example, load_examples, render_prompt
+from specroll_mcore.rl.data import Example, load_examples
+from specroll_mcore.rl.evaluation import HeldOut, evaluate, make_scorer, reward_function, usable_prompts
 from specroll_mcore.rl.grpo import group_advantages, learning_rate, policy_loss, varied_groups
-from specroll_mcore.rl.rewards import RewardConfig, overlong_penalty, score
+from specroll_mcore.rl.rewards import overlong_penalty
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        balanced_assignment, global_grad_norm, micro_batch_split, moe_aux_loss,
                                        pack_micro_batch, routers_training, sequence_tokens, set_moe_aux_loss_scale,
                                        trained)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
-from specroll_mcore.rollout.base import FINISH_LENGTH
+from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats
 from specroll_mcore.rollout.profile import speculative_setup
 
 
@@ -85,11 +86,14 @@ class GRPOTrainer:
         # Data: prompts that do not fit are skipped and counted (a cut question changes its answer).
         examples, self.data_report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed,
                                                    cfg.data.name)
-        self.examples, self.prompt_ids = self._usable(examples, cfg.data, self.data_report)
+        self.examples, self.prompt_ids = usable_prompts(examples, cfg.data, self.tokenizer,
+                                                        self.policy.config.max_position_embeddings, self.data_report)
         if len(self.examples) < cfg.prompts_per_step:
             raise ValueError(f"only {len(self.examples)} usable prompts (skipped: {self.data_report.skipped}); "
                              f"TrainConfig.prompts_per_step is {cfg.prompts_per_step}")
-        self._prepare_eval()
+        self.held_out = HeldOut.load(cfg.eval, cfg.seed, self.tokenizer, self.policy.config.max_position_embeddings,
+                                     self.examples, self.ctx.dp_size) if cfg.eval.enabled else None
+        self.scorer = make_scorer(cfg, self.tokenizer, self.reward_fn)
 
         spec = latency = None
         if cfg.engine == "specroll":
@@ -121,85 +125,9 @@ class GRPOTrainer:
         self.writer = self._tensorboard()
 
     # -- setup -------------------------------------------------------------------------------------------
-    def _usable(self, examples: list[Example], data: DataConfig, report: Any
-                ) -> tuple[list[Example], dict[int, list[int]]]:
-        """The examples whose prompt fits the context, and their token ids; the others are skipped and
-        counted in ``report`` (a cut question changes its answer)."""
-        limit = min(data.max_prompt_tokens, self.policy.config.max_position_embeddings - 1)
-        kept, prompt_ids = [], {}
-        for ex in examples:
-            ids = render_prompt(self.tokenizer, ex.question, data.chat, data.chat_template_kwargs)
-            if len(ids) > limit:
-                report.skip("prompt over the context limit")
-                continue
-            kept.append(ex)
-            prompt_ids[ex.id] = ids
-        return kept, prompt_ids
-
-    def _prepare_eval(self) -> None:
-        """The held-out prompts of TrainConfig.eval: those that are training prompts too are left out,
-        and the rest cut to a multiple of the data-parallel size, so that every replica rolls out as
-        many of them in as many rollouts as the others (expert parallelism runs them in lockstep)."""
-        ev, dp = self.cfg.eval, self.ctx.dp_size
-        self.eval_examples: list[Example] = []
-        self.eval_prompt_ids: dict[int, list[int]] = {}
-        if not ev.enabled:
-            return
-        examples, self.eval_report = load_examples(ev.data.source, ev.data.split, ev.data.limit, self.cfg.seed,
-                                                   ev.data.name)
-        trained = {ex.question for ex in self.examples}
-        for ex in examples:
-            if ex.question in trained:
-                self.eval_report.skip("also a training prompt")
-        examples = [ex for ex in examples if ex.question not in trained]
-        usable, self.eval_prompt_ids = self._usable(examples, ev.data, self.eval_report)
-        if len(usable) < dp:
-            raise ValueError(f"only {len(usable)} usable evaluation prompts (skipped: {self.eval_report.skipped}) "
-                             f"for {dp} data-parallel replicas: raise TrainConfig.eval.data.limit or give "
-                             "eval.data another source")
-        for _ in range(len(usable) % dp):
-            self.eval_report.skip("left over from an even split over the data-parallel replicas")
-        self.eval_examples = usable[:len(usable) - len(usable) % dp]
-
-    def _score(self, tokens: list[int], reference: str) -> tuple[float, float]:
-        """(reward, correct) of one response: TrainConfig.reward_fn, or math-verify's check with the
-        format reward."""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if self.reward_fn is not None:
-            return self.reward_fn(text, reference, tokens)
-        return score(text, reference, RewardConfig(self.cfg.format_reward))
-
     def evaluate(self) -> dict[str, Any]:
-        """TrainConfig.eval's held-out evaluation of the current policy: each replica rolls out its
-        share of the prompts (``batch_prompts`` at a time) inside the engine's :meth:`held_out`, with
-        noise keyed by step 0, and scores every response by the reward function (without the overlong
-        penalty, a shaping of training). Returns ``eval_accuracy``, ``eval_reward_mean`` and
-        ``eval_response_len`` over all replicas' responses, ``eval_prompts``, ``eval_s``, and for the
-        speculative engine ``eval_tau``."""
-        ev, ctx = self.cfg.eval, self.ctx
-        G, batch = ev.sampling.num_samples, ev.batch_prompts * ctx.dp_size
-        t0 = time.perf_counter()
-        self.policy.pack_for_inference()
-        sums = torch.zeros(4, dtype=torch.float64)  # reward, correct, tokens, responses
-        stats = []
-        with self.engine.held_out():
-            for start in range(0, len(self.eval_examples), batch):
-                mine = self.eval_examples[start:start + batch][ctx.dp_rank::ctx.dp_size]
-                out = self.engine.generate([self.eval_prompt_ids[e.id] for e in mine], ev.sampling, step=0,
-                                           prompt_ids=[e.id for e in mine])
-                for k, toks in enumerate(out.tokens):
-                    r, c = self._score(toks, mine[k // G].reference)
-                    sums += torch.tensor([float(r), float(c), len(toks), 1.0], dtype=torch.float64)
-                stats.append(out.stats)
-        sums = ctx.all_reduce_dp(sums)
-        n = float(sums[3])
-        row = {"eval_accuracy": float(sums[1]) / n, "eval_reward_mean": float(sums[0]) / n,
-               "eval_response_len": float(sums[2]) / n, "eval_prompts": len(self.eval_examples),
-               "eval_s": time.perf_counter() - t0}
-        combined = combined_stats(stats)
-        if "tau" in combined:
-            row["eval_tau"] = combined["tau"]
-        return row
+        """TrainConfig.eval's held-out evaluation of the current policy (see rl/evaluation.py)."""
+        return evaluate(self.engine, self.held_out, self.cfg.eval, self.scorer, self.ctx)
 
     def _prepare_output(self) -> None:
         has_checkpoint = latest_training_checkpoint(self.out) is not None
@@ -384,7 +312,7 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         rewards, correct = [], []
         for k, toks in enumerate(rollout.tokens):
-            r, c = self._score(toks, mine[k // G].reference)
+            r, c = self.scorer(toks, mine[k // G].reference)
             rewards.append(float(r) + overlong_penalty(len(toks), cfg.sampling.max_new_tokens, cfg.overlong_buffer,
                                                        cfg.overlong_penalty))
             correct.append(float(c))
@@ -688,43 +616,6 @@ def chosen_groups(varied: list[torch.Tensor], count: int, dp_size: int, dp_rank:
                 out.append((place, r, i // dp_size))
             place += 1
     return out
-
-
-def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """The rollout statistics of a step's rounds as one: tau and acceptance over all their verification
-    steps, the Reflex gate's share averaged, the slow path's counters as after the last round (they are
-    cumulative) with the last event any round had."""
-    if len(stats) == 1:
-        return stats[0]
-    out = dict(stats[-1])
-    if "tau" in out:
-        steps = [p for s in stats for p in s["per_step"]]
-        out["tau"] = sum(p["emitted"] for p in steps) / max(1, sum(p["active"] for p in steps))
-        tried, accepted = ([sum(d) for d in zip(*(s[key] for s in stats))] for key in ("tried_per_depth",
-                                                                                      "accepted_per_depth"))
-        out.update(tried_per_depth=tried, accepted_per_depth=accepted,
-                   acceptance_per_depth=[a / max(1, t) for a, t in zip(accepted, tried)])
-        out["reflex_gate_open"] = sum(s.get("reflex_gate_open", 0.0) for s in stats) / len(stats)
-    if out.get("slow_path"):
-        events = [s["slow_path"]["event"] for s in stats if s.get("slow_path") and s["slow_path"]["event"]]
-        out["slow_path"] = dict(out["slow_path"], event=events[-1] if events else None)
-    return out
-
-
-def reward_function(path: str) -> Callable[..., tuple[float, float]]:
-    """``TrainConfig.reward_fn`` (``module:function``, the format the config checks) -> the function."""
-    import importlib
-
-    module, name = path.split(":", 1)
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        raise ValueError(f"TrainConfig.reward_fn {path!r}: cannot import {module!r} ({e}); put its directory on "
-                         "PYTHONPATH or install its package") from e
-    fn = getattr(mod, name, None)
-    if not callable(fn):
-        raise ValueError(f"TrainConfig.reward_fn {path!r}: {mod.__file__} has no function {name!r}")
-    return fn
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:

@@ -293,3 +293,24 @@ class RolloutState:
             features=features,
             routing=routing,
         )
+
+
+def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rollout statistics of a step's rounds as one: tau and acceptance over all their verification
+    steps, the Reflex gate's share averaged, the slow path's counters as after the last round (they are
+    cumulative) with the last event any round had."""
+    if len(stats) == 1:
+        return stats[0]
+    out = dict(stats[-1])
+    if "tau" in out:
+        steps = [p for s in stats for p in s["per_step"]]
+        out["tau"] = sum(p["emitted"] for p in steps) / max(1, sum(p["active"] for p in steps))
+        tried, accepted = ([sum(d) for d in zip(*(s[key] for s in stats))] for key in ("tried_per_depth",
+                                                                                      "accepted_per_depth"))
+        out.update(tried_per_depth=tried, accepted_per_depth=accepted,
+                   acceptance_per_depth=[a / max(1, t) for a, t in zip(accepted, tried)])
+        out["reflex_gate_open"] = sum(s.get("reflex_gate_open", 0.0) for s in stats) / len(stats)
+    if out.get("slow_path"):
+        events = [s["slow_path"]["event"] for s in stats if s.get("slow_path") and s["slow_path"]["event"]]
+        out["slow_path"] = dict(out["slow_path"], event=events[-1] if events else None)
+    return out

@@ -138,7 +138,7 @@ def test_overlong_penalty_by_hand():
 
 
 def test_rounds_statistics_combine_over_their_steps():
-    from specroll_mcore.rl.trainer import combined_stats
+    from specroll_mcore.rollout.base import combined_stats
 
     a = {"tau": 2.0, "per_step": [{"emitted": 4, "active": 2}], "tried_per_depth": [2, 1],
          "accepted_per_depth": [1, 1],

@@ -163,8 +163,9 @@ EVAL = ["eval.data.limit=6", "eval.sampling.max_new_tokens=10", "eval.batch_prom
 
 def test_evaluation_scores_the_policy_on_held_out_prompts_and_changes_nothing_in_training(tiny_ckpt, tmp_path, ctx):
     """TrainConfig.eval: rows of the evaluated steps (0, 2 and the last) carry the held-out metrics,
-    the starting policy's equal to its greedy responses scored directly; a run with evaluation trains
-    as one without (the speculative engine's slow path and tree calibration included)."""
+    the starting policy's equal to its greedy responses scored directly, and `specroll eval` of the
+    last checkpoint gives the last step's; a run with evaluation trains as one without (the
+    speculative engine's slow path and tree calibration included)."""
     from specroll_mcore.checkpoint.megatron import load_policy
     from specroll_mcore.config import SamplingConfig
     from specroll_mcore.rl.data import load_examples, render_prompt
@@ -187,7 +188,7 @@ def test_evaluation_scores_the_policy_on_held_out_prompts_and_changes_nothing_in
                                                                    "eval.every=1", *EVAL)))
     train_questions = {e.question for e in trainer.examples}
     held_out = [e for e in load_examples("synthetic", "test", 6, 0)[0] if e.question not in train_questions]
-    assert [e.id for e in trainer.eval_examples] == [e.id for e in held_out] and len(held_out) == 6
+    assert [e.id for e in trainer.held_out.examples] == [e.id for e in held_out] and len(held_out) == 6
     policy = load_policy(tiny_ckpt, ctx)
     prompts = [render_prompt(trainer.tokenizer, e.question) for e in held_out]
     out = VanillaEngine(policy, eos_token_ids=trainer.eos).generate(
@@ -199,6 +200,17 @@ def test_evaluation_scores_the_policy_on_held_out_prompts_and_changes_nothing_in
     assert first["eval_reward_mean"] == pytest.approx(sum(r for r, _ in scores) / 6)
     assert first["eval_response_len"] == pytest.approx(sum(map(len, out.tokens)) / 6)
 
+    # `specroll eval` of the run's last checkpoint: the figures its last step logged
+    args = [a for o in overrides(tiny_ckpt, tmp_path / "unused", "engine=specroll", *EVAL) for a in ("--set", o)]
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "specroll_mcore.cli", "eval", *args, "--set",
+                           f"checkpoint={tmp_path / 'eval'}", "--out", str(tmp_path / "eval.json")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads((tmp_path / "eval.json").read_text())
+    for k in ("eval_accuracy", "eval_reward_mean", "eval_response_len", "eval_prompts", "eval_tau"):
+        assert got[k] == rows[-1][k], (k, got[k], rows[-1][k])
+
 
 def test_evaluation_prompts_that_are_training_prompts_are_left_out(tiny_ckpt, tmp_path, ctx):
     rows = [{"question": f"What is {i} plus {i}?", "answer": f"#### {2 * i}"} for i in range(6)]
@@ -207,8 +219,8 @@ def test_evaluation_prompts_that_are_training_prompts_are_left_out(tiny_ckpt, tm
     args = overrides(tiny_ckpt, tmp_path / "r", "engine=vanilla", f"data.source={data}", "data.limit=4",
                      "eval.every=1", f"eval.data.source={data}", "eval.data.limit=6")
     trainer = GRPOTrainer(load_config(TrainConfig, None, args))
-    assert [e.question for e in trainer.eval_examples] == [r["question"] for r in rows[4:]]
-    assert trainer.eval_report.skipped == {"also a training prompt": 4}
+    assert [e.question for e in trainer.held_out.examples] == [r["question"] for r in rows[4:]]
+    assert trainer.held_out.report.skipped == {"also a training prompt": 4}
     with pytest.raises(ValueError, match=r"only 0 usable evaluation prompts \(skipped: \{'also a training "
                                          r"prompt': 4\}\) for 1 data-parallel replicas: raise TrainConfig.eval"):
         GRPOTrainer(load_config(TrainConfig, None, [*args, "eval.data.limit=4"]))

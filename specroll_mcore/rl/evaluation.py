@@ -1,0 +1,128 @@
+"""Held-out evaluation of a policy (TrainConfig.eval; verl's validation): the rollout engine answers
+held-out prompts and the GRPO reward function scores the answers.
+
+:class:`HeldOut` picks the prompts (those that are training prompts too are left out, the rest cut to
+a multiple of the data-parallel size) and :func:`evaluate` rolls them out and scores them. The GRPO
+trainer evaluates during training (``eval.every``, ``eval.before_training``); ``specroll eval`` runs
+the same evaluation of any checkpoint from the same config, so its figures compare with a run's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from specroll_mcore.config import DataConfig, EvalConfig, TrainConfig
+from specroll_mcore.rl.data import Example, LoadReport, load_examples, render_prompt
+from specroll_mcore.rl.rewards import RewardConfig, score
+from specroll_mcore.rollout.base import combined_stats
+
+Scorer = Callable[[list[int], str], tuple[float, float]]
+"""(response tokens, reference answer) -> (reward, correct)."""
+
+
+def usable_prompts(examples: list[Example], data: DataConfig, tokenizer: Any, max_positions: int,
+                   report: LoadReport) -> tuple[list[Example], dict[int, list[int]]]:
+    """The examples whose rendered prompt fits the context, and their token ids; the others are
+    skipped and counted in ``report`` (a cut question changes its answer)."""
+    limit = min(data.max_prompt_tokens, max_positions - 1)
+    kept, prompt_ids = [], {}
+    for ex in examples:
+        ids = render_prompt(tokenizer, ex.question, data.chat, data.chat_template_kwargs)
+        if len(ids) > limit:
+            report.skip("prompt over the context limit")
+            continue
+        kept.append(ex)
+        prompt_ids[ex.id] = ids
+    return kept, prompt_ids
+
+
+def reward_function(path: str) -> Callable[..., tuple[float, float]]:
+    """``TrainConfig.reward_fn`` (``module:function``, the format the config checks) -> the function."""
+    module, name = path.split(":", 1)
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"TrainConfig.reward_fn {path!r}: cannot import {module!r} ({e}); put its directory on "
+                         "PYTHONPATH or install its package") from e
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise ValueError(f"TrainConfig.reward_fn {path!r}: {mod.__file__} has no function {name!r}")
+    return fn
+
+
+def make_scorer(cfg: TrainConfig, tokenizer: Any, reward_fn: Optional[Callable[..., Any]] = None) -> Scorer:
+    """The GRPO reward of one response: ``reward_fn`` (TrainConfig.reward_fn, resolved) on the decoded
+    text, or math-verify's answer check with TrainConfig.format_reward."""
+    def scorer(tokens: list[int], reference: str) -> tuple[float, float]:
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        if reward_fn is not None:
+            return reward_fn(text, reference, tokens)
+        return score(text, reference, RewardConfig(cfg.format_reward))
+
+    return scorer
+
+
+@dataclass
+class HeldOut:
+    """The prompts of an evaluation, the same on every rank."""
+
+    examples: list[Example]
+    prompt_ids: dict[int, list[int]]
+    report: LoadReport
+
+    @classmethod
+    def load(cls, ev: EvalConfig, seed: int, tokenizer: Any, max_positions: int, training: list[Example],
+             dp_size: int) -> "HeldOut":
+        """``ev.data``'s prompts, less those whose question is among ``training``'s (counted), cut to a
+        multiple of ``dp_size``, so that every replica rolls out as many of them in as many rollouts
+        as the others (expert parallelism runs them in lockstep)."""
+        examples, report = load_examples(ev.data.source, ev.data.split, ev.data.limit, seed, ev.data.name)
+        trained = {ex.question for ex in training}
+        for ex in examples:
+            if ex.question in trained:
+                report.skip("also a training prompt")
+        examples = [ex for ex in examples if ex.question not in trained]
+        usable, prompt_ids = usable_prompts(examples, ev.data, tokenizer, max_positions, report)
+        if len(usable) < dp_size:
+            raise ValueError(f"only {len(usable)} usable evaluation prompts (skipped: {report.skipped}) for "
+                             f"{dp_size} data-parallel replicas: raise TrainConfig.eval.data.limit or give "
+                             "eval.data another source")
+        for _ in range(len(usable) % dp_size):
+            report.skip("left over from an even split over the data-parallel replicas")
+        return cls(usable[:len(usable) - len(usable) % dp_size], prompt_ids, report)
+
+
+def evaluate(engine: Any, held_out: HeldOut, ev: EvalConfig, scorer: Scorer, ctx: Any) -> dict[str, Any]:
+    """Each data-parallel replica rolls out its share of ``held_out`` (``ev.batch_prompts`` at a time)
+    inside the engine's ``held_out()``, with noise keyed by step 0, and ``scorer`` scores every
+    response (the reward without the overlong penalty, a shaping of training). Returns
+    ``eval_accuracy``, ``eval_reward_mean`` and ``eval_response_len`` over all replicas' responses,
+    ``eval_prompts``, ``eval_s``, and for the speculative engine ``eval_tau``."""
+    G, batch = ev.sampling.num_samples, ev.batch_prompts * ctx.dp_size
+    t0 = time.perf_counter()
+    engine.model.pack_for_inference()
+    sums = torch.zeros(4, dtype=torch.float64)  # reward, correct, tokens, responses
+    stats = []
+    with engine.held_out():
+        for start in range(0, len(held_out.examples), batch):
+            mine = held_out.examples[start:start + batch][ctx.dp_rank::ctx.dp_size]
+            out = engine.generate([held_out.prompt_ids[e.id] for e in mine], ev.sampling, step=0,
+                                  prompt_ids=[e.id for e in mine])
+            for k, toks in enumerate(out.tokens):
+                r, c = scorer(toks, mine[k // G].reference)
+                sums += torch.tensor([float(r), float(c), len(toks), 1.0], dtype=torch.float64)
+            stats.append(out.stats)
+    sums = ctx.all_reduce_dp(sums)
+    n = float(sums[3])
+    row = {"eval_accuracy": float(sums[1]) / n, "eval_reward_mean": float(sums[0]) / n,
+           "eval_response_len": float(sums[2]) / n, "eval_prompts": len(held_out.examples),
+           "eval_s": time.perf_counter() - t0}
+    combined = combined_stats(stats)
+    if "tau" in combined:
+        row["eval_tau"] = combined["tau"]
+    return row
