@@ -148,12 +148,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
         spec, latency = speculative_setup(policy, cfg.spec, ckpt)
     engine = make_engine(cfg.engine, policy, spec, latency, eos_token_ids=stop_token_ids(ckpt, tokenizer),
                          tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups)
+    responses: list[dict] = []
     row = {"checkpoint": str(ckpt), "engine": cfg.engine, "skipped": held_out.report.skipped,
-           **evaluate(engine, held_out, cfg.eval, make_scorer(cfg, tokenizer, reward_fn), ctx)}
+           **evaluate(engine, held_out, cfg.eval, make_scorer(cfg, tokenizer, reward_fn), ctx, responses)}
+    responses = ctx.gather_to_rank0([dict(r, response=tokenizer.decode(r["tokens"], skip_special_tokens=True))
+                                     for r in responses])
     if ctx.rank == 0:
         print(json.dumps(row))
         if args.out:
             write_json_atomic(Path(args.out), row)
+        if args.responses:
+            responses.sort(key=lambda r: (r["id"], r["sample"]))
+            with open(args.responses, "w", encoding="utf-8") as f:
+                for r in responses:
+                    f.write(json.dumps(r) + "\n")
     parallel.destroy()
     return 0
 
@@ -178,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. checkpoint=runs/NAME or eval.data.limit=200 (repeatable)")
     e.add_argument("--out", help="also write the figures here (JSON)")
+    e.add_argument("--responses", help="write every response here, one JSON line each (question, reference, "
+                   "response, reward, correct, finish reason)")
     e.set_defaults(func=cmd_eval)
     c = sub.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron")
     c.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "smollm2"])

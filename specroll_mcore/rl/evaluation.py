@@ -97,12 +97,15 @@ class HeldOut:
         return cls(usable[:len(usable) - len(usable) % dp_size], prompt_ids, report)
 
 
-def evaluate(engine: Any, held_out: HeldOut, ev: EvalConfig, scorer: Scorer, ctx: Any) -> dict[str, Any]:
+def evaluate(engine: Any, held_out: HeldOut, ev: EvalConfig, scorer: Scorer, ctx: Any,
+             responses: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
     """Each data-parallel replica rolls out its share of ``held_out`` (``ev.batch_prompts`` at a time)
     inside the engine's ``held_out()``, with noise keyed by step 0, and ``scorer`` scores every
     response (the reward without the overlong penalty, a shaping of training). Returns
     ``eval_accuracy``, ``eval_reward_mean`` and ``eval_response_len`` over all replicas' responses,
-    ``eval_prompts``, ``eval_s``, and for the speculative engine ``eval_tau``."""
+    ``eval_prompts``, ``eval_s``, and for the speculative engine ``eval_tau``. ``responses``: a list
+    that gets one record per response of this replica (example id, sample, question, reference,
+    response tokens, reward, correct, finish reason)."""
     G, batch = ev.sampling.num_samples, ev.batch_prompts * ctx.dp_size
     t0 = time.perf_counter()
     engine.model.pack_for_inference()
@@ -114,8 +117,13 @@ def evaluate(engine: Any, held_out: HeldOut, ev: EvalConfig, scorer: Scorer, ctx
             out = engine.generate([held_out.prompt_ids[e.id] for e in mine], ev.sampling, step=0,
                                   prompt_ids=[e.id for e in mine])
             for k, toks in enumerate(out.tokens):
-                r, c = scorer(toks, mine[k // G].reference)
+                ex = mine[k // G]
+                r, c = scorer(toks, ex.reference)
                 sums += torch.tensor([float(r), float(c), len(toks), 1.0], dtype=torch.float64)
+                if responses is not None:
+                    responses.append({"id": ex.id, "sample": k % G, "question": ex.question,
+                                      "reference": ex.reference, "tokens": toks, "reward": float(r),
+                                      "correct": bool(c), "finish_reason": out.finish_reason[k]})
             stats.append(out.stats)
     sums = ctx.all_reduce_dp(sums)
     n = float(sums[3])

@@ -34,6 +34,41 @@ def test_bench_pipeline_rollout_smoke(tmp_path):
                                                                                         "last1/interleaved"}
 
 
+@pytest.mark.parametrize("layout", ["pp2", "dp2"])
+def test_specroll_eval_under_torchrun_equals_one_process(tmp_path, layout):
+    """`specroll eval` at PP=2 (stages in turn) and at DP=2 (the prompts split over the replicas),
+    speculative engine, T=1 with two samples: the figures and every response of one process (at
+    DP=2 over the 4 prompts an even split keeps)."""
+    ckpt = tiny_policy_checkpoint(tmp_path / "ckpt")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    common = [f"checkpoint={ckpt}", "engine=specroll", "spec.c_hw=8", "reward_fn=rewards_for_tests:token_parity_reward",
+              "data.limit=8", "eval.data.limit=5", "eval.batch_prompts=2", "eval.sampling.temperature=1.0",
+              "eval.sampling.num_samples=2", "eval.sampling.max_new_tokens=8"]
+    runs = {}
+    for name, launcher, extra in [("one", [], []),
+                                  (layout, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+                                   ["parallel.pipeline_model_parallel_size=2"] if layout == "pp2" else [])]:
+        args = [a for o in common + extra for a in ("--set", o)]
+        cmd = [sys.executable, *launcher, "-m", "specroll_mcore.cli", "eval", *args,
+               "--out", str(tmp_path / f"{name}.json"), "--responses", str(tmp_path / f"{name}.jsonl")]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        runs[name] = (json.loads((tmp_path / f"{name}.json").read_text()),
+                      [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()])
+    (one, one_rows), (got, got_rows) = runs["one"], runs[layout]
+    # at DP=2 the fifth prompt is left over (an even split), so compare over the prompts both evaluated
+    kept = {r["id"] for r in got_rows}
+    assert len(kept) == (5 if layout == "pp2" else 4) and len(got_rows) == 2 * len(kept)
+    assert got_rows == [r for r in one_rows if r["id"] in kept]
+    if layout == "pp2":
+        for k in ("eval_accuracy", "eval_reward_mean", "eval_response_len", "eval_prompts"):
+            assert got[k] == one[k], k
+        assert got["eval_tau"] >= 1  # (tree sizes follow each layout's own latency profile: speed only)
+    else:
+        assert got["skipped"] == {"left over from an even split over the data-parallel replicas": 1}
+
+
 @pytest.mark.slow  # (~80 s on a fresh clone: `make test-slow`)
 def test_multinode_launcher_runs_a_grpo_step(tmp_path):
     """examples/launch_multinode.sh as one node of 2 processes (gloo, DP=2): the launch line users copy."""

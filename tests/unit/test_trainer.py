@@ -204,12 +204,18 @@ def test_evaluation_scores_the_policy_on_held_out_prompts_and_changes_nothing_in
     args = [a for o in overrides(tiny_ckpt, tmp_path / "unused", "engine=specroll", *EVAL) for a in ("--set", o)]
     env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-m", "specroll_mcore.cli", "eval", *args, "--set",
-                           f"checkpoint={tmp_path / 'eval'}", "--out", str(tmp_path / "eval.json")],
+                           f"checkpoint={tmp_path / 'eval'}", "--out", str(tmp_path / "eval.json"),
+                           "--responses", str(tmp_path / "responses.jsonl")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads((tmp_path / "eval.json").read_text())
     for k in ("eval_accuracy", "eval_reward_mean", "eval_response_len", "eval_prompts", "eval_tau"):
         assert got[k] == rows[-1][k], (k, got[k], rows[-1][k])
+    responses = [json.loads(line) for line in (tmp_path / "responses.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in responses] == [e.id for e in held_out]
+    assert [r["question"] for r in responses] == [e.question for e in held_out]
+    assert sum(r["correct"] for r in responses) / 6 == got["eval_accuracy"]
+    assert all(token_parity_reward(None, None, r["tokens"])[0] == r["reward"] for r in responses)
 
 
 def test_evaluation_prompts_that_are_training_prompts_are_left_out(tiny_ckpt, tmp_path, ctx):
