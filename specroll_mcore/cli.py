@@ -1,4 +1,4 @@
-"""The ``specroll`` command: ``generate``, ``train`` (GRPO), ``eval`` (the held-out evaluation of a checkpoint) and ``convert``.
+"""The ``specroll`` command: ``generate``, ``train`` (GRPO), ``eval`` (held-out evaluation) and ``convert``.
 
 Run with torchrun for TP/PP/DP, e.g.
     torchrun --nproc_per_node 2 -m specroll_mcore.cli generate --set parallel.tensor_model_parallel_size=2
