@@ -245,7 +245,9 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
     assert json.loads((out / "bench_specroll_b1.json").read_text())["batch1"]["identical_tokens"]
     bf16 = json.loads((out / "bench_specroll_full_bf16.json").read_text())
     assert bf16["dtype"] == "bfloat16" and bf16["full"]["responses"] == 4
-    assert (out / "grpo_metrics.jsonl").read_text().count("\n") == 2
+    grpo = [json.loads(line) for line in (out / "grpo_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in grpo] == [0, 1, 2]  # the demo config's held-out evaluation first, then 2 steps
+    assert "eval_accuracy" in grpo[0] and "eval_accuracy" in grpo[-1] and grpo[-1]["rollouts_identical"]
 
 
 def test_bench_rollout_smoke(tmp_path):
