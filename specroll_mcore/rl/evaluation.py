@@ -58,11 +58,13 @@ def reward_function(path: str) -> Callable[..., tuple[float, float]]:
 def make_scorer(cfg: TrainConfig, tokenizer: Any, reward_fn: Optional[Callable[..., Any]] = None) -> Scorer:
     """The GRPO reward of one response: ``reward_fn`` (TrainConfig.reward_fn, resolved) on the decoded
     text, or math-verify's answer check with TrainConfig.format_reward."""
+    rewards = RewardConfig(cfg.format_reward)
+
     def scorer(tokens: list[int], reference: str) -> tuple[float, float]:
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if reward_fn is not None:
             return reward_fn(text, reference, tokens)
-        return score(text, reference, RewardConfig(cfg.format_reward))
+        return score(text, reference, rewards)
 
     return scorer
 
