@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -44,11 +45,17 @@ def _fsync_tree(root: Path) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """JSON to ``path`` via a temporary file and a rename (readers never see half a file)."""
+    """JSON to ``path`` via a temporary file of this process and a rename (readers never see half a
+    file; processes writing the same file at once, as every rank of a run caching its profiles on a
+    shared file system, each replace it whole)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=float))
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=float))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_directory(out_dir: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:

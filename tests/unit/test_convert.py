@@ -336,6 +336,39 @@ def test_output_is_atomic(tmp_path, monkeypatch):
     convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out", overwrite=True)
 
 
+def test_json_written_by_many_processes_at_once_stays_whole(tmp_path):
+    """Every rank of a run caches its profiles (one file on a shared file system): writers at once
+    each replace the file whole, through temporaries of their own, and leave none behind; a write
+    that fails leaves the file as it was."""
+    import json
+    import multiprocessing
+
+    from specroll_mcore.checkpoint.megatron import write_json_atomic
+
+    path = tmp_path / "profiles.json"
+    ctx = multiprocessing.get_context("fork")  # (the writers only write JSON)
+    start = ctx.Barrier(3)
+    procs = [ctx.Process(target=_write_many, args=(path, start)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 3
+    assert json.loads(path.read_text())["rows"] == list(range(2000))
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"rows": object()})
+    assert json.loads(path.read_text())["rows"] == list(range(2000))
+    assert [p.name for p in tmp_path.iterdir()] == ["profiles.json"]
+
+
+def _write_many(path, start):
+    from specroll_mcore.checkpoint.megatron import write_json_atomic
+
+    start.wait()
+    for _ in range(200):
+        write_json_atomic(path, {"rows": list(range(2000))})
+
+
 def test_cli_reports_errors(tmp_path, capsys):
     from specroll_mcore.cli import main
 
