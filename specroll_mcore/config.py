@@ -566,6 +566,14 @@ class SpecConfig:
     (tools/profile_capacity.py, or the quick one measured on first use); without one, or False:
     always N_t nodes. Speed only."""
 
+    step_overhead: bool = True
+    """With ``adaptive_nodes``, price each step's work around its forward too: proposing, building,
+    accepting along and committing trees cost more than sampling one token per row, and at many rows
+    on a CPU, or where kernel launches dominate a GPU step, more than the drafts' extra tokens win.
+    Measured once per policy, hardware, layout and these engine settings on first use (about 20 s for
+    SmolLM2 on 2 CPU cores), cached beside the capacity profile (rollout/profile.with_step_overhead).
+    False: trees are sized by their forward's latency alone. Speed only."""
+
     probe_every: int = 8
     """With ``adaptive_nodes``, every ``probe_every``-th step of a rollout keeps at least the trunk (the
     root and each head's top-1 path) whatever the latency weighing says. Where the drafts stop paying

@@ -37,8 +37,8 @@ from specroll_mcore.checkpoint.megatron import (read_checkpoint_config, stop_tok
                                                 write_json_atomic)
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
-from specroll_mcore.rollout.profile import cached_profile, open_for_rollout  # noqa: E402
-from specroll_mcore.tree.budget import LatencyCurve, hardware_name  # noqa: E402
+from specroll_mcore.rollout.profile import cached_profile, open_for_rollout, with_step_overhead  # noqa: E402
+from specroll_mcore.tree.budget import LatencyCurve, StepCost, hardware_name  # noqa: E402
 
 BINS = [(129, 10**9), (65, 128), (33, 64), (17, 32), (9, 16), (5, 8), (3, 4), (2, 2), (1, 1)]
 
@@ -159,15 +159,16 @@ def plot(rows, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def scenario(name, vanilla, spec, prompts, sp, reps, one_row=None):
-    """``one_row``: a third engine, SpecRoll sizing its trees by the profile's one-row curve, run
-    after the other two in every repetition (``one_row_curve`` in the result)."""
+def scenario(name, vanilla, spec, prompts, sp, reps, third=None):
+    """``third``: (its key in the result, what it is, engine): SpecRoll sizing its trees otherwise,
+    run after the other two in every repetition."""
+    key, what, other = third if third is not None else (None, None, None)
     ratios, tv, ts, tc, outs, sc = [], [], [], [], None, None
     for _ in range(reps):  # alternate A and B (and C)
         a, va = run(vanilla, prompts, sp)
         b, sb = run(spec, prompts, sp)
-        if one_row is not None:
-            c, sc = run(one_row, prompts, sp)
+        if other is not None:
+            c, sc = run(other, prompts, sp)
             tc.append(c)
         if va.tokens != sb.tokens:
             diff = sum(x != y for x, y in zip(va.tokens, sb.tokens))
@@ -187,16 +188,15 @@ def scenario(name, vanilla, spec, prompts, sp, reps, one_row=None):
            "time_split_s": sb.stats["time_split_s"], "c_hw": sb.stats["c_hw"],
            "finish_reasons": {r: va.finish_reason.count(r) for r in set(va.finish_reason)},
            "binned": binned_speedup(va.stats["per_step"], sb.stats["per_step"])}
-    if one_row is not None:
-        res["one_row_curve"] = {
+    if other is not None:
+        res[key] = {
             "specroll_s": tc, "speedup_median": statistics.median(a / c for a, c in zip(tv, tc)),
-            "surface_over_curve_median": statistics.median(c / b for b, c in zip(ts, tc)),
+            "specroll_over_this_median": statistics.median(c / b for b, c in zip(ts, tc)),
             "identical_tokens": sc.tokens == va.tokens, "tau": sc.stats["tau"],
             "nodes_per_row_mean": statistics.mean(s["nodes_per_row"] for s in sc.stats["per_step"]),
             "time_split_s": sc.stats["time_split_s"]}
-        print(f"  sizing trees by the one-row curve: {res['one_row_curve']['speedup_median']:.2f}x, tau "
-              f"{sc.stats['tau']:.2f}; the grid over the curve {res['one_row_curve']['surface_over_curve_median']:.2f}x",
-              flush=True)
+        print(f"  {what}: {res[key]['speedup_median']:.2f}x, tau {sc.stats['tau']:.2f}; SpecRoll over it "
+              f"{res[key]['specroll_over_this_median']:.2f}x", flush=True)
     print(f"{name}: speedup {res['speedup_median']:.2f}x (median of {reps} paired), tau {res['tau']:.2f}, "
           f"acceptance per depth {[round(a, 3) for a in res['acceptance_per_depth']]}, "
           f"{res['tokens']} tokens, identical responses {res['identical_responses']}/{res['responses']}", flush=True)
@@ -223,9 +223,16 @@ def main() -> int:
                     help="draft with the sampler's noise (SpecConfig.coupled)")
     ap.add_argument("--adaptive-nodes", action=argparse.BooleanOptionalAction, default=True,
                     help="keep each step's trees to the nodes that pay for their latency (SpecConfig.adaptive_nodes)")
-    ap.add_argument("--one-row-curve", action="store_true",
-                    help="also run SpecRoll sizing its trees by the profile's one-row curve instead of its grid over "
-                         "rows x nodes x context, alternating with the other two")
+    third = ap.add_mutually_exclusive_group()
+    third.add_argument("--one-row-curve", action="store_true",
+                       help="also run SpecRoll sizing its trees by the profile's one-row curve instead of its grid "
+                            "over rows x nodes x context, alternating with the other two")
+    third.add_argument("--forward-only", action="store_true",
+                       help="also run SpecRoll sizing its trees by their forward's latency alone, without the step's "
+                            "work around it (SpecConfig.step_overhead off), alternating with the other two")
+    ap.add_argument("--step-overhead", action=argparse.BooleanOptionalAction, default=True,
+                    help="size trees with the step's work around its forward priced in (SpecConfig.step_overhead; "
+                         "measured on first use and cached)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-full", action="store_true")
     ap.add_argument("--skip-batch1", action="store_true")
@@ -236,20 +243,31 @@ def main() -> int:
     ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx, args.c_hw, params_dtype=args.dtype)
     c_hw = cap.c_hw
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk,
-                          coupled=args.coupled, draft_vocab=args.draft_vocab, adaptive_nodes=args.adaptive_nodes)
+                          coupled=args.coupled, draft_vocab=args.draft_vocab, adaptive_nodes=args.adaptive_nodes,
+                          step_overhead=args.step_overhead)
+    fingerprint = read_checkpoint_config(ckpt).get("policy_fingerprint")
+    latency = with_step_overhead(policy, spec_cfg, cap.latency, fingerprint)
     eos = stop_token_ids(ckpt, tok)
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
-    spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=cap.latency)
-    one_row = None
+    spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=latency)
+    third = None
     if args.one_row_curve:
-        record = cached_profile(policy, read_checkpoint_config(ckpt).get("policy_fingerprint"))
+        record = cached_profile(policy, fingerprint)
         if record is None:
             raise SystemExit("--one-row-curve needs a cached capacity profile (run tools/profile_capacity.py)")
-        one_row = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=LatencyCurve.from_profile(record))
+        third = ("one_row_curve", "sizing trees by the one-row curve",
+                 SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=LatencyCurve.from_profile(record)))
+    elif args.forward_only:
+        if not isinstance(latency, StepCost):
+            raise SystemExit("--forward-only compares against the step overhead, which needs a latency profile, "
+                             "--adaptive-nodes and --step-overhead")
+        third = ("forward_only", "sizing trees by their forward alone",
+                 SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=cap.latency))
     report = {"checkpoint": str(ckpt), "hardware": hardware_name(), "dtype": str(policy.dtype).removeprefix("torch."),
               "spec": dataclasses.asdict(spec_cfg),
               "latency": ({"model": type(cap.latency).__name__, **dataclasses.asdict(cap.latency)}
                           if cap.latency is not None else None),
+              "step_overhead": (dataclasses.asdict(latency.overhead) if isinstance(latency, StepCost) else None),
               "threads": torch.get_num_threads(),
               "temperature": args.temperature,
               "reps": args.reps, "max_new_tokens": args.max_new_tokens}
@@ -281,7 +299,7 @@ def main() -> int:
         hf = hf_twin(args.checkpoint, ckpt, policy.dtype).to(ctx.device)
     if not args.skip_batch1:
         report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps,
-                                     one_at_a_time(one_row) if one_row is not None else None)
+                                     third and (*third[:2], one_at_a_time(third[2])))
         if ctx.device.type == "cuda":
             report["batch1"]["time_split_synced_s"] = synced_split(spec, one_at_a_time(spec), p1[:1], sp1)
     if not args.skip_batch1 and hf is not None:
@@ -302,7 +320,7 @@ def main() -> int:
                              seed=2)
         pf = synthetic_chat_prompts(tok, args.prompts, seed=4242)
         report["full"] = scenario(f"{args.prompts} prompts x {args.samples} samples", vanilla, spec, pf, spf, args.reps,
-                                  one_row)
+                                  third)
         if ctx.device.type == "cuda":
             report["full"]["time_split_synced_s"] = synced_split(spec, spec, pf, spf)
         if hf is not None:

@@ -62,16 +62,17 @@ def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None, with
 def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_fingerprint: Optional[str],
                     tolerance: float = DEFAULT_TOLERANCE) -> Capacity:
     """C_hw and the latency profile for this policy, hardware and layout: SpecConfig.c_hw if set
-    (with the cached profile, if any; nothing is measured), else the cached profile's (C_hw derived
-    from its one-row curve by today's rule), else a quick profile now (45-66 s for SmolLM2 on a
-    2-core CPU, most of it the grid; 1 to 128 tokens, and on to 2048 while the curve stays flat:
-    :data:`QUICK_MORE_SIZES`; see :func:`measure_capacity`)."""
+    (with the cached profile where every rank has one; nothing is measured), else the cached
+    profile's (C_hw derived from its one-row curve by today's rule), else (where any rank lacks it:
+    :func:`missing_anywhere`) a quick profile now (45-66 s for SmolLM2 on a 2-core CPU, most of it
+    the grid; 1 to 128 tokens, and on to 2048 while the curve stays flat: :data:`QUICK_MORE_SIZES`;
+    see :func:`measure_capacity`). Collective: every rank gets the same."""
     from specroll_mcore.tree.budget import capacity_from_latency
 
     record = cached_profile(policy, policy_fingerprint)
-    if record is None and not configured:
-        record = measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=QUICK_REPS, tolerance=tolerance,
-                                  quick=True, more_sizes=QUICK_MORE_SIZES)
+    if missing_anywhere(policy.ctx, record):
+        record = None if configured else measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=QUICK_REPS,
+                                                          tolerance=tolerance, quick=True, more_sizes=QUICK_MORE_SIZES)
     curve = LatencyCurve.from_profile(record) if record is not None else None
     latency = (LatencySurface.from_profile(record) or curve) if record is not None else None
     if configured:
@@ -90,24 +91,126 @@ def cached_profile(policy: PolicyModel, policy_fingerprint: Optional[str]) -> Op
 
 def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[Any, Optional[Latency]]:
     """The SpecConfig a SpecRoll engine runs ``policy`` (loaded from ``checkpoint``) with: its head
-    count and C_hw filled in (:func:`ensure_capacity`), and the latency profile to size trees with."""
+    count and C_hw filled in (:func:`ensure_capacity`), and the latency profile to size trees with
+    (with the step's work around its forward: :func:`with_step_overhead`)."""
     import dataclasses
 
     from specroll_mcore.checkpoint.megatron import read_checkpoint_config
 
-    cap = ensure_capacity(policy, spec.c_hw, read_checkpoint_config(checkpoint).get("policy_fingerprint"))
-    return dataclasses.replace(spec, num_heads=policy.num_heads, c_hw=cap.c_hw), cap.latency
+    fingerprint = read_checkpoint_config(checkpoint).get("policy_fingerprint")
+    cap = ensure_capacity(policy, spec.c_hw, fingerprint)
+    spec = dataclasses.replace(spec, num_heads=policy.num_heads, c_hw=cap.c_hw)
+    return spec, with_step_overhead(policy, spec, cap.latency, fingerprint)
 
+
+OVERHEAD_WARMUP, OVERHEAD_STEPS = 2, 8
+"""Steps of each measuring rollout left out (a process's first steps of a shape are slower), and
+steps timed after them (:func:`measure_step_overhead`)."""
+OVERHEAD_MAX_ROWS = 256
+
+
+def overhead_rows(c_hw: int) -> list[int]:
+    """Row counts the step overhead is measured at: powers of two up to the most rows a drafted
+    step can have (C_hw // 2: trees of two nodes; :data:`OVERHEAD_MAX_ROWS` at most), and at least
+    1 and 2. Past them steps decode plainly whatever the overhead (tree/budget.node_budget)."""
+    top = max(2, min(OVERHEAD_MAX_ROWS, c_hw // 2))
+    return [1 << i for i in range(top.bit_length())]
+
+
+def overhead_key(policy: PolicyModel, spec: Any, policy_fingerprint: Optional[str]) -> str:
+    """The cache key of a step-overhead profile: the capacity profile's (weights, dtype, hardware,
+    layout) and the engine settings that change a step's work around its forward."""
+    import hashlib
+    import json
+
+    from specroll_mcore.tree.budget import hardware_name, profile_key
+
+    ctx = policy.ctx
+    settings = [spec.num_heads, spec.topk, spec.c_hw, spec.n_max, spec.shortlist, spec.draft_vocab, spec.coupled,
+                spec.reflex.enabled, spec.slow_path.enabled]
+    digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
+    base = profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size,
+                       ctx.ep_size)
+    return f"{base}:step-overhead:{digest}"
+
+
+def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency],
+                       policy_fingerprint: Optional[str]) -> Optional[Latency]:
+    """``latency`` with the step's work around its forward added (tree/budget.StepCost): the cached
+    step-overhead profile of this policy, hardware, layout and engine settings, else one measured
+    now (:func:`measure_step_overhead`; about 20 s for SmolLM2 on 2 CPU cores) and cached. Collective
+    (:func:`missing_anywhere`). ``latency`` itself where nothing is weighed
+    (no latency profile, ``spec.adaptive_nodes`` off) or ``spec.step_overhead`` is off."""
+    from specroll_mcore.tree.budget import StepCost, StepOverhead, load_profile, save_capacity
+
+    if latency is None or isinstance(latency, StepCost) or not (spec.adaptive_nodes and spec.step_overhead):
+        return latency
+    key = overhead_key(policy, spec, policy_fingerprint)
+    record = load_profile(key)
+    if missing_anywhere(policy.ctx, record):
+        record = measure_step_overhead(policy, spec)
+        save_capacity(key, record)
+    return StepCost(latency, StepOverhead.from_record(record))
+
+
+def measure_step_overhead(policy: PolicyModel, spec: Any, rows: Optional[Sequence[int]] = None, context: int = 128,
+                          warmup: int = OVERHEAD_WARMUP, steps: int = OVERHEAD_STEPS, verbose: bool = False) -> dict:
+    """Median seconds of a speculative step's work besides its verification forward, at each of
+    ``rows`` unfinished responses (default :func:`overhead_rows` of ``spec.c_hw``), for plain steps
+    (trees of one node) and for drafted ones (every step's whole node budget, nothing weighed), and
+    of the drafted ones' work, the part before the forward (proposing and building the trees): the
+    engine's own timing of each step less its forward's, over rollouts at T = 1 of a synthetic
+    ``context``-token prompt, each past ``warmup`` steps, ``steps`` of them (fewer where drafts
+    emit more than two tokens a step on average, at least one). On a GPU each
+    stage waits for its kernels (sync_timers), so a forward's kernels are charged to the forward.
+    Adaptation runs as in a rollout (Reflex, slow-path records) on engines of its own: the engines
+    the caller builds are not touched. Collective: every rank rolls out alike; the slowest rank's
+    medians are kept. Returns the record :func:`with_step_overhead` caches."""
+    import dataclasses
+
+    from specroll_mcore.config import SamplingConfig
+    from specroll_mcore.rollout.speculative import SpeculativeEngine
+    from specroll_mcore.tree.budget import DEFAULT_C_HW, hardware_name
+
+    c_hw = spec.c_hw or DEFAULT_C_HW
+    rows = list(rows or overhead_rows(c_hw))
+    prompt = [(5 + i) % policy.config.vocab_size for i in range(context)]
+    # (one group: every step holds all rows, also under pipeline parallelism; no latency: whole budgets)
+    engines = {kind: SpeculativeEngine(policy, dataclasses.replace(spec, n_min=1, n_max=n_max), sync_timers=True,
+                                       pipeline_groups=1)
+               for kind, n_max in (("plain", 1), ("drafted", spec.n_max))}
+    # (a drafted step emits 1 .. H + 1 tokens a row: at 2 on average, as many steps as plain ones; at
+    # H + 1 every time, one past the warm-up)
+    new_tokens = {"plain": warmup + steps + 1,
+                  "drafted": max(2 * (warmup + steps), (warmup + 1) * (spec.num_heads + 1)) + 1}
+    medians: dict[str, list[float]] = {"plain": [], "drafted": [], "drafting": []}
+    for r in rows:
+        for kind, engine in engines.items():
+            sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens[kind], seed=r)
+            out = engine._generate([prompt] * r, sampling, 0, None)  # (no slow-path batch end: nothing consolidates)
+            timed = [p for p in out.stats["per_step"] if p["active"] == r][warmup:]
+            medians[kind].append(statistics.median(p["seconds"] - p["forward_s"] for p in timed))
+            if kind == "drafted":
+                medians["drafting"].append(statistics.median(p["prepare_s"] for p in timed))
+        if verbose and policy.ctx.rank == 0:
+            print(f"  {r:4d} rows: plain step {medians['plain'][-1] * 1e3:.1f} ms, drafted step "
+                  f"{medians['drafted'][-1] * 1e3:.1f} ms ({medians['drafting'][-1] * 1e3:.1f} ms proposing and "
+                  "building) besides the forward", flush=True)
+    names = ("plain", "drafted", "drafting")
+    reduced = policy.ctx.all_reduce_max(torch.tensor([medians[n] for n in names], dtype=torch.float64)).tolist()
+    return {"kind": "step_overhead", "rows": rows, **{f"{n}_s": s for n, s in zip(names, reduced)},
+            "context": context, "temperature": 1.0, "steps": steps, "hardware": hardware_name(),
+            "dtype": dtype_name(policy), "c_hw": c_hw, "n_max": spec.n_max}
 
 def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], sizes: Sequence[int], reps: int,
                      tolerance: float = DEFAULT_TOLERANCE, quick: bool = False, verbose: bool = False,
                      more_sizes: Sequence[int] = ()) -> dict:
     """Profile the forward latency on every rank (collective; the slowest rank's latencies decide),
     derive C_hw by the documented rule (tree/budget.capacity_from_latency), measure the latency
-    grid over the shapes trees of that C_hw take (:func:`forward_grid`) and cache the record
-    (rank 0). ``more_sizes``: larger sizes measured one at a time after ``sizes``, each only while
-    C_hw is still the largest size measured (every rank decides alike: on the reduced latencies).
-    Returns the record."""
+    grid over the shapes trees of that C_hw take (:func:`forward_grid`) and cache the record (every
+    rank, into its cache: the same record everywhere). ``more_sizes``: larger sizes measured one at
+    a time after ``sizes``, each only while C_hw is still the largest size measured (every rank
+    decides alike: on the reduced latencies). Returns the record."""
     from specroll_mcore.tree.budget import (capacity_from_latency, hardware_name, profile_key, save_capacity,
                                             tree_row_seconds)
 
@@ -138,10 +241,15 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
               "hardware": hardware_name(), "dtype": dtype_name(policy), "tp": ctx.tp_size, "pp": ctx.pp_size,
               "ep": ctx.ep_size,
               "policy_fingerprint": fp, "curve": curve, "quick": quick}
-    if ctx.rank == 0:
-        save_capacity(profile_key(fp, dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size, ctx.ep_size),
-                      record)
+    save_capacity(profile_key(fp, dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size, ctx.ep_size), record)
     return record
+
+
+def missing_anywhere(ctx: Any, record: Optional[dict]) -> bool:
+    """Whether any rank lacks a cached profile (``record`` None): then every rank measures it again,
+    together (the measurements are collective), and caches what they measured, so that nodes
+    with caches of their own (not a shared home directory) end up with the same profile."""
+    return ctx.all_reduce_max(torch.tensor([float(record is None)])).item() > 0
 
 
 def _committed_cache(policy: PolicyModel, rows: int, context: int, capacity: int) -> Any:

@@ -45,7 +45,7 @@ from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, 
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens, node_beliefs,
                                  node_budget, row_chunks, select_tree, tree_ancestor_mask, tree_size)
-from specroll_mcore.tree.budget import DEFAULT_C_HW, Latency
+from specroll_mcore.tree.budget import DEFAULT_C_HW, Latency, StepCost
 from specroll_mcore.verify import accept, node_rows
 
 
@@ -101,6 +101,8 @@ class SpeculativeEngine:
         self._draft_vocab: Optional[DraftVocab] = None  # the current rollout's
         self._draft_vocab_built: Optional[tuple[tuple, Optional[DraftVocab]]] = None  # (its key, see draft_vocab)
         self.latency = latency if spec.adaptive_nodes else None
+        # (once the drafts are proposed, what proposing them took is spent: trees are weighed without it)
+        self.proposed_latency = self.latency.proposed() if isinstance(self.latency, StepCost) else self.latency
         self.calibration = DepthCalibration(spec.num_heads)  # how far the drafts' beliefs hold, per depth
         self.groups = num_groups(pipeline_groups, model.ctx.pp_size)
 
@@ -252,21 +254,23 @@ class SpeculativeEngine:
     # -- 2. build: keep the nodes that pay for their latency ----------------------------------------------
     def trim(self, tree: TreeBatch, pool_index: torch.Tensor, proposal: Proposal, probe: bool = False,
              context: Optional[int] = None):
-        """The prefix of the selected trees with the most expected tokens per second of forward
-        (``SpecConfig.adaptive_nodes``; the drafts' beliefs scaled by :attr:`calibration`); on a
+        """The prefix of the selected trees with the most expected tokens per second of the step's rest
+        (its forward, and with ``SpecConfig.step_overhead`` the work after it; proposing is spent by
+        now) (``SpecConfig.adaptive_nodes``; the drafts' beliefs scaled by :attr:`calibration`); on a
         ``probe`` step at least the trunk (``SpecConfig.probe_every``). Returns the trees, their pool
         indices, the drafts' summed beliefs per depth over the kept nodes [H] (what the calibration
         compares with the accepted nodes after verification) and the size the weighing chose (before
         a probe's trunk). ``context``: the longest committed context among the rows (what the
-        forward's attention reads). A latency flat over the step's tokens keeps every node without
+        forward's attention reads). A cost flat over the step's tokens keeps every node without
         weighing them (no host round trip)."""
         b = tree.shape[0]
         beliefs = node_beliefs(proposal.levels, pool_index)
         depth = (tree.depth[:, 1:] - 1).clamp(min=0)  # (padding: depth 0, belief 0)
         keep_n = weighed = tree.shape[1]
-        if self.latency.step(b, keep_n, context) > self.latency.step(b, 1, context):
+        latency = self.proposed_latency
+        if latency.step(b, keep_n, context) > latency.step(b, 1, context):
             scale = torch.tensor(self.calibration.factors(), device=beliefs.device)[depth]
-            keep_n = weighed = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, self.latency,
+            keep_n = weighed = tree_size(expected_tokens((beliefs * scale).clamp(max=1.0)).tolist(), b, latency,
                                          context)
             if probe:  # the trunk comes first in the trees' order (select_tree)
                 keep_n = max(keep_n, min(tree.shape[1], len(proposal.levels) + 1))
@@ -430,7 +434,9 @@ class _VerifyGroup:
     believed: Optional[torch.Tensor] = None
     logits: Optional[torch.Tensor] = None
     hidden_all: Optional[torch.Tensor] = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the step's, from its preparation to its feedback
+    prepare_s: float = 0.0  # its preparation's (proposing and building its trees)
+    forward_s: float = 0.0  # its verification forward's
 
 
 class _Rollout:
@@ -512,7 +518,7 @@ class _Rollout:
         t2 = self.clock()
         self.timers["propose"] += t1 - t0
         self.timers["build"] += t2 - t1
-        g.seconds = t2 - t0
+        g.seconds = g.prepare_s = t2 - t0
 
     def step_keys(self, g: _VerifyGroup) -> Optional[SampleKeys]:
         """The sampling keys of the positions a drafted step of the group can sample at, position +
@@ -550,6 +556,7 @@ class _Rollout:
         t = self.clock() - t
         self.timers["verify"] += t
         g.seconds += t
+        g.forward_s = t
 
     # -- 4-6. accept, commit, feedback ---------------------------------------------------------------------
     def advance(self, g: _VerifyGroup) -> None:
@@ -603,7 +610,8 @@ class _Rollout:
         self.timers["commit"] += t5 - t4
         self.timers["feedback"] += t6 - t5
         self.per_step.append({"active": b, "nodes_per_row": int(tree.shape[1]), "emitted": sum(counts_l),
-                              "tokens": recorded, "seconds": g.seconds + t6 - t3})
+                              "tokens": recorded, "seconds": g.seconds + t6 - t3,
+                              "prepare_s": g.prepare_s, "forward_s": g.forward_s})
         self.steps += 1
         g.steps += 1
         g.slots, g.roots, g.hidden = in_cache_order(state.cache, *keep_rows(keep, slots, last, next_hidden))

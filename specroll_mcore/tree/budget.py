@@ -239,20 +239,87 @@ class DepthCalibration:
         self.expected, self.accepted = list(state["expected"]), list(state["accepted"])
 
 
-Latency = Union[LatencyCurve, LatencySurface]
-"""A profiled forward latency the engine sizes trees with (see rollout/profile.ensure_capacity)."""
+@dataclass(frozen=True)
+class StepOverhead:
+    """Seconds of a speculative step's work besides its verification forward, against the number of
+    rows in it: for a plain step (sample each row's next token, commit it, feedback) and for a drafted
+    one (also the heads' proposal, building the trees, accepting along them and committing the
+    accepted paths), and of the drafted step's, the part paid before its trees are weighed
+    (``drafting``: proposing and building them). A profile of the engine
+    (rollout/profile.measure_step_overhead), not of a rollout: a tree size chosen with it depends on
+    no wall clock of the rollout itself.
+
+    On a 2-core Xeon in bfloat16, SmolLM2 with three heads spent 4.5 ms on a plain step of 16 rows and
+    16.3 ms on a drafted one, around a 46 ms forward: trees of 2 nodes per row that raised tau to 1.41
+    made the rollout 0.89x as fast as plain decoding; priced by their forward alone, they pay.
+
+    Linear in rows between the measured counts, along the last segment past them, never below 0."""
+
+    rows: tuple[int, ...]
+    plain: tuple[float, ...]
+    drafted: tuple[float, ...]
+    drafting: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        counts = {len(self.plain), len(self.drafted), len(self.drafting)}
+        if not self.rows or counts != {len(self.rows)}:
+            raise ValueError("a step overhead needs a plain, a drafted and a drafting time per row count, for at "
+                             f"least one row count; got rows {list(self.rows)}, plain {list(self.plain)}, drafted "
+                             f"{list(self.drafted)}, drafting {list(self.drafting)}")
+        if self.rows[0] < 1 or any(a >= b for a, b in zip(self.rows, self.rows[1:])):
+            raise ValueError(f"a step overhead's rows must be >= 1 and increasing, got {list(self.rows)}")
+        if any(not s >= 0 for s in self.plain + self.drafted + self.drafting):
+            raise ValueError(f"a step overhead's seconds must be >= 0, got plain {list(self.plain)}, drafted "
+                             f"{list(self.drafted)}, drafting {list(self.drafting)}")
+
+    @classmethod
+    def from_record(cls, record: dict) -> "StepOverhead":
+        """From a record of rollout/profile.measure_step_overhead."""
+        return cls(tuple(int(r) for r in record["rows"]),
+                   *(tuple(float(s) for s in record[name]) for name in ("plain_s", "drafted_s", "drafting_s")))
+
+    def __call__(self, rows: int, drafted: bool) -> float:
+        return max(0.0, _along(self.rows, self.drafted if drafted else self.plain, rows))
+
+    def proposed(self) -> "StepOverhead":
+        """What is left of the work once the drafts are proposed and the trees built."""
+        return StepOverhead(self.rows, self.plain, tuple(max(0.0, d - p) for d, p in zip(self.drafted, self.drafting)),
+                            (0.0,) * len(self.rows))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of a whole speculative step: its verification forward's (``forward``, the capacity
+    profile's latency) plus its work around the forward (``overhead``), which a step with trees of
+    more than one node pays in full. Where that work is a large part of a step (many rows on a CPU,
+    kernel launches on a GPU), forward latency alone makes any accepted draft look like a gain."""
+
+    forward: Union[LatencyCurve, LatencySurface]
+    overhead: StepOverhead
+
+    def step(self, rows: int, nodes: int, context: Optional[int] = None) -> float:
+        return self.forward.step(rows, nodes, context) + self.overhead(rows, nodes > 1)
+
+    def proposed(self) -> "StepCost":
+        """The cost of a step whose drafts are proposed already: what weighing its trees compares."""
+        return StepCost(self.forward, self.overhead.proposed())
+
+
+Latency = Union[LatencyCurve, LatencySurface, StepCost]
+"""A profiled step latency the engine sizes trees with (see rollout/profile.ensure_capacity and
+rollout/profile.with_step_overhead)."""
 
 
 def tree_size(expected: Sequence[float], rows: int, latency: Latency,
               context: Optional[int] = None) -> int:
     """How many nodes per row (root included) a step keeps: ``expected[N - 1]`` is the number of
     tokens the step is expected to emit over its ``rows`` rows with trees of N nodes (from the drafts'
-    cumulative probabilities); its forward takes ``latency.step(rows, N, context)`` (``context``: the
-    longest committed context among the rows). Returns the N with the most
-    expected tokens per second of forward (the smallest on ties). The step's host time is left out:
-    it is a wall-clock reading, and the choice must depend only on the drafts, the acceptance seen
-    so far and the profile, so that a rollout's statistics (and the slow path they feed) are
-    reproducible and a resumed run repeats them."""
+    cumulative probabilities); the step takes ``latency.step(rows, N, context)`` (``context``: the
+    longest committed context among the rows): its forward, and with a :class:`StepCost` the work
+    around it. Returns the N with the most expected tokens per second (the smallest on ties). Both
+    come from profiles, never from this rollout's clock: the choice depends only on the drafts, the
+    acceptance seen so far and the cached profiles, so that a rollout's statistics (and the slow
+    path they feed) are reproducible and a resumed run repeats them."""
     best, best_rate = 1, -1.0
     for n, e in enumerate(expected, start=1):
         rate = e / latency.step(rows, n, context)

@@ -2,7 +2,9 @@
 logits, tree logits and a vanilla rollout, and save them from the last stage's first TP rank."""
 
 import argparse
+import os
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -31,7 +33,8 @@ def models():
     return {"llama": tiny_llama, "qwen2": tiny_qwen2}
 
 
-def run(arch: str, dtype: str, ctx) -> dict:
+def policy(arch: str, dtype: str, ctx) -> tuple[PolicyModel, torch.Generator]:
+    """The seeded policy with seeded heads, and the generator the heads were drawn from."""
     cfg = models()[arch](params_dtype=dtype)
     model = PolicyModel(cfg, ctx, num_heads=3).eval()
     model.load_full_state_dict(random_full_state_dict(cfg, seed=7, std=0.08))
@@ -40,6 +43,33 @@ def run(arch: str, dtype: str, ctx) -> dict:
     names = [f"heads.{kind}.{i}.weight" for kind in ("layers", "root_layers") for i in range(3)]
     names += [f"heads.path_layers.{i}.{j}.weight" for i in range(3) for j in range(i)]
     model.load_full_heads({name: (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype) for name in names})
+    return model, g
+
+
+def caches(ctx, cache_root: Path) -> dict:
+    """Profiles where only rank 0 has them cached (each rank a node with a cache of its own): with a
+    configured C_hw no rank takes rank 0's latency profile; the step-overhead profile is measured on
+    every rank (rank 0 alone skipping the collective measurement would hang the others) and cached
+    on each."""
+    from specroll_mcore.rollout import profile
+    from specroll_mcore.tree import budget
+
+    os.environ["SPECROLL_CACHE"] = str(cache_root / f"rank{ctx.rank}")
+    model, _ = policy("llama", "float32", ctx)
+    spec = SpecConfig(c_hw=8)
+    key = profile.overhead_key(model, spec, "fp")
+    if ctx.rank == 0:
+        budget.save_capacity(key, {"rows": [1], "plain_s": [9.0], "drafted_s": [9.0], "drafting_s": [9.0]})
+        budget.save_capacity(budget.profile_key("fp", "float32", budget.hardware_name(), ctx.tp_size, ctx.pp_size),
+                             {"c_hw": 4, "curve": {"tokens": [1, 4, 8], "tree_row_s": [1.0, 1.5, 3.0]}})
+    cost = profile.with_step_overhead(model, spec, MID_LATENCY, "fp")
+    return {"latency": profile.ensure_capacity(model, 8, "fp").latency, "rows": cost.overhead.rows,
+            "stale_kept": cost.overhead.plain == (9.0,), "cached": budget.load_profile(key)["rows"]}
+
+
+def run(arch: str, dtype: str, ctx) -> dict:
+    model, g = policy(arch, dtype, ctx)
+    cfg = model.config
     out = {}
     with torch.no_grad():
         ids = torch.tensor([p + [1] * (7 - len(p)) for p in PROMPTS])
@@ -144,6 +174,7 @@ def main() -> None:
     ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                                              num_layers_in_last_pipeline_stage=args.last_stage_layers))
     results = {f"{arch}-{dtype}": run(arch, dtype, ctx) for arch in models() for dtype in ("float32", "float64")}
+    results["caches"] = caches(ctx, Path(args.out).parent / "caches")
     if ctx.is_last_stage and ctx.tp_rank == 0:
         torch.save(results, args.out)
     parallel.destroy()

@@ -45,6 +45,8 @@ def run_layout(tmp_path, tp, pp, last_stage_layers=None):
 def test_layout_matches_single_process(tmp_path, reference, tp, pp, last_stage_layers):
     """(1, 2, 1): an uneven pipeline split, one layer on the last stage and the rest on the first."""
     got = run_layout(tmp_path, tp, pp, last_stage_layers)
+    # profiles only rank 0 had cached: not taken alone; measured on every rank (not rank 0's) and cached there
+    assert got["caches"] == {"latency": None, "rows": (1, 2, 4), "stale_kept": False, "cached": [1, 2, 4]}
     for name, ref in reference.items():
         tol = 1e-9 if name.endswith("float64") else 1e-4
         for key in ("causal", "tree"):

@@ -11,7 +11,7 @@ from specroll_mcore.checkpoint import random_full_state_dict
 from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
-from specroll_mcore.tree import DepthCalibration, LatencyCurve, LatencySurface
+from specroll_mcore.tree import DepthCalibration, LatencyCurve, LatencySurface, StepCost, StepOverhead
 
 PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37], [41, 42]]
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0.0, max_new_tokens=40, num_samples=2),
@@ -212,6 +212,35 @@ def test_trees_are_sized_by_the_latency_of_the_forwards_shape_and_context(ctx, m
     assert set(long) <= {1, 4} and long.count(4) <= 1, long
     flat = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=LatencySurface((1, 16), (1, 2, 4), (8,), ((free, free),)))
     assert flat.generate(PROMPTS, sp).tokens == ref.tokens
+
+
+def test_the_work_around_a_drafted_steps_forward_is_priced(ctx):
+    """With a flat forward, every step drafts its whole budget; priced with a drafted step's work
+    around the forward at more than the drafts can win, steps decode plainly but for the probes'
+    trunks, and where that work costs nothing the trees are the forward's alone. Where the work is
+    all in proposing the drafts, steps do not propose them, but a probe that has keeps every node:
+    proposing is spent by then. The tokens are vanilla's throughout; every step's forward and its
+    preparation are timed apart from the rest of it."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    sp = SAMPLINGS["t1_top_p"]
+    ref = VanillaEngine(model).generate(PROMPTS, sp)
+    flat = LatencyCurve((1, 64), (1.0, 1.0))
+    nodes = {}
+    for name, drafted, drafting in (("forward", None, None), ("free", 0.0, 0.0), ("costly", 5.0, 0.0),
+                                    ("proposing", 5.0, 5.0)):
+        latency = flat if drafted is None else StepCost(flat, StepOverhead((1, 16), (0.0, 0.0), (drafted, drafted),
+                                                                           (drafting, drafting)))
+        engine = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=latency)
+        engine.calibration = DepthCalibration(3, prior=1e9)  # (factors 1 throughout: at most a token per depth)
+        out = engine.generate(PROMPTS, sp)
+        assert out.tokens == ref.tokens, name
+        nodes[name] = [p["nodes_per_row"] for p in out.stats["per_step"]]
+        assert all(0 < p["prepare_s"] + p["forward_s"] < p["seconds"] for p in out.stats["per_step"])
+    assert nodes["free"] == nodes["forward"] and min(nodes["forward"]) > 1
+    assert nodes["costly"] == [4 if i % 8 == 7 else 1 for i in range(len(nodes["costly"]))]
+    probes = nodes["proposing"][7::8]
+    assert min(probes) > 4 and nodes["proposing"] == [probes[i // 8] if i % 8 == 7 else 1
+                                                      for i in range(len(nodes["proposing"]))]
 
 
 def test_no_drafting_where_no_tree_could_pay(ctx, monkeypatch):

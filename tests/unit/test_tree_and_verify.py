@@ -299,6 +299,88 @@ def test_latency_surface_reads_every_shape_as_its_whole_grid_does():
                     assert s.step(r, n, c) == over_all_points(s, r, n, c)
 
 
+def test_step_cost_prices_the_work_around_a_drafted_steps_forward():
+    """A step's cost is its forward's plus its work around it, which a drafted step pays in full: at
+    16 rows, drafts worth 0.4 tokens a row pay for their forward but not for the drafting around it
+    (plain decoding); at one row, a fixed cost per drafted step makes deeper trees pay. Once the
+    drafts are proposed, proposing them is no longer part of the cost."""
+    from specroll_mcore.tree import StepCost, StepOverhead, tree_size
+
+    overhead = StepOverhead((1, 16), plain=(0.001, 0.005), drafted=(0.010, 0.018), drafting=(0.006, 0.004))
+    assert overhead(1, False) == 0.001 and overhead(16, True) == 0.018
+    assert overhead(8, True) == pytest.approx(0.010 + 0.008 * 7 / 15)  # linear in rows between the counts
+    assert overhead(32, False) == pytest.approx(0.005 + 0.004 * 16 / 15)  # past them along the last segment
+    assert StepOverhead((4,), (0.002,), (0.006,), (0.003,))(64, True) == 0.006  # one row count: constant
+    assert StepOverhead((1, 2), (0.004, 0.001), (0.01, 0.01), (0.0, 0.0))(9, False) == 0.0  # never below 0
+    proposed = overhead.proposed()
+    assert proposed.drafted == pytest.approx((0.004, 0.014)) and proposed.drafting == (0.0, 0.0)
+    assert proposed.plain == overhead.plain
+    forward = LatencyCurve((1, 16, 32, 64), (0.040, 0.046, 0.058, 0.1))
+    cost = StepCost(forward, overhead)
+    assert cost.step(16, 1) == forward.step(16, 1) + 0.005 and cost.step(16, 2) == forward.step(16, 2) + 0.018
+    assert tree_size([16, 16 * 1.4], 16, forward) == 2 and tree_size([16, 16 * 1.4], 16, cost) == 1
+    assert cost.proposed().step(16, 2) == pytest.approx(forward.step(16, 2) + 0.014)
+    one_row = LatencyCurve((1, 2, 3, 4), (0.030, 0.034, 0.038, 0.042))
+    expected = [1.0, 1.6, 1.75, 1.95]
+    assert tree_size(expected, 1, one_row) == 2 and tree_size(expected, 1, StepCost(one_row, overhead)) == 4
+
+
+@pytest.mark.parametrize("rows, plain, drafted, message", [
+    ((), (), (), "a plain, a drafted and a drafting time per row count, for at least one row count"),
+    ((1, 2), (0.1,), (0.1, 0.2), "a plain, a drafted and a drafting time per row count"),
+    ((2, 1), (0.1, 0.1), (0.1, 0.2), r"rows must be >= 1 and increasing, got \[2, 1\]"),
+    ((0, 1), (0.1, 0.1), (0.1, 0.2), "rows must be >= 1"),
+    ((1, 2), (0.1, -0.1), (0.1, 0.2), "seconds must be >= 0"),
+    ((1, 2), (0.1, 0.1), (0.1, float("nan")), "seconds must be >= 0")])
+def test_a_malformed_step_overhead_is_named(rows, plain, drafted, message):
+    from specroll_mcore.tree import StepOverhead
+
+    with pytest.raises(ValueError, match=message):
+        StepOverhead(rows, plain, drafted, tuple(d / 2 for d in drafted))
+
+
+def test_step_overhead_is_measured_once_per_engine_settings_and_cached(ctx, tmp_path, monkeypatch):
+    """The engine's work around a step's forward, measured on engines of its own at 1, 2 .. C_hw // 2
+    rows (plain steps: trees of one node; drafted: the whole budget), cached beside the capacity
+    profile under the engine settings it depends on; the policy's own engines are not touched."""
+    import dataclasses
+
+    from test_speculative import policy_with_heads
+
+    from specroll_mcore.config import SpecConfig, tiny_llama
+    from specroll_mcore.rollout import profile
+    from specroll_mcore.tree import StepCost
+
+    monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
+    model = policy_with_heads(tiny_llama(), ctx)
+    spec = SpecConfig(c_hw=8)
+    forward = LatencyCurve((1, 8), (0.01, 0.02))
+    measured = []
+    real = profile.measure_step_overhead
+    monkeypatch.setattr(profile, "measure_step_overhead",
+                        lambda policy, spec, **kw: measured.append(spec) or real(policy, spec, context=8, **kw))
+    cost = profile.with_step_overhead(model, spec, forward, "fp")
+    assert isinstance(cost, StepCost) and cost.forward == forward and len(measured) == 1
+    assert cost.overhead.rows == (1, 2, 4) == tuple(profile.overhead_rows(8))
+    assert all(d > p > 0 and d > a > 0 for d, p, a in zip(cost.overhead.drafted, cost.overhead.plain,
+                                                          cost.overhead.drafting))
+    (record,) = json.loads((tmp_path / "capacity_profiles.json").read_text()).values()
+    assert record["kind"] == "step_overhead" and record["rows"] == [1, 2, 4] and record["c_hw"] == 8
+    assert profile.with_step_overhead(model, spec, forward, "fp") == cost and len(measured) == 1  # cached
+    for other in (dataclasses.replace(spec, topk=2), dataclasses.replace(spec, c_hw=16),
+                  dataclasses.replace(spec, reflex=dataclasses.replace(spec.reflex, enabled=False))):
+        assert profile.overhead_key(model, other, "fp") != profile.overhead_key(model, spec, "fp")
+    assert profile.overhead_key(model, dataclasses.replace(spec, probe_every=2), "fp") == profile.overhead_key(
+        model, spec, "fp")  # (speed-only settings that leave a step's work alone share it)
+    # nothing to price: no latency profile, nothing weighed, or switched off
+    for s, latency in ((spec, None), (dataclasses.replace(spec, adaptive_nodes=False), forward),
+                       (dataclasses.replace(spec, step_overhead=False), forward)):
+        assert profile.with_step_overhead(model, s, latency, "fp") is latency
+    assert len(measured) == 1
+    assert profile.overhead_rows(1) == [1, 2] and profile.overhead_rows(32) == [1, 2, 4, 8, 16]
+    assert profile.overhead_rows(4096) == [1 << i for i in range(9)]  # (at most 256 rows)
+
+
 def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     from conftest import make_policy
     from specroll_mcore.config import tiny_llama
