@@ -27,8 +27,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
     from specroll_mcore.config import load_generate_config
     from specroll_mcore.rl.data import chat_prompt_ids
-    from specroll_mcore.rollout import make_engine
-    from specroll_mcore.rollout.profile import speculative_setup
+    from specroll_mcore.rollout import engine_for
 
     cfg = load_generate_config(args.config, args.set)
     ckpt = resolve_checkpoint(cfg.checkpoint)
@@ -42,11 +41,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Data parallel: each DP rank takes every dp_size-th prompt; ids stay global, so the tokens do not
     # depend on the DP size.
     mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
-    spec = latency = None
-    if cfg.engine == "specroll":
-        spec, latency = speculative_setup(policy, cfg.spec, ckpt)
-    engine = make_engine(cfg.engine, policy, spec, latency, eos_token_ids=stop_token_ids(ckpt, tokenizer),
-                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups)
+    engine = engine_for(cfg.engine, policy, cfg.spec, ckpt, eos_token_ids=stop_token_ids(ckpt, tokenizer),
+                        tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
     rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p], "response": tokenizer.decode(t, skip_special_tokens=True),
              "tokens": t, "logprobs": [round(float(x), 6) for x in lp], "finish_reason": f}
@@ -129,8 +125,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from specroll_mcore.config import TrainConfig, load_config
     from specroll_mcore.rl.data import load_examples
     from specroll_mcore.rl.evaluation import HeldOut, evaluate, make_scorer, reward_function, usable_prompts
-    from specroll_mcore.rollout import make_engine
-    from specroll_mcore.rollout.profile import speculative_setup
+    from specroll_mcore.rollout import engine_for
 
     cfg = load_config(TrainConfig, args.config, args.set)
     ctx = parallel.initialize(cfg.parallel)
@@ -143,11 +138,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     examples, report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed, cfg.data.name)
     training = usable_prompts(examples, cfg.data, tokenizer, positions, report)[0]
     held_out = HeldOut.load(cfg.eval, cfg.seed, tokenizer, positions, training, ctx.dp_size)
-    spec = latency = None
-    if cfg.engine == "specroll":
-        spec, latency = speculative_setup(policy, cfg.spec, ckpt)
-    engine = make_engine(cfg.engine, policy, spec, latency, eos_token_ids=stop_token_ids(ckpt, tokenizer),
-                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups)
+    engine = engine_for(cfg.engine, policy, cfg.spec, ckpt, eos_token_ids=stop_token_ids(ckpt, tokenizer),
+                        tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups)
     responses: list[dict] = []
     row = {"checkpoint": str(ckpt), "engine": cfg.engine, "skipped": held_out.report.skipped,
            **evaluate(engine, held_out, cfg.eval, make_scorer(cfg, tokenizer, reward_fn), ctx, responses)}

@@ -44,9 +44,8 @@ from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_back
                                        balanced_assignment, global_grad_norm, micro_batch_split, moe_aux_loss,
                                        pack_micro_batch, routers_training, sequence_tokens, set_moe_aux_loss_scale,
                                        trained)
-from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
+from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, engine_for
 from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats
-from specroll_mcore.rollout.profile import speculative_setup
 
 
 class GRPOTrainer:
@@ -95,12 +94,9 @@ class GRPOTrainer:
                                      self.examples, self.ctx.dp_size) if cfg.eval.enabled else None
         self.scorer = make_scorer(cfg, self.tokenizer, self.reward_fn)
 
-        spec = latency = None
-        if cfg.engine == "specroll":
-            spec, latency = speculative_setup(self.policy, cfg.spec, self.source)
         groups = cfg.parallel.rollout_groups
-        self.engine = make_engine(cfg.engine, self.policy, spec, latency, eos_token_ids=self.eos,
-                                  tokenizer=self.tokenizer, pipeline_groups=groups)
+        self.engine = engine_for(cfg.engine, self.policy, cfg.spec, self.source, eos_token_ids=self.eos,
+                                 tokenizer=self.tokenizer, pipeline_groups=groups)
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer,
                                      pipeline_groups=groups) if cfg.compare_vanilla_every else None
         params = [p for p in self.policy.gpt.parameters() if p.requires_grad]

@@ -11,7 +11,7 @@ ENGINES = ("vanilla", "specroll")
 
 def make_engine(name: str, model: Any, spec: Any = None, latency: Any = None, **kwargs: Any):
     """The engine named by a config flag: ``vanilla`` or ``specroll`` (``spec``: its SpecConfig;
-    ``latency``: the profiled LatencyCurve it sizes trees with, see rollout/profile.ensure_capacity)."""
+    ``latency``: the profiled step latency it sizes trees with, see rollout/profile.speculative_setup)."""
     if name == "vanilla":
         return VanillaEngine(model, **kwargs)
     if name == "specroll":
@@ -21,4 +21,16 @@ def make_engine(name: str, model: Any, spec: Any = None, latency: Any = None, **
     raise ValueError(f"unknown engine {name!r}; choose one of {ENGINES}")
 
 
-__all__ = ["ENGINES", "RolloutOutput", "SpeculativeEngine", "VanillaEngine", "make_engine"]
+def engine_for(name: str, policy: Any, spec: Any, checkpoint: Any, **kwargs: Any):
+    """:func:`make_engine` for ``policy`` loaded from ``checkpoint``, as the commands and the trainer
+    build it: a speculative engine gets ``spec`` with its head count and C_hw filled in and the
+    profiled step latency (rollout/profile.speculative_setup; collective, it may measure them)."""
+    latency = None
+    if name == "specroll":
+        from specroll_mcore.rollout.profile import speculative_setup
+
+        spec, latency = speculative_setup(policy, spec, checkpoint)
+    return make_engine(name, policy, spec, latency, **kwargs)
+
+
+__all__ = ["ENGINES", "RolloutOutput", "SpeculativeEngine", "VanillaEngine", "engine_for", "make_engine"]
