@@ -570,7 +570,7 @@ class SpecConfig:
     """With ``adaptive_nodes``, price each step's work around its forward too: proposing, building,
     accepting along and committing trees cost more than sampling one token per row, and at many rows
     on a CPU, or where kernel launches dominate a GPU step, more than the drafts' extra tokens win.
-    Measured once per policy, hardware, layout and these engine settings on first use (about 20 s for
+    Measured once per policy, hardware, layout and these engine settings on first use (~11 s for
     SmolLM2 on 2 CPU cores), cached beside the capacity profile (rollout/profile.with_step_overhead).
     False: trees are sized by their forward's latency alone. Speed only."""
 

@@ -138,7 +138,7 @@ def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency
                        policy_fingerprint: Optional[str]) -> Optional[Latency]:
     """``latency`` with the step's work around its forward added (tree/budget.StepCost): the cached
     step-overhead profile of this policy, hardware, layout and engine settings, else one measured
-    now (:func:`measure_step_overhead`; about 20 s for SmolLM2 on 2 CPU cores) and cached. Collective
+    now (:func:`measure_step_overhead`; ~11 s for SmolLM2 on 2 CPU cores) and cached. Collective
     (:func:`missing_anywhere`). ``latency`` itself where nothing is weighed
     (no latency profile, ``spec.adaptive_nodes`` off) or ``spec.step_overhead`` is off."""
     from specroll_mcore.tree.budget import StepCost, StepOverhead, load_profile, save_capacity
@@ -153,15 +153,17 @@ def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency
     return StepCost(latency, StepOverhead.from_record(record))
 
 
-def measure_step_overhead(policy: PolicyModel, spec: Any, rows: Optional[Sequence[int]] = None, context: int = 128,
+def measure_step_overhead(policy: PolicyModel, spec: Any, rows: Optional[Sequence[int]] = None, context: int = 32,
                           warmup: int = OVERHEAD_WARMUP, steps: int = OVERHEAD_STEPS, verbose: bool = False) -> dict:
     """Median seconds of a speculative step's work besides its verification forward, at each of
     ``rows`` unfinished responses (default :func:`overhead_rows` of ``spec.c_hw``), for plain steps
     (trees of one node) and for drafted ones (every step's whole node budget, nothing weighed), and
     of the drafted ones' work, the part before the forward (proposing and building the trees): the
     engine's own timing of each step less its forward's, over rollouts at T = 1 of a synthetic
-    ``context``-token prompt, each past ``warmup`` steps, ``steps`` of them (fewer where drafts
-    emit more than two tokens a step on average, at least one). On a GPU each
+    ``context``-token prompt (the work besides the forward hardly depends on it: SmolLM2's is the
+    same within noise at 32 and 128 tokens, and a short prefill is quicker), each past ``warmup``
+    steps, ``steps`` of them (fewer where drafts emit more than two tokens a step on average, at
+    least one). On a GPU each
     stage waits for its kernels (sync_timers), so a forward's kernels are charged to the forward.
     Adaptation runs as in a rollout (Reflex, slow-path records) on engines of its own: the engines
     the caller builds are not touched. Collective: every rank rolls out alike; the slowest rank's
