@@ -7,7 +7,8 @@
 # Stages, in order of value, each under its own time limit and skipped when the overall budget
 # (BUDGET_S seconds, default 540) would run out or when named in SKIP (e.g. SKIP="tests grpo"):
 # tests/gpu, the capacity profile (C_hw on this GPU), SpecRoll against the vanilla engine and
-# transformers at T=1 at batch 1, then on 32 prompts x 8 samples x 256 tokens, a SmolLM2-shaped forward
+# transformers at T=1 at batch 1, then on 32 prompts x 8 samples x 256 tokens (with SpecRoll pricing
+# each step's forward alone, without the work around it, in the alternation), a SmolLM2-shaped forward
 # with the layers chained against megatron's block (tools/bench_forward_path.py), the speculative step's
 # host work per phase at batch 1 (ms, operations and syncs a step; both engines' whole rollouts in
 # operations a token), a short GRPO run that times the vanilla engine on the same steps, batch 1 at
@@ -62,7 +63,7 @@ stage profile 120 $PY tools/profile_capacity.py --checkpoint "$CKPT" --tokens "$
 # shellcheck disable=SC2086
 stage bench_batch1 180 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --skip-full --out "$OUT/bench_specroll_b1.json"
 # shellcheck disable=SC2086
-stage bench_full 150 $PY tools/bench_specroll.py --checkpoint "$CKPT" $FULL --skip-batch1 \
+stage bench_full 200 $PY tools/bench_specroll.py --checkpoint "$CKPT" $FULL --skip-batch1 --forward-only \
   --out "$OUT/bench_specroll_full.json" --plot "$OUT/bench_specroll_full.png"
 # shellcheck disable=SC2086
 stage forward_path 60 $PY tools/bench_forward_path.py $FWD --out "$OUT/forward_path.json"

@@ -79,7 +79,8 @@ def test_plot_metrics_plots_a_run_and_names_what_a_file_lacks(tmp_path):
 
 def test_bench_specroll_against_the_one_row_curve(tiny_ckpt, tmp_path):
     """--one-row-curve adds SpecRoll sized by the profile's one-row curve to every scenario; it needs
-    a cached profile, which a configured C_hw does not measure."""
+    a cached profile, which a configured C_hw does not measure; so does --forward-only (SpecRoll
+    pricing the forward alone, which tools/gpu_checks.sh's dry run runs)."""
     out = tmp_path / "b.json"
     cache = str(tmp_path / "cache")
     args = ["--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 8, "--batch1-prompts", 1,
@@ -94,6 +95,11 @@ def test_bench_specroll_against_the_one_row_curve(tiny_ckpt, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_specroll.py"), *map(str, args), "--c-hw", "16"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--one-row-curve needs a cached capacity profile" in proc.stderr
+    args[args.index("--one-row-curve")] = "--forward-only"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_specroll.py"), *map(str, args), "--c-hw", "16"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and ("--forward-only compares against the step overhead, which needs a latency "
+                                     "profile") in proc.stderr
 
 
 def test_bench_drift_smoke(tiny_ckpt, tmp_path, capsys):
@@ -241,7 +247,7 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
     code, err = refused(capsys, "bench_forward_path.py", "--shapes", "1by1")
     assert code != 0 and "--shapes must look like 1x1,64x16 (rows x tokens), got '1by1'" in err
     full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
-    assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
+    assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0 and full["forward_only"]["identical_tokens"]
     assert json.loads((out / "bench_specroll_b1.json").read_text())["batch1"]["identical_tokens"]
     bf16 = json.loads((out / "bench_specroll_full_bf16.json").read_text())
     assert bf16["dtype"] == "bfloat16" and bf16["full"]["responses"] == 4
