@@ -90,7 +90,7 @@ class GRPOTrainer:
         if len(self.examples) < cfg.prompts_per_step:
             raise ValueError(f"only {len(self.examples)} usable prompts (skipped: {self.data_report.skipped}); "
                              f"TrainConfig.prompts_per_step is {cfg.prompts_per_step}")
-        self.held_out = HeldOut.load(cfg.eval, cfg.seed, self.tokenizer, self.policy.config.max_position_embeddings,
+        self.eval_set = HeldOut.load(cfg.eval, cfg.seed, self.tokenizer, self.policy.config.max_position_embeddings,
                                      self.examples, self.ctx.dp_size) if cfg.eval.enabled else None
         self.scorer = make_scorer(cfg, self.tokenizer, self.reward_fn)
 
@@ -123,7 +123,7 @@ class GRPOTrainer:
     # -- setup -------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
         """TrainConfig.eval's held-out evaluation of the current policy (see rl/evaluation.py)."""
-        return evaluate(self.engine, self.held_out, self.cfg.eval, self.scorer, self.ctx)
+        return evaluate(self.engine, self.eval_set, self.cfg.eval, self.scorer, self.ctx)
 
     def _prepare_output(self) -> None:
         has_checkpoint = latest_training_checkpoint(self.out) is not None

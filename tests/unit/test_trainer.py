@@ -188,7 +188,7 @@ def test_evaluation_scores_the_policy_on_held_out_prompts_and_changes_nothing_in
                                                                    "eval.every=1", *EVAL)))
     train_questions = {e.question for e in trainer.examples}
     held_out = [e for e in load_examples("synthetic", "test", 6, 0)[0] if e.question not in train_questions]
-    assert [e.id for e in trainer.held_out.examples] == [e.id for e in held_out] and len(held_out) == 6
+    assert [e.id for e in trainer.eval_set.examples] == [e.id for e in held_out] and len(held_out) == 6
     policy = load_policy(tiny_ckpt, ctx)
     prompts = [render_prompt(trainer.tokenizer, e.question) for e in held_out]
     out = VanillaEngine(policy, eos_token_ids=trainer.eos).generate(
@@ -226,8 +226,8 @@ def test_evaluation_prompts_that_are_training_prompts_are_left_out(tiny_ckpt, tm
     args = overrides(tiny_ckpt, tmp_path / "r", "engine=vanilla", f"data.source={data}", "data.limit=4",
                      "eval.every=1", f"eval.data.source={data}", "eval.data.limit=6")
     trainer = GRPOTrainer(load_config(TrainConfig, None, args))
-    assert [e.question for e in trainer.held_out.examples] == [r["question"] for r in rows[4:]]
-    assert trainer.held_out.report.skipped == {"also a training prompt": 4}
+    assert [e.question for e in trainer.eval_set.examples] == [r["question"] for r in rows[4:]]
+    assert trainer.eval_set.report.skipped == {"also a training prompt": 4}
     with pytest.raises(ValueError, match=r"only 0 usable evaluation prompts \(skipped: \{'also a training "
                                          r"prompt': 4\}\) for 1 data-parallel replicas: raise TrainConfig.eval"):
         GRPOTrainer(load_config(TrainConfig, None, [*args, "eval.data.limit=4"]))
