@@ -255,8 +255,10 @@ def main() -> int:
         record = cached_profile(policy, fingerprint)
         if record is None:
             raise SystemExit("--one-row-curve needs a cached capacity profile (run tools/profile_capacity.py)")
+        curve = LatencyCurve.from_profile(record)  # (with the same step overhead: only the forward's model differs)
         third = ("one_row_curve", "sizing trees by the one-row curve",
-                 SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=LatencyCurve.from_profile(record)))
+                 SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=StepCost(curve, latency.overhead)
+                                   if isinstance(latency, StepCost) else curve))
     elif args.forward_only:
         if not isinstance(latency, StepCost):
             raise SystemExit("--forward-only compares against the step overhead, which needs a latency profile, "
