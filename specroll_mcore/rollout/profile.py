@@ -106,13 +106,16 @@ def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[
 OVERHEAD_WARMUP, OVERHEAD_STEPS = 2, 8
 """Steps of each measuring rollout left out (a process's first steps of a shape are slower), and
 steps timed after them (:func:`measure_step_overhead`)."""
-OVERHEAD_MAX_ROWS = 256
+OVERHEAD_MAX_ROWS = 64
+"""The most rows the step overhead is measured at; past them it is read along the last segment (the
+work around a forward grows about linearly with its rows, and a GPU's launches not at all), and a
+measurement stays a few seconds where C_hw is in the thousands."""
 
 
 def overhead_rows(c_hw: int) -> list[int]:
     """Row counts the step overhead is measured at: powers of two up to the most rows a drafted
     step can have (C_hw // 2: trees of two nodes; :data:`OVERHEAD_MAX_ROWS` at most), and at least
-    1 and 2. Past them steps decode plainly whatever the overhead (tree/budget.node_budget)."""
+    1 and 2. Past C_hw // 2 steps decode plainly whatever the overhead (tree/budget.node_budget)."""
     top = max(2, min(OVERHEAD_MAX_ROWS, c_hw // 2))
     return [1 << i for i in range(top.bit_length())]
 

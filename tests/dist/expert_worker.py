@@ -52,6 +52,10 @@ def run(dtype: str, ctx) -> dict:
         out[f"vanilla-{T}"] = {"tokens": r.tokens, "logprobs": r.logprobs, "routing": r.routing}
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3]).generate(prompts, sp, step=1)
         out[f"spec-{T}"] = {"tokens": r.tokens, "logprobs": r.logprobs, "forwards": r.stats["forwards"]}
+    if dtype == "float32":  # the step-overhead profile's rollouts, in step over the EP group (collective)
+        from specroll_mcore.rollout.profile import measure_step_overhead
+
+        out["overhead_rows"] = measure_step_overhead(model, SpecConfig(c_hw=8))["rows"]
     # the update's log-probs over this replica's micro-batches: 3 on replica 0, 1 on replica 1
     seqs = [(p, t, None, 0.0) for p, t in zip([prompts[i // 2] for i in range(len(r.tokens))], r.tokens)]
     mbs = [pack_micro_batch(seqs[i:i + 2], ctx.device) for i in range(0, len(seqs), 2)]

@@ -54,6 +54,7 @@ def test_rollouts_and_logprobs_at_ep2_equal_ep1(tmp_path, pp):
                 assert all(torch.equal(a, b) for a, b in zip(got[name]["logprobs"], ref[name]["logprobs"]))
             assert all(torch.equal(a, b) for a, b in zip(got["vanilla-1.0"]["routing"], ref["vanilla-1.0"]["routing"]))
             assert len(got["logprobs"]) == (3 if rank % 2 == 0 else 2)
+            assert dtype != "float32" or got["overhead_rows"] == ref["overhead_rows"] == [1, 2, 4]
             if last:  # (log-probs and logits are the last stage's)
                 assert all(torch.equal(a, b) for a, b in zip(got["logprobs"], ref["logprobs"]))
                 assert torch.equal(got["causal"], ref["causal"])
@@ -82,7 +83,8 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=True, arch="qwen3_moe")
     common = (f"--set=data.source={_prompts(tmp_path)}", "--set=data.limit=8", "--set=prompts_per_step=4",
               "--set=routing_replay=true", "--set=moe_aux_loss_coeff=0.05", "--set=micro_batch_size=1",
-              "--set=engine=specroll", "--set=steps=2", "--set=save_every=1", "--set=keep_last=2")
+              "--set=engine=specroll", "--set=steps=2", "--set=save_every=1", "--set=keep_last=2",
+              "--set=spec.step_overhead=false")  # (its measurement at EP=2: test_rollouts_and_logprobs_at_ep2_...)
     ep2 = "--set=parallel.expert_model_parallel_size=2"
     ref = run(ckpt, tmp_path / "ep1", 1, 1, 2, *common)
     got = run(ckpt, tmp_path / "ep2", 1, 1, 2, *common, ep2)

@@ -377,7 +377,7 @@ def test_step_overhead_is_measured_once_per_engine_settings_and_cached(ctx, tmp_
         assert profile.with_step_overhead(model, s, latency, "fp") is latency
     assert len(measured) == 1
     assert profile.overhead_rows(1) == [1, 2] and profile.overhead_rows(32) == [1, 2, 4, 8, 16]
-    assert profile.overhead_rows(4096) == [1 << i for i in range(9)]  # (at most 256 rows)
+    assert profile.overhead_rows(4096) == [1, 2, 4, 8, 16, 32, 64]  # (at most 64 rows)
 
 
 def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
@@ -390,10 +390,13 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     assert profile.ensure_capacity(model, 24, "fp") == (24, None)  # configured wins, nothing measured
     assert not (tmp_path / "capacity_profiles.json").exists()
     cap = profile.ensure_capacity(model, None, "fp")
-    assert cap.c_hw in profile.QUICK_SIZES and (tmp_path / "capacity_profiles.json").is_file()
+    assert (tmp_path / "capacity_profiles.json").is_file()
     record = json.loads((tmp_path / "capacity_profiles.json").read_text())
     (record,) = record.values()
-    assert record["curve"]["tokens"] == list(profile.QUICK_SIZES) and len(record["curve"]["tree_row_s"]) == 8
+    # (a tiny model's curve may stay flat past 128 tokens: then the profile goes on, one size at a time)
+    tokens = record["curve"]["tokens"]
+    assert tokens[:8] == list(profile.QUICK_SIZES) and len(record["curve"]["tree_row_s"]) == len(tokens)
+    assert cap.c_hw in tokens and set(tokens[8:]) <= set(profile.QUICK_MORE_SIZES)
     rows, nodes = profile.grid_axes(cap.c_hw)
     assert isinstance(cap.latency, LatencySurface)  # the engine sizes trees against the grid
     assert (cap.latency.rows, cap.latency.nodes, cap.latency.contexts) == (tuple(rows), tuple(nodes),
