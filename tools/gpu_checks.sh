@@ -16,7 +16,7 @@
 # cuBLAS and attention kernels are not batch-invariant, so near-ties are frequent there).
 # Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
 # workload to a few tokens and only collects tests/gpu (which the default suite runs itself): a dry
-# run of this script on any machine.
+# run of this script on any machine (`make test-slow` runs one).
 set -uo pipefail
 OUT=${1:?usage: tools/gpu_checks.sh OUT_DIR}
 PY=${PY:-python3}

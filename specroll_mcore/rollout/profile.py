@@ -82,11 +82,19 @@ def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_finge
 
 def cached_profile(policy: PolicyModel, policy_fingerprint: Optional[str]) -> Optional[dict]:
     """The cached capacity profile of this policy, its dtype, this hardware and the layout, or None."""
-    from specroll_mcore.tree.budget import hardware_name, load_profile, profile_key
+    from specroll_mcore.tree.budget import load_profile
+
+    return load_profile(capacity_key(policy, policy_fingerprint))
+
+
+def capacity_key(policy: PolicyModel, policy_fingerprint: Optional[str]) -> str:
+    """The cache key of this policy's capacity profile (tree/budget.profile_key): its weights, the
+    dtype it computes in, this hardware and the layout."""
+    from specroll_mcore.tree.budget import hardware_name, profile_key
 
     ctx = policy.ctx
-    return load_profile(profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size,
-                                    ctx.pp_size, ctx.ep_size))
+    return profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size,
+                       ctx.ep_size)
 
 
 def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[Any, Optional[Latency]]:
@@ -126,15 +134,10 @@ def overhead_key(policy: PolicyModel, spec: Any, policy_fingerprint: Optional[st
     import hashlib
     import json
 
-    from specroll_mcore.tree.budget import hardware_name, profile_key
-
-    ctx = policy.ctx
     settings = [spec.num_heads, spec.topk, spec.c_hw, spec.n_max, spec.shortlist, spec.draft_vocab, spec.coupled,
                 spec.reflex.enabled, spec.slow_path.enabled]
     digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
-    base = profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size,
-                       ctx.ep_size)
-    return f"{base}:step-overhead:{digest}"
+    return f"{capacity_key(policy, policy_fingerprint)}:step-overhead:{digest}"
 
 
 def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency],
@@ -146,7 +149,7 @@ def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency
     (no latency profile, ``spec.adaptive_nodes`` off) or ``spec.step_overhead`` is off."""
     from specroll_mcore.tree.budget import StepCost, StepOverhead, load_profile, save_capacity
 
-    if latency is None or isinstance(latency, StepCost) or not (spec.adaptive_nodes and spec.step_overhead):
+    if latency is None or not (spec.adaptive_nodes and spec.step_overhead):
         return latency
     key = overhead_key(policy, spec, policy_fingerprint)
     record = load_profile(key)
@@ -216,7 +219,7 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
     rank, into its cache: the same record everywhere). ``more_sizes``: larger sizes measured one at
     a time after ``sizes``, each only while C_hw is still the largest size measured (every rank
     decides alike: on the reduced latencies). Returns the record."""
-    from specroll_mcore.tree.budget import (capacity_from_latency, hardware_name, profile_key, save_capacity,
+    from specroll_mcore.tree.budget import (capacity_from_latency, hardware_name, save_capacity,
                                             tree_row_seconds)
 
     ctx = policy.ctx
@@ -246,7 +249,7 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
               "hardware": hardware_name(), "dtype": dtype_name(policy), "tp": ctx.tp_size, "pp": ctx.pp_size,
               "ep": ctx.ep_size,
               "policy_fingerprint": fp, "curve": curve, "quick": quick}
-    save_capacity(profile_key(fp, dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size, ctx.ep_size), record)
+    save_capacity(capacity_key(policy, policy_fingerprint), record)
     return record
 
 

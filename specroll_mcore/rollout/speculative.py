@@ -434,7 +434,6 @@ class _VerifyGroup:
     believed: Optional[torch.Tensor] = None
     logits: Optional[torch.Tensor] = None
     hidden_all: Optional[torch.Tensor] = None
-    seconds: float = 0.0  # the step's, from its preparation to its feedback
     prepare_s: float = 0.0  # its preparation's (proposing and building its trees)
     forward_s: float = 0.0  # its verification forward's
 
@@ -518,7 +517,7 @@ class _Rollout:
         t2 = self.clock()
         self.timers["propose"] += t1 - t0
         self.timers["build"] += t2 - t1
-        g.seconds = g.prepare_s = t2 - t0
+        g.prepare_s = t2 - t0
 
     def step_keys(self, g: _VerifyGroup) -> Optional[SampleKeys]:
         """The sampling keys of the positions a drafted step of the group can sample at, position +
@@ -555,7 +554,6 @@ class _Rollout:
         g.logits, g.hidden_all = self.engine.verify(self.state, g.slots, g.tree)
         t = self.clock() - t
         self.timers["verify"] += t
-        g.seconds += t
         g.forward_s = t
 
     # -- 4-6. accept, commit, feedback ---------------------------------------------------------------------
@@ -610,7 +608,7 @@ class _Rollout:
         self.timers["commit"] += t5 - t4
         self.timers["feedback"] += t6 - t5
         self.per_step.append({"active": b, "nodes_per_row": int(tree.shape[1]), "emitted": sum(counts_l),
-                              "tokens": recorded, "seconds": g.seconds + t6 - t3,
+                              "tokens": recorded, "seconds": g.prepare_s + g.forward_s + t6 - t3,
                               "prepare_s": g.prepare_s, "forward_s": g.forward_s})
         self.steps += 1
         g.steps += 1

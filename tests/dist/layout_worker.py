@@ -60,7 +60,7 @@ def caches(ctx, cache_root: Path) -> dict:
     key = profile.overhead_key(model, spec, "fp")
     if ctx.rank == 0:
         budget.save_capacity(key, {"rows": [1], "plain_s": [9.0], "drafted_s": [9.0], "drafting_s": [9.0]})
-        budget.save_capacity(budget.profile_key("fp", "float32", budget.hardware_name(), ctx.tp_size, ctx.pp_size),
+        budget.save_capacity(profile.capacity_key(model, "fp"),
                              {"c_hw": 4, "curve": {"tokens": [1, 4, 8], "tree_row_s": [1.0, 1.5, 3.0]}})
     cost = profile.with_step_overhead(model, spec, MID_LATENCY, "fp")
     return {"latency": profile.ensure_capacity(model, 8, "fp").latency, "rows": cost.overhead.rows,

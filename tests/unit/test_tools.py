@@ -227,6 +227,7 @@ def test_step_phases_op_counter():
     assert (sum(outer.ops.values()), outer.tolist, sum(inner.ops.values()), inner.tolist) == (2, 1, 1, 1)
 
 
+@pytest.mark.slow  # (~65 s: nine tool processes; each tool's own smoke test is in the default suite)
 def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
     """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here; tests/gpu only collected, the
     default suite runs them) and leaves their results; on the tiny checkpoint the transformers
