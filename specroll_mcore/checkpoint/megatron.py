@@ -44,18 +44,23 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """JSON to ``path`` via a temporary file of this process and a rename (readers never see half a
-    file; processes writing the same file at once, as every rank of a run caching its profiles on a
-    shared file system, each replace it whole)."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` to ``path`` via a temporary file of this process and a rename (readers never see half a
+    file, a kill leaves the old one; processes writing the same file at once, as every rank of a run
+    caching its profiles on a shared file system, each replace it whole)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     try:
-        tmp.write_text(json.dumps(obj, indent=2, default=float))
+        tmp.write_text(text)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """``obj`` as JSON to ``path`` with :func:`write_text_atomic`."""
+    write_text_atomic(path, json.dumps(obj, indent=2, default=float))
 
 
 def atomic_directory(out_dir: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:

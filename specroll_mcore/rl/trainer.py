@@ -30,7 +30,8 @@ from specroll_mcore import parallel
 from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
 from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, load_policy, model_config_of, read_checkpoint_config,
-                                                stage_layers_of, stop_token_ids, write_json_atomic)
+                                                stage_layers_of, stop_token_ids, write_json_atomic,
+                                                write_text_atomic)
 from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
                                                    save_training_checkpoint)
 from specroll_mcore.config import TrainConfig
@@ -166,7 +167,7 @@ class GRPOTrainer:
         if self.ctx.rank == 0 and (self.out / "metrics.jsonl").is_file():  # drop rows of steps not checkpointed
             rows = [line for line in (self.out / "metrics.jsonl").read_text().splitlines()
                     if line and json.loads(line)["step"] <= state["step"]]
-            (self.out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
+            write_text_atomic(self.out / "metrics.jsonl", "".join(r + "\n" for r in rows))
         if self.ctx.rank == 0:
             print(f"resumed from {latest} at step {state['step']}")
 

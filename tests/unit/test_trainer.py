@@ -474,15 +474,18 @@ def test_resume_refuses_another_layout(tiny_ckpt, tmp_path, ctx):
                                                              "resume=true")))
 
 
-def test_a_resume_killed_while_rewriting_the_run_config_leaves_it_whole(tiny_ckpt, tmp_path, ctx, monkeypatch):
-    """Rank 0 rewrites the run's config on resume while the other ranks read it; a write cut off half
-    way (a kill) must leave the old file, which the next resume reads."""
+@pytest.mark.parametrize("name", ["specroll_config.json", "metrics.jsonl"])
+def test_a_resume_killed_while_rewriting_a_run_file_leaves_it_whole(tiny_ckpt, tmp_path, ctx, monkeypatch, name):
+    """On resume rank 0 rewrites the run's config (which the other ranks read meanwhile) and drops the
+    metrics of steps not checkpointed; a write cut off half way (a kill) must leave the old file."""
     run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1")
-    meta_file = tmp_path / "run" / "specroll_config.json"
-    before = json.loads(meta_file.read_text())
+    target = tmp_path / "run" / name
+    before = target.read_text()
     write_text = Path.write_text
 
     def killed_half_way(self, data, *args, **kwargs):
+        if name not in self.name:
+            return write_text(self, data, *args, **kwargs)
         write_text(self, data[: len(data) // 2], *args, **kwargs)
         raise KeyboardInterrupt
 
@@ -491,10 +494,11 @@ def test_a_resume_killed_while_rewriting_the_run_config_leaves_it_whole(tiny_ckp
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla",
                                                              "resume=true")))
     monkeypatch.undo()
-    assert json.loads(meta_file.read_text()) == before
-    assert [p.name for p in meta_file.parent.iterdir() if p.name.endswith(".tmp")] == []
+    assert target.read_text() == before
+    assert [p.name for p in target.parent.iterdir() if p.name.endswith(".tmp")] == []
     rows = run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=2", "resume=true")
     assert [r["step"] for r in rows] == [2]
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_a_bfloat16_policy_learns_at_grpo_learning_rates(tiny_ckpt, tmp_path, ctx):
