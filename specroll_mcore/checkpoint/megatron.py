@@ -45,13 +45,16 @@ def _fsync_tree(root: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """``text`` to ``path`` via a temporary file of this process and a rename (readers never see half a
-    file, a kill leaves the old one; processes writing the same file at once, as every rank of a run
-    caching its profiles on a shared file system, each replace it whole)."""
+    """``text`` to ``path`` via a temporary file of this process, fsynced, and a rename (readers never
+    see half a file, a kill or a crash leaves the old one; processes writing the same file at once, as
+    every rank of a run caching its profiles on a shared file system, each replace it whole)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     try:
-        tmp.write_text(text)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, TRACKER_FILE, _fsync_tree,
-                                                iteration_dir, shard_dir_name)
+                                                iteration_dir, shard_dir_name, write_text_atomic)
 
 STATE_FILE = "trainer_state.json"
 ENGINE_STATE_FILE = "engine_state_dp{dp}.pt"
@@ -41,15 +41,6 @@ OLD_ENGINE_STATE_FILE = "slow_path_dp{dp}.pt"  # checkpoints written before the 
 
 def _iter_name(step: int) -> str:
     return f"iter_{step:07d}"
-
-
-def _write_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: Any,
@@ -98,7 +89,7 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _write_atomic_text(out_dir / TRACKER_FILE, str(step))
+        write_text_atomic(out_dir / TRACKER_FILE, str(step))
         iters = sorted(p for p in out_dir.glob("iter_*") if p.is_dir())
         for old in iters[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)

@@ -1,6 +1,8 @@
 """The GRPO loop on a tiny random policy (SmolLM2's tokenizer): update direction, the exactness
 contract at the RL level (vanilla vs SpecRoll), resume after SIGKILL, bad input."""
 
+import builtins
+import io
 import json
 import os
 import shutil
@@ -481,15 +483,29 @@ def test_a_resume_killed_while_rewriting_a_run_file_leaves_it_whole(tiny_ckpt, t
     run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1")
     target = tmp_path / "run" / name
     before = target.read_text()
-    write_text = Path.write_text
+    real_open = io.open
 
-    def killed_half_way(self, data, *args, **kwargs):
-        if name not in self.name:
-            return write_text(self, data, *args, **kwargs)
-        write_text(self, data[: len(data) // 2], *args, **kwargs)
-        raise KeyboardInterrupt
+    class KilledHalfWay:  # a text file whose first write stops half way, as at a kill
+        def __init__(self, f):
+            self.f = f
 
-    monkeypatch.setattr(Path, "write_text", killed_half_way)
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.close()
+            raise KeyboardInterrupt
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def opened(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return KilledHalfWay(f) if "w" in mode and name in Path(file).name else f
+
+    monkeypatch.setattr(io, "open", opened)  # (pathlib's writes)
+    monkeypatch.setattr(builtins, "open", opened)
     with pytest.raises(KeyboardInterrupt):
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla",
                                                              "resume=true")))
