@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -405,15 +406,22 @@ def _cached_profiles(path: Path) -> dict:
     return data
 
 
-def save_capacity(key: str, record: dict, cache: Optional[Path] = None) -> Path:
-    """Add one profile to the cache file (atomically replaced)."""
-    path = profile_path(cache)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = _cached_profiles(path)
-    data[key] = record
+def save_capacity(key: str, record: dict, cache: Optional[Path] = None) -> Optional[Path]:
+    """Add one profile to the cache file (atomically replaced); returns its path. Where the cache
+    cannot be written (a read-only or full file system) it warns and returns None: the caller goes on
+    with the record it holds, and the next run measures the profile again."""
     from specroll_mcore.checkpoint.megatron import write_json_atomic
 
-    write_json_atomic(path, data)
+    path = profile_path(cache)
+    data = _cached_profiles(path)
+    data[key] = record
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, data)
+    except OSError as e:
+        warnings.warn(f"could not cache a profile in {path} ({e}): this run uses it as measured, and the next one "
+                      "measures it again; set SPECROLL_CACHE to a writable directory to keep it", stacklevel=2)
+        return None
     return path
 
 

@@ -9,7 +9,7 @@ import torch
 
 from specroll_mcore.tree import (PAD, ROOT, DraftLevel, LatencyCurve, LatencySurface, TreeBatch, capacity_from_latency,
                                  expansion, expected_tokens, node_beliefs, node_budget, row_chunks, select_tree, tree_size)
-from specroll_mcore.tree.budget import DepthCalibration, tree_row_seconds
+from specroll_mcore.tree.budget import DepthCalibration, StepCost, StepOverhead, tree_row_seconds
 from specroll_mcore.verify import accept, node_rows
 
 
@@ -304,7 +304,7 @@ def test_step_cost_prices_the_work_around_a_drafted_steps_forward():
     16 rows, drafts worth 0.4 tokens a row pay for their forward but not for the drafting around it
     (plain decoding); at one row, a fixed cost per drafted step makes deeper trees pay. Once the
     drafts are proposed, proposing them is no longer part of the cost."""
-    from specroll_mcore.tree import StepCost, StepOverhead, tree_size
+    from specroll_mcore.tree import tree_size
 
     overhead = StepOverhead((1, 16), plain=(0.001, 0.005), drafted=(0.010, 0.018), drafting=(0.006, 0.004))
     assert overhead(1, False) == 0.001 and overhead(16, True) == 0.018
@@ -524,6 +524,39 @@ def test_a_capacity_profile_cache_that_is_not_a_json_object_is_named(tmp_path, t
                                              r".*: delete it, and the profiles are measured again"):
             call()
     assert budget.profile_path(tmp_path).read_text() == text  # not overwritten
+
+
+@pytest.mark.parametrize("fault", ["not_a_directory", "disk_full"])
+def test_a_profile_that_cannot_be_cached_is_used_and_named(ctx, tmp_path, monkeypatch, fault):
+    """A read-only or full cache: a warning that names the path and SPECROLL_CACHE, and the run goes
+    on with the profile it measured (measured again next time), not a crash after the measurement."""
+    from conftest import make_policy
+    from specroll_mcore.checkpoint import megatron
+    from specroll_mcore.config import SpecConfig, tiny_llama
+    from specroll_mcore.rollout import profile
+    from specroll_mcore.tree import budget
+
+    if fault == "not_a_directory":
+        (tmp_path / "file").write_text("")
+        cache = tmp_path / "file" / "cache"  # (its parent is a file: the directory cannot be made)
+    else:
+        cache = tmp_path / "cache"
+        monkeypatch.setattr(megatron.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setenv("SPECROLL_CACHE", str(cache))
+    warned = r"could not cache a profile in .*capacity_profiles.json .*: this run uses it as measured.* set " \
+             r"SPECROLL_CACHE to a writable directory"
+    with pytest.warns(UserWarning, match=warned):
+        assert budget.save_capacity("key", {"c_hw": 4}) is None
+    # (the step overhead, measured on first use and cached: the run goes on with it)
+    model = make_policy(tiny_llama(), ctx)
+    record = {"rows": [1, 2], "plain_s": [0.001] * 2, "drafted_s": [0.004] * 2, "drafting_s": [0.002] * 2}
+    monkeypatch.setattr(profile, "measure_step_overhead", lambda *a, **k: record)
+    curve = LatencyCurve((1, 4, 8), (1.0, 1.5, 3.0))
+    with pytest.warns(UserWarning, match=warned):
+        latency = profile.with_step_overhead(model, SpecConfig(num_heads=2, c_hw=8), curve, "fp")
+    assert latency == StepCost(curve, StepOverhead.from_record(record))
+    assert budget.load_profile("key") is None
+    assert not (cache.is_dir() and any(cache.iterdir()))  # (no temporary file left behind)
 
 
 def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
