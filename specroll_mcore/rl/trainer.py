@@ -30,8 +30,7 @@ from specroll_mcore import parallel
 from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
 from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, load_policy, model_config_of, read_checkpoint_config,
-                                                stage_layers_of, stop_token_ids, write_json_atomic,
-                                                write_text_atomic)
+                                                stage_layers_of, stop_token_ids, write_text_atomic)
 from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
                                                    save_training_checkpoint)
 from specroll_mcore.config import TrainConfig
@@ -147,7 +146,8 @@ class GRPOTrainer:
             meta = read_checkpoint_config(self.source)
             meta.update(**layout, trained_from=str(self.source),
                         train_config=json.loads(json.dumps(self.cfg, default=vars)))
-            write_json_atomic(self.out / CONFIG_FILE, meta)  # (other ranks may be reading it; a kill keeps it whole)
+            # (other ranks may be reading it meanwhile; a kill leaves the old one whole)
+            write_text_atomic(self.out / CONFIG_FILE, json.dumps(meta, indent=2, default=str))
             for name in TOKENIZER_FILES:
                 if (self.source / name).is_file():
                     shutil.copy2(self.source / name, self.out / name)
