@@ -3,6 +3,7 @@
 
     python tools/bench_step_phases.py --prompts 1 --samples 1 --out step_phases_b1.json     # batch 1
     python tools/bench_step_phases.py --prompts 4 --samples 4 --c-hw 64 --n-max 4           # 16 responses
+    python tools/bench_step_phases.py --dtype bfloat16 --out step_phases_b1_bf16.json        # SmolLM2 in bfloat16
 
 One SpecRoll rollout (fixed trees of --n-max nodes, so that every step drafts) records the inputs of
 every step's drafting (``SpeculativeEngine.propose``), acceptance (``verify.accept``, the policy's
@@ -167,6 +168,9 @@ def replay(fn: Callable, calls: list) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="smollm2", help="Megatron checkpoint dir with heads, or smollm2")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
+                    help="load the checkpoint (policy and heads) in this dtype (default: its own); a half-precision "
+                         "step's host work differs from float32's (its heads' products, conversions)")
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--samples", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -181,7 +185,7 @@ def main() -> int:
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     ctx = parallel.initialize(ParallelConfig())
-    ckpt, policy, tok, _ = open_for_rollout(args.checkpoint, ctx, args.c_hw)
+    ckpt, policy, tok, _ = open_for_rollout(args.checkpoint, ctx, args.c_hw, params_dtype=args.dtype)
     if policy.num_heads == 0:
         raise SystemExit(f"{ckpt} has no horizon heads: train them first (tools/train_heads.py)")
     spec = SpecConfig(num_heads=policy.num_heads, c_hw=args.c_hw, n_max=args.n_max, adaptive_nodes=False)

@@ -188,8 +188,9 @@ def test_bench_step_attention_smoke_and_its_errors(tiny_ckpt, tmp_path, capsys):
 def test_bench_step_phases_smoke_and_bad_input(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "p.json"
     run_tool("bench_step_phases.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 8,
-             "--steps", 3, "--reps", 1, "--out", out)
+             "--steps", 3, "--reps", 1, "--dtype", "bfloat16", "--out", out)
     report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16"
     assert set(report["phases"]) == {"propose", "accept", "feedback"}
     assert all(p["ms_per_step"] > 0 and p["steps"] == 3 and p["rows_per_step"] >= 1 for p in report["phases"].values())
     assert all(p["ops_per_step"] > 0 for p in report["phases"].values()) and report["total_syncs_per_step"] >= 0
