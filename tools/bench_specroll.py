@@ -300,8 +300,9 @@ def main() -> int:
     if not args.skip_hf:
         hf = hf_twin(args.checkpoint, ckpt, policy.dtype).to(ctx.device)
     if not args.skip_batch1:
+        third_b1 = None if third is None else (*third[:2], one_at_a_time(third[2]))  # (one response at a time too)
         report["batch1"] = scenario("batch 1", one_at_a_time(vanilla), one_at_a_time(spec), p1, sp1, args.reps,
-                                     third and (*third[:2], one_at_a_time(third[2])))
+                                     third_b1)
         if ctx.device.type == "cuda":
             report["batch1"]["time_split_synced_s"] = synced_split(spec, one_at_a_time(spec), p1[:1], sp1)
     if not args.skip_batch1 and hf is not None:

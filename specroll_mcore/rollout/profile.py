@@ -169,8 +169,8 @@ def measure_step_overhead(policy: PolicyModel, spec: Any, rows: Optional[Sequenc
     ``context``-token prompt (the work besides the forward hardly depends on it: SmolLM2's is the
     same within noise at 32 and 128 tokens, and a short prefill is quicker), each past ``warmup``
     steps, ``steps`` of them (fewer where drafts emit more than two tokens a step on average, at
-    least one). On a GPU each
-    stage waits for its kernels (sync_timers), so a forward's kernels are charged to the forward.
+    least one). On a GPU each stage waits for its kernels (sync_timers), so a forward's kernels are
+    charged to the forward.
     Adaptation runs as in a rollout (Reflex, slow-path records) on engines of its own: the engines
     the caller builds are not touched. Collective: every rank rolls out alike; the slowest rank's
     medians are kept. Returns the record :func:`with_step_overhead` caches."""
@@ -209,6 +209,7 @@ def measure_step_overhead(policy: PolicyModel, spec: Any, rows: Optional[Sequenc
     return {"kind": "step_overhead", "rows": rows, **{f"{n}_s": s for n, s in zip(names, reduced)},
             "context": context, "temperature": 1.0, "steps": steps, "hardware": hardware_name(),
             "dtype": dtype_name(policy), "c_hw": c_hw, "n_max": spec.n_max}
+
 
 def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], sizes: Sequence[int], reps: int,
                      tolerance: float = DEFAULT_TOLERANCE, quick: bool = False, verbose: bool = False,

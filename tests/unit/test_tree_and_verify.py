@@ -357,7 +357,8 @@ def test_step_overhead_is_measured_once_per_engine_settings_and_cached(ctx, tmp_
     forward = LatencyCurve((1, 8), (0.01, 0.02))
     measured = []
     real = profile.measure_step_overhead
-    monkeypatch.setattr(profile, "measure_step_overhead", lambda policy, spec: measured.append(spec) or real(policy, spec))
+    monkeypatch.setattr(profile, "measure_step_overhead",
+                        lambda policy, spec: measured.append(spec) or real(policy, spec))
     cost = profile.with_step_overhead(model, spec, forward, "fp")
     assert isinstance(cost, StepCost) and cost.forward == forward and len(measured) == 1
     assert cost.overhead.rows == (1, 2, 4) == tuple(profile.overhead_rows(8))
