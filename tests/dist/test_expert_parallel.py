@@ -26,14 +26,14 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])  # (PP=2: 4 processes, ~30 s)
 def test_rollouts_and_logprobs_at_ep2_equal_ep1(tmp_path, pp):
     """Each replica rolls out its own prompts (replica 1's responses twice as long: it runs forwards
     while replica 0 has finished), vanilla and SpecRoll, at T=1 with top-p and at T=0, in float32 and
     bfloat16, and computes log-probs over 3 and 2 micro-batches: tokens, log-probs, the recorded
     routing and the logits are those without expert parallelism, bit for bit. Each rank holds half
     the experts, and the experts gathered for a checkpoint are the full set. PP=2 (4 processes):
-    each stage's EP group keeps its own lockstep."""
+    each stage's EP group keeps its own lockstep (`make test-slow`)."""
     out = tmp_path / "res"
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
