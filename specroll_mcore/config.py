@@ -7,10 +7,19 @@ the config without reading the code.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+
+
+def cache_dir(override: Optional[Path] = None) -> Path:
+    """Where converted models and measured profiles are kept: ``override``, else ``$SPECROLL_CACHE``, else
+    ``~/.cache/specroll_mcore``."""
+    return Path(override or os.environ.get("SPECROLL_CACHE") or Path.home() / ".cache" / "specroll_mcore")
+
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

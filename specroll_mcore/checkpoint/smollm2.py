@@ -9,21 +9,17 @@ and reuses them afterwards. Tokenizer and chat template come from the same GGUF 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 from typing import Optional
 
 from specroll_mcore.checkpoint.convert import convert_hf_to_mcore, gguf_to_hf
 from specroll_mcore.checkpoint.megatron import CONFIG_FILE
+from specroll_mcore.config import cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m-instruct"
 MODEL_ALIAS = "smollm2"
 """What configs and tools accept in place of a checkpoint directory."""
-
-
-def cache_dir(override: Optional[Path] = None) -> Path:
-    return Path(override or os.environ.get("SPECROLL_CACHE") or Path.home() / ".cache" / "specroll_mcore")
 
 
 def smollm2_gguf_path() -> Path:

@@ -388,8 +388,9 @@ def parse_cpuinfo(text: str) -> tuple[str, set[str]]:
 
 
 def profile_path(cache: Optional[Path] = None) -> Path:
-    root = Path(cache or os.environ.get("SPECROLL_CACHE") or Path.home() / ".cache" / "specroll_mcore")
-    return root / "capacity_profiles.json"
+    from specroll_mcore.config import cache_dir
+
+    return cache_dir(cache) / "capacity_profiles.json"
 
 
 def _cached_profiles(path: Path) -> dict:
