@@ -26,6 +26,13 @@ share is timed on this machine in turn (token budget of ``micro_batch_size`` x t
 sequence); a data-parallel update takes its slowest replica's time, whose medians are compared:
 
     python tools/bench_update.py --replicas 4 --prompts 8 --samples 4 --max-new-tokens 256
+
+With ``--compare-attention``: the update's attention in its causal form (``metadata(positions,
+None)``: SDPA's ``is_causal``, what the trainer runs) against an explicit [b, 1, L, L] causal mask
+(the form before it), alternating, on the token-budget split; the gradient norms must agree:
+
+    python tools/bench_update.py --compare-attention --prompts 1 --samples 4 --max-new-tokens 1024 \
+        --set sampling.ignore_eos=true
 """
 
 from __future__ import annotations
@@ -43,12 +50,14 @@ warnings.filterwarnings("ignore")
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import TrainConfig, load_config  # noqa: E402
+from specroll_mcore.model import causal_mask  # noqa: E402
 from specroll_mcore.rl.schedule import MicroBatch, balanced_assignment, sequence_tokens  # noqa: E402
 from specroll_mcore.rl.trainer import GRPOTrainer  # noqa: E402
 from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
 VARIANTS = ("rollout_order", "sorted", "token_budget")
 DEALS = ("as_rolled_out", "balanced")
+ATTENTION = ("causal", "explicit_mask")
 
 
 def main() -> int:
@@ -63,12 +72,16 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=1,
                     help="time R data-parallel replicas' shares, as rolled out and balanced (balance_batch)")
+    ap.add_argument("--compare-attention", action="store_true",
+                    help="time the update's causal attention against an explicit causal mask")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="further config overrides")
     ap.add_argument("--out", default="bench_update.json")
     args = ap.parse_args()
     if min(args.prompts, args.samples, args.max_new_tokens, args.micro_batch_size, args.reps, args.replicas) < 1:
         raise SystemExit("--prompts, --samples, --max-new-tokens, --micro-batch-size, --reps and --replicas must "
                          "be >= 1")
+    if args.compare_attention and args.replicas > 1:
+        raise SystemExit("--compare-attention times one update, not replicas' shares: leave --replicas at 1")
     if args.replicas > args.prompts:
         raise SystemExit(f"--replicas {args.replicas} exceeds --prompts {args.prompts}: every replica rolls out "
                          "whole groups, so it needs a prompt")
@@ -81,12 +94,18 @@ def main() -> int:
         trainer = GRPOTrainer(cfg)
         if args.replicas > 1 and trainer.ctx.dp_size > 1:
             raise SystemExit("--replicas times the replicas' shares in one process: run it without data parallelism")
-        report = bench_replicas(trainer, args) if args.replicas > 1 else bench(trainer, args)
+        if args.compare_attention:
+            report = bench_attention(trainer, args)
+        else:
+            report = bench_replicas(trainer, args) if args.replicas > 1 else bench(trainer, args)
     if trainer.ctx.rank == 0:
         write_json_atomic(args.out, report)
         for name, v in report.get("deals", {}).items():
             print(f"{name:14s} tokens per replica {v['tokens']} (max / mean {v['max_over_mean']:.3f}): slowest "
                   f"replica {v['seconds']:.2f} s, {v['speedup']:.2f}x")
+        for name, v in report.get("attention", {}).items():
+            print(f"{name:14s} {v['micro_batches']:3d} micro-batches of up to {v['longest_sequence']} tokens: "
+                  f"{v['seconds']:.2f} s, {v['speedup']:.2f}x")
         for name, v in report.get("variants", {}).items():
             print(f"{name:14s} {v['micro_batches']:3d} micro-batches, {v['token_positions']:6d} token positions "
                   f"({100 * v['padding']:4.1f}% padding): {v['seconds']:.2f} s, {v['speedup']:.2f}x")
@@ -152,6 +171,40 @@ def bench(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
             "response_tokens": sum(len(s[1]) for s in seqs), "longest_sequence": longest,
             "recompute_activations": cfg.recompute_activations, "variants": variants,
             "grad_norm_rel_diff": max(abs(n - ref) for n in norms.values()) / max(abs(ref), 1e-30)}
+
+
+def bench_attention(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
+    cfg, policy = trainer.cfg, trainer.policy
+    seqs, gen_s = one_step(trainer)
+    longest = max(map(sequence_tokens, seqs))
+    cfg.micro_batch_size, cfg.micro_batch_tokens = len(seqs), args.micro_batch_size * longest
+    causal = policy.metadata
+
+    def explicit_mask(positions, new_token_mask, *rest, **kw):  # the [b, 1, L, L] mask SDPA reads
+        if new_token_mask is None:
+            new_token_mask = causal_mask(*positions.shape, positions.device)
+        return causal(positions, new_token_mask, *rest, **kw)
+
+    seconds: dict[str, list[float]] = {name: [] for name in ATTENTION}
+    norms: dict[str, float] = {}
+    for rep in range(args.reps + 1):  # round 0 untimed: first-call allocations
+        for name in ATTENTION[rep % 2:] + ATTENTION[:rep % 2]:
+            policy.metadata = causal if name == "causal" else explicit_mask
+            dt, norms[name], mbs = timed_update(trainer, seqs)
+            if rep:
+                seconds[name].append(dt)
+    policy.metadata = causal
+    base = statistics.median(seconds["explicit_mask"])
+    return {"tool": "bench_update", "hardware": hardware_name(), "checkpoint": cfg.checkpoint, "args": vars(args),
+            "layout": {"tp": trainer.ctx.tp_size, "pp": trainer.ctx.pp_size, "dp": trainer.ctx.dp_size},
+            "responses": len(seqs), "generation_s": gen_s, "response_tokens": sum(len(s[1]) for s in seqs),
+            "recompute_activations": cfg.recompute_activations,
+            "attention": {name: {"micro_batches": len(mbs), "longest_sequence": longest,
+                                 "micro_batch_tokens": cfg.micro_batch_tokens,
+                                 "seconds": statistics.median(seconds[name]), "runs_s": seconds[name],
+                                 "speedup": base / statistics.median(seconds[name]), "grad_norm": norms[name]}
+                          for name in ATTENTION},
+            "grad_norm_rel_diff": abs(norms["causal"] - norms["explicit_mask"]) / max(abs(norms["causal"]), 1e-30)}
 
 
 def bench_replicas(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:

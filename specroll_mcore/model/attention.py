@@ -263,8 +263,9 @@ class AttentionMetadata:
     """RoPE cos, [s, b, 1, head_dim]."""
     sin: torch.Tensor
     """RoPE sin with its first half negated (see rope_tables), [s, b, 1, head_dim]."""
-    mask: torch.Tensor
-    """Boolean, True = may attend: [b, 1, s, kv_len] (kv_len = s without a cache)."""
+    mask: Optional[torch.Tensor]
+    """Boolean, True = may attend: [b, 1, s, kv_len] (kv_len = s without a cache); None: causal over
+    each row (a forward without a cache, see :meth:`build`)."""
     cache: Optional[KVCache] = None
     slots: Optional[torch.Tensor] = None
     """[b] cache slot of each row."""
@@ -285,18 +286,28 @@ class AttentionMetadata:
     (:func:`step_attention_kernels`): an ordered forward over a cache with position-major keys."""
 
     @classmethod
-    def build(cls, positions: torch.Tensor, new_token_mask: torch.Tensor, inv_freq: torch.Tensor,
+    def build(cls, positions: torch.Tensor, new_token_mask: Optional[torch.Tensor], inv_freq: torch.Tensor,
               dtype: torch.dtype, cache: Optional[KVCache] = None,
               slots: Optional[torch.Tensor] = None, ordered: bool = False,
               rope_scale: float = 1.0) -> "AttentionMetadata":
         """positions [b, s]; new_token_mask [b, s, s] (True = query i may see new token j);
         ``inv_freq``: RoPE's frequencies (:func:`rope_inv_freq`) and ``rope_scale`` its tables' factor
         (:func:`rope_attention_factor`); ``ordered``: attend over each token's keys in one-token order
-        (a forward with a cache)."""
+        (a forward with a cache).
+
+        ``new_token_mask`` None, without a cache: each token sees its row's earlier tokens and itself,
+        as SDPA's ``is_causal`` computes it, without a [b, s, s] mask (on a GPU, FlashAttention's
+        kernel; on a CPU, the same values as :func:`causal_mask`'s, in less time). For right-padded
+        rows (the policy update's): a padding token then sees the row before it, which changes only
+        what the padding computes, and no real token reads that."""
         b, s = positions.shape
         cos, sin = rope_tables(positions, inv_freq, dtype, rope_scale)
         if cache is None:
-            return cls(cos=cos, sin=sin, mask=new_token_mask[:, None], positions=positions)
+            return cls(cos=cos, sin=sin, mask=None if new_token_mask is None else new_token_mask[:, None],
+                       positions=positions)
+        if new_token_mask is None:
+            raise ValueError("a forward with a KV cache needs its new tokens' mask [b, s, s] (the causal form "
+                             "without one attends over the forward's own tokens only)")
         assert slots is not None and slots.shape == (b,)
         committed = cache.lengths[slots]  # [b]
         kv_len = int(committed.max()) + s
@@ -324,7 +335,8 @@ class SDPACoreAttention(MegatronModule):
     """Core attention with an explicit boolean mask, on torch's scaled_dot_product_attention.
 
     query [sq, b, np, d], key/value [sk, b, ng, d] (GQA: ng divides np), mask [b, 1, sq, sk]
-    with True = may attend. Returns [sq, b, np * d]. Runs on CPU and GPU, any float dtype.
+    with True = may attend, or None: causal (sq = sk). Returns [sq, b, np * d]. Runs on CPU and GPU,
+    any float dtype.
     """
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any = None,
@@ -336,13 +348,13 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor, **unused: Any) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor], **unused: Any) -> torch.Tensor:
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, d]
         k = key.permute(1, 2, 0, 3)  # [b, ng, sk, d]
         v = value.permute(1, 2, 0, 3)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attention_mask, dropout_p=self.dropout_p if self.training else 0.0,
-            scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+            is_causal=attention_mask is None, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, np * d]
 

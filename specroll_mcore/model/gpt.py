@@ -299,10 +299,11 @@ class PolicyModel(torch.nn.Module):
             self._inv_freq[key] = rope_inv_freq(c.kv_channels, c.rope_theta, c.rope_scaling, compute, device)
         return self._inv_freq[key]
 
-    def metadata(self, positions: torch.Tensor, new_token_mask: torch.Tensor,
+    def metadata(self, positions: torch.Tensor, new_token_mask: Optional[torch.Tensor],
                  cache: Optional[KVCache] = None, slots: Optional[torch.Tensor] = None,
                  step: bool = False) -> AttentionMetadata:
-        """``step``: a decoding or verification step (tokens appended to committed responses), whose
+        """See :meth:`AttentionMetadata.build` (``new_token_mask`` None: causal, without a cache).
+        ``step``: a decoding or verification step (tokens appended to committed responses), whose
         tokens must get the same logits in a one-token and a tree forward."""
         return AttentionMetadata.build(positions, new_token_mask, self.rope_inv_freq(positions.device), self.dtype,
                                        cache, slots, rope_scale=self._rope_scale,

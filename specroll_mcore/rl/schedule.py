@@ -21,7 +21,7 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear
                                                      get_moe_layer_wise_logging_tracker)
 
 from specroll_mcore.heads import vocab_parallel_entropy
-from specroll_mcore.model import PolicyModel, causal_mask
+from specroll_mcore.model import PolicyModel
 from specroll_mcore.model.routing import fill_routing, replay_routing
 from specroll_mcore.parallel import ParallelContext, expert_parallel, grad_of, grad_sq_norm
 
@@ -236,9 +236,9 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         padding = positions >= mb.lengths[:, None].to(ctx.device) if policy.config.is_moe else None
         replay_routing(policy.routers, mb.routing)
         with routers_training(policy, False) if mb.stand_in else contextlib.nullcontext():
-            out = policy.stage_forward(mb.input_ids, policy.metadata(positions, causal_mask(b, L, ctx.device,
-                                                                                            mb.lengths)),
-                                       hidden_in, recompute=recompute, padding_mask=padding, logits_span=mb.loss_span)
+            # causal attention without a mask (right-padded rows: see AttentionMetadata.build)
+            out = policy.stage_forward(mb.input_ids, policy.metadata(positions, None), hidden_in, recompute=recompute,
+                                       padding_mask=padding, logits_span=mb.loss_span)
         if mb.stand_in:
             return out if not last else out[0].sum() * 0.0
         if not last:
@@ -380,7 +380,7 @@ def _forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temp
         replay_routing(policy.routers, mb.routing if replay else None)
         b, L = mb.input_ids.shape
         positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
-        meta = policy.metadata(positions, causal_mask(b, L, ctx.device, mb.lengths))
+        meta = policy.metadata(positions, None)  # causal, right-padded rows (as the update's forward)
         hidden_in = None if ctx.is_first_stage else ctx.recv_forward((L, b, policy.config.hidden_size), policy.dtype)
         res = policy.stage_forward(mb.input_ids, meta, hidden_in, logits_span=mb.loss_span)
         if ctx.is_last_stage:

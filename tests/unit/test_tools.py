@@ -285,6 +285,20 @@ def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     assert code != 0 and "--micro-batch-size, --reps and --replicas must be >= 1" in err
     code, err = refused(capsys, "bench_update.py", "--replicas", "3", "--prompts", "2")
     assert code != 0 and "--replicas 3 exceeds --prompts 2: every replica rolls out whole groups" in err
+    code, err = refused(capsys, "bench_update.py", "--compare-attention", "--replicas", "2")
+    assert code != 0 and "--compare-attention times one update, not replicas' shares" in err
+
+
+def test_bench_update_compare_attention_smoke(tiny_ckpt, tmp_path):
+    out = tmp_path / "a.json"
+    run_tool("bench_update.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 6,
+             "--reps", 1, "--compare-attention", "--set", "reward_fn=rewards_for_tests:token_parity_reward",
+             "--set", "sampling.ignore_eos=true", "--out", out, PYTHONPATH=str(ROOT / "tests"))
+    report = json.loads(out.read_text())
+    forms = report["attention"]
+    assert set(forms) == {"causal", "explicit_mask"} and report["response_tokens"] == 4 * 6
+    assert all(len(v["runs_s"]) == 1 and v["grad_norm"] > 0 for v in forms.values())
+    assert report["grad_norm_rel_diff"] < 1e-6  # the same attention, with and without the mask
 
 
 def test_bench_update_replicas_smoke(tiny_ckpt, tmp_path):

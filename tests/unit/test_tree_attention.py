@@ -3,6 +3,7 @@ committing a path and continuing equals decoding that path token by token."""
 
 import random
 
+import pytest
 import torch
 
 from conftest import make_policy
@@ -123,3 +124,36 @@ def test_rope_equals_the_rotate_half_convention_bit_for_bit():
                                            dtype)
         assert torch.equal(table_cos, cos)
         assert torch.equal(apply_rope(x, table_cos, table_sin), expected)
+
+
+def test_the_causal_form_equals_the_causal_mask_on_right_padded_rows(ctx):
+    """The policy update's forward (``metadata(positions, None)``: SDPA's is_causal, no mask) gives
+    the real tokens the logits and the weights the gradients of the explicit causal mask with
+    padding (:func:`causal_mask` with lengths), bit for bit on a CPU; a padding token then reads its
+    row, which no real token's result depends on."""
+    for cfg in (tiny_llama(), tiny_qwen2()):
+        model = make_policy(cfg, ctx, seed=2).train()
+        lengths = torch.tensor([9, 5, 1])
+        ids = torch.randint(0, cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+        real = torch.arange(9)[None] < lengths[:, None]  # [b, L]
+        positions = torch.arange(9)[None].expand(3, 9)
+        results = []
+        for mask in (causal_mask(3, 9, ids.device, lengths), None):
+            model.zero_grad()
+            logits = model.full_logits(model(ids, model.metadata(positions, mask)))
+            (logits.float().log_softmax(-1).mean(-1) * real).sum().backward()
+            results.append((logits.detach()[real], {n: p.grad.clone() for n, p in model.named_parameters()
+                                                     if p.grad is not None}))
+        (ref_logits, ref_grads), (logits, grads) = results
+        assert torch.equal(logits, ref_logits)
+        assert ref_grads.keys() == grads.keys() and len(grads) > 0
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), [n for n in grads
+                                                                          if not torch.equal(grads[n], ref_grads[n])]
+        model.eval()
+
+
+def test_a_forward_with_a_cache_needs_its_mask(ctx):
+    model = make_policy(tiny_llama(), ctx)
+    cache = model.new_cache(num_slots=1, capacity=8)
+    with pytest.raises(ValueError, match=r"a forward with a KV cache needs its new tokens' mask \[b, s, s\]"):
+        model.metadata(torch.zeros(1, 1, dtype=torch.long), None, cache, torch.arange(1))
