@@ -844,6 +844,14 @@ class TrainConfig:
     """Keep only each transformer layer's input in the policy update and rerun the layer's forward
     in the backward (activation memory of one layer instead of all, for one more forward)."""
 
+    logprob_chunk: int = 0
+    """Positions per piece of the update's vocabulary projection and log-probs (and the reference
+    policy's): each piece's logits [rows, piece, V/tp] are reduced to log-probs and entropy and freed,
+    and rebuilt in the backward, so the logits of a micro-batch's responses, their float32 copy and
+    their softmax are never held at once (rows x response tokens x vocabulary each: 4.9 GB in
+    bfloat16 for 8 x 4096 tokens of Qwen2.5's 152k ids at TP=1), for one more vocabulary product.
+    The same log-probs and gradients up to rounding. 0: the whole span at once."""
+
     moe_aux_loss_coeff: Optional[float] = None
     """A mixture of experts' load-balancing loss weight for this run (ModelConfig.moe_aux_loss_coeff;
     e.g. 1e-3); None: the checkpoint's (0 as converted). Logged as ``moe_aux_loss`` (unweighted, mean
@@ -938,6 +946,7 @@ class TrainConfig:
         _check(self.micro_batch_tokens == 0 or self.micro_batch_tokens >= longest,
                f"TrainConfig.micro_batch_tokens must be 0 (off) or at least data.max_prompt_tokens + "
                f"sampling.max_new_tokens = {longest} (the longest sequence), got {self.micro_batch_tokens}")
+        _check(self.logprob_chunk >= 0, f"TrainConfig.logprob_chunk must be >= 0 (0: off), got {self.logprob_chunk}")
         responses = self.prompts_per_step * self.sampling.num_samples
         _check(1 <= self.mini_batches <= responses,
                f"TrainConfig.mini_batches must be in [1, prompts_per_step x sampling.num_samples = {responses}] "

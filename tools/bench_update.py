@@ -33,6 +33,11 @@ None)``: SDPA's ``is_causal``, what the trainer runs) against an explicit [b, 1,
 
     python tools/bench_update.py --compare-attention --prompts 1 --samples 4 --max-new-tokens 1024 \
         --set sampling.ignore_eos=true
+
+With ``--compare-logprob-chunk N``: the update's log-probs over each micro-batch's whole response
+span against N positions at a time (``TrainConfig.logprob_chunk``), alternating likewise. Both
+comparisons also report each update's peak memory (a GPU's allocator peak; on a Linux CPU the
+process's resident high-water mark, reset before each update).
 """
 
 from __future__ import annotations
@@ -44,8 +49,11 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
@@ -57,7 +65,7 @@ from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
 VARIANTS = ("rollout_order", "sorted", "token_budget")
 DEALS = ("as_rolled_out", "balanced")
-ATTENTION = ("causal", "explicit_mask")
+PROC_STATUS = Path("/proc/self/status")
 
 
 def main() -> int:
@@ -74,14 +82,22 @@ def main() -> int:
                     help="time R data-parallel replicas' shares, as rolled out and balanced (balance_batch)")
     ap.add_argument("--compare-attention", action="store_true",
                     help="time the update's causal attention against an explicit causal mask")
+    ap.add_argument("--compare-logprob-chunk", type=int, default=0, metavar="N",
+                    help="time the update's log-probs over the whole span against N positions at a time, "
+                         "with peak memory")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="further config overrides")
     ap.add_argument("--out", default="bench_update.json")
     args = ap.parse_args()
     if min(args.prompts, args.samples, args.max_new_tokens, args.micro_batch_size, args.reps, args.replicas) < 1:
         raise SystemExit("--prompts, --samples, --max-new-tokens, --micro-batch-size, --reps and --replicas must "
                          "be >= 1")
-    if args.compare_attention and args.replicas > 1:
-        raise SystemExit("--compare-attention times one update, not replicas' shares: leave --replicas at 1")
+    if args.compare_logprob_chunk < 0:
+        raise SystemExit(f"--compare-logprob-chunk must be >= 1 positions, got {args.compare_logprob_chunk}")
+    if args.compare_attention and args.compare_logprob_chunk:
+        raise SystemExit("--compare-attention and --compare-logprob-chunk: one comparison a run")
+    if (args.compare_attention or args.compare_logprob_chunk) and args.replicas > 1:
+        raise SystemExit("--compare-attention and --compare-logprob-chunk time one update, not replicas' shares: "
+                         "leave --replicas at 1")
     if args.replicas > args.prompts:
         raise SystemExit(f"--replicas {args.replicas} exceeds --prompts {args.prompts}: every replica rolls out "
                          "whole groups, so it needs a prompt")
@@ -96,6 +112,8 @@ def main() -> int:
             raise SystemExit("--replicas times the replicas' shares in one process: run it without data parallelism")
         if args.compare_attention:
             report = bench_attention(trainer, args)
+        elif args.compare_logprob_chunk:
+            report = bench_logprob_chunk(trainer, args)
         else:
             report = bench_replicas(trainer, args) if args.replicas > 1 else bench(trainer, args)
     if trainer.ctx.rank == 0:
@@ -103,9 +121,9 @@ def main() -> int:
         for name, v in report.get("deals", {}).items():
             print(f"{name:14s} tokens per replica {v['tokens']} (max / mean {v['max_over_mean']:.3f}): slowest "
                   f"replica {v['seconds']:.2f} s, {v['speedup']:.2f}x")
-        for name, v in report.get("attention", {}).items():
+        for name, v in {**report.get("attention", {}), **report.get("logprob_chunk", {})}.items():
             print(f"{name:14s} {v['micro_batches']:3d} micro-batches of up to {v['longest_sequence']} tokens: "
-                  f"{v['seconds']:.2f} s, {v['speedup']:.2f}x")
+                  f"{v['seconds']:.2f} s, {v['speedup']:.2f}x, peak memory {v['peak_memory_gib']:.2f} GiB")
         for name, v in report.get("variants", {}).items():
             print(f"{name:14s} {v['micro_batches']:3d} micro-batches, {v['token_positions']:6d} token positions "
                   f"({100 * v['padding']:4.1f}% padding): {v['seconds']:.2f} s, {v['speedup']:.2f}x")
@@ -173,11 +191,65 @@ def bench(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
             "grad_norm_rel_diff": max(abs(n - ref) for n in norms.values()) / max(abs(ref), 1e-30)}
 
 
-def bench_attention(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
-    cfg, policy = trainer.cfg, trainer.policy
+def peak_memory_reset(device) -> None:
+    """Start measuring the process's peak memory anew: the CUDA allocator's peak on a GPU; on Linux
+    the resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    elif PROC_STATUS.is_file():
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_memory_gib(device) -> float:
+    """The peak since :func:`peak_memory_reset`, GiB (NaN on a CPU without /proc: not Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    if not PROC_STATUS.is_file():
+        return float("nan")
+    return int(PROC_STATUS.read_text().split("VmHWM:")[1].split()[0]) / 2**20  # (kB)
+
+
+def bench_forms(trainer: GRPOTrainer, args: argparse.Namespace, forms: dict[str, Callable[[bool], None]],
+                key: str) -> dict:
+    """Two forms of the same update on the token-budget split, alternating, ``--reps`` rounds after an
+    untimed one: seconds, the peak memory of each timed update and the gradient norm (the same
+    gradients either way: their relative difference is reported). ``forms[name](on)`` switches a
+    form on before its update and off after it; the first form is the baseline of the speedups."""
+    cfg = trainer.cfg
     seqs, gen_s = one_step(trainer)
     longest = max(map(sequence_tokens, seqs))
     cfg.micro_batch_size, cfg.micro_batch_tokens = len(seqs), args.micro_batch_size * longest
+    names = list(forms)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    peaks: dict[str, list[float]] = {name: [] for name in names}
+    norms: dict[str, float] = {}
+    for rep in range(args.reps + 1):  # round 0 untimed: first-call allocations
+        for name in names[rep % 2:] + names[:rep % 2]:
+            forms[name](True)
+            peak_memory_reset(trainer.ctx.device)
+            dt, norms[name], mbs = timed_update(trainer, seqs)
+            peak = peak_memory_gib(trainer.ctx.device)
+            forms[name](False)
+            if rep:
+                seconds[name].append(dt)
+                peaks[name].append(peak)
+    base = statistics.median(seconds[names[0]])
+    return {"tool": "bench_update", "hardware": hardware_name(), "checkpoint": cfg.checkpoint, "args": vars(args),
+            "layout": {"tp": trainer.ctx.tp_size, "pp": trainer.ctx.pp_size, "dp": trainer.ctx.dp_size},
+            "responses": len(seqs), "generation_s": gen_s, "response_tokens": sum(len(s[1]) for s in seqs),
+            "recompute_activations": cfg.recompute_activations,
+            key: {name: {"micro_batches": len(mbs), "longest_sequence": longest,
+                         "micro_batch_tokens": cfg.micro_batch_tokens, "seconds": statistics.median(seconds[name]),
+                         "runs_s": seconds[name], "speedup": base / statistics.median(seconds[name]),
+                         "peak_memory_gib": statistics.median(peaks[name]), "runs_peak_memory_gib": peaks[name],
+                         "grad_norm": norms[name]} for name in names},
+            "grad_norm_rel_diff": abs(norms[names[0]] - norms[names[1]]) / max(abs(norms[names[0]]), 1e-30)}
+
+
+def bench_attention(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
+    """The update's causal attention (what the trainer runs) against an explicit causal mask."""
+    policy = trainer.policy
     causal = policy.metadata
 
     def explicit_mask(positions, new_token_mask, *rest, **kw):  # the [b, 1, L, L] mask SDPA reads
@@ -185,26 +257,22 @@ def bench_attention(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
             new_token_mask = causal_mask(*positions.shape, positions.device)
         return causal(positions, new_token_mask, *rest, **kw)
 
-    seconds: dict[str, list[float]] = {name: [] for name in ATTENTION}
-    norms: dict[str, float] = {}
-    for rep in range(args.reps + 1):  # round 0 untimed: first-call allocations
-        for name in ATTENTION[rep % 2:] + ATTENTION[:rep % 2]:
-            policy.metadata = causal if name == "causal" else explicit_mask
-            dt, norms[name], mbs = timed_update(trainer, seqs)
-            if rep:
-                seconds[name].append(dt)
-    policy.metadata = causal
-    base = statistics.median(seconds["explicit_mask"])
-    return {"tool": "bench_update", "hardware": hardware_name(), "checkpoint": cfg.checkpoint, "args": vars(args),
-            "layout": {"tp": trainer.ctx.tp_size, "pp": trainer.ctx.pp_size, "dp": trainer.ctx.dp_size},
-            "responses": len(seqs), "generation_s": gen_s, "response_tokens": sum(len(s[1]) for s in seqs),
-            "recompute_activations": cfg.recompute_activations,
-            "attention": {name: {"micro_batches": len(mbs), "longest_sequence": longest,
-                                 "micro_batch_tokens": cfg.micro_batch_tokens,
-                                 "seconds": statistics.median(seconds[name]), "runs_s": seconds[name],
-                                 "speedup": base / statistics.median(seconds[name]), "grad_norm": norms[name]}
-                          for name in ATTENTION},
-            "grad_norm_rel_diff": abs(norms["causal"] - norms["explicit_mask"]) / max(abs(norms["causal"]), 1e-30)}
+    def use(metadata):
+        return lambda on: setattr(policy, "metadata", metadata if on else causal)
+
+    return bench_forms(trainer, args, {"explicit_mask": use(explicit_mask), "causal": use(causal)}, "attention")
+
+
+def bench_logprob_chunk(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
+    """The update's log-probs over the whole span at once against ``--compare-logprob-chunk`` positions
+    at a time (TrainConfig.logprob_chunk)."""
+    cfg = trainer.cfg
+
+    def chunk(n):
+        return lambda on: setattr(cfg, "logprob_chunk", n if on else 0)
+
+    return bench_forms(trainer, args, {"whole_span": chunk(0), f"chunk_{args.compare_logprob_chunk}":
+                                       chunk(args.compare_logprob_chunk)}, "logprob_chunk")
 
 
 def bench_replicas(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:

@@ -312,7 +312,7 @@ class PolicyModel(torch.nn.Module):
     def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                       hidden_in: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,
                       recompute: bool = False, padding_mask: Optional[torch.Tensor] = None,
-                      logits_span: Optional[slice] = None):
+                      logits_span: Optional[slice] = None, project: bool = True):
         """This stage's computation, no communication: embedding (first stage) or ``hidden_in``
         [s, b, h] (other stages) -> decoder (final norm included) -> output layer (last stage).
 
@@ -325,7 +325,8 @@ class PolicyModel(torch.nn.Module):
         (the training schedule uses it); with ``recompute`` and gradients enabled, each layer keeps
         only its input and reruns its forward in the backward.
         ``padding_mask`` [b, s] (True: padding, megatron-core's convention): a mixture of experts'
-        load-balancing loss leaves it out."""
+        load-balancing loss leaves it out. ``project`` False: the last stage returns (None, the final
+        hidden states at those positions), for a caller that projects them in pieces."""
         b = input_ids.shape[0]
         gpt = self.gpt
         if self._lockstep:
@@ -347,6 +348,8 @@ class PolicyModel(torch.nn.Module):
             selected = hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
         else:
             selected = hidden if logits_span is None else hidden[logits_span]
+        if not project:
+            return None, selected
         return self.vocab_projection(selected).transpose(0, 1), selected  # [b, s, V/tp], [s, b, h]
 
     def _layer_by_layer(self, hidden: Optional[torch.Tensor],

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker)
@@ -197,15 +198,45 @@ def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tens
     return -nll.transpose(0, 1)
 
 
+def chunked_span_logprobs(policy: PolicyModel, hidden: torch.Tensor, mb: MicroBatch, temperature: float,
+                          chunk: int, entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`span_logprobs` and the policy's entropy over the ``loss_span`` from its final hidden
+    states there (``hidden`` [s', B, h]), ``chunk`` positions at a time (``TrainConfig.logprob_chunk``):
+    a piece's logits [B, chunk, V/tp] are made, reduced and freed before the next's, and with
+    gradients recomputed in the backward (torch.utils.checkpoint), so the update never holds the
+    span's logits, their float32 copy or their softmax at once; for one more vocabulary product.
+    Returns log-probs [B, L] laid out as the labels, and the entropy [B, s'] (None unless ``entropy``)."""
+    span = mb.loss_span
+    labels = mb.labels[:, span]
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk):
+        piece_entropy: list[torch.Tensor] = []
+
+        def piece(h: torch.Tensor, lab: torch.Tensor = labels[:, start:start + chunk],
+                  out: list = piece_entropy) -> torch.Tensor:
+            logits = policy.vocab_projection(h).transpose(0, 1)  # [B, c, V/tp]
+            if entropy and not out:  # (not again in the backward's recomputation)
+                out.append(vocab_parallel_entropy(logits.detach(), policy.vocab_start, policy.config.vocab_size,
+                                                  policy.ctx, temperature))
+            return token_logprobs(policy, logits, lab, temperature)  # (may overwrite the logits: after the entropy)
+
+        h = hidden[start:start + chunk]
+        logps.append(checkpoint(piece, h, use_reentrant=False) if torch.is_grad_enabled() else piece(h))
+        entropies += piece_entropy
+    logp = torch.nn.functional.pad(torch.cat(logps, 1), (span.start, mb.labels.shape[1] - span.stop))
+    return logp, torch.cat(entropies, 1) if entropy else None
+
+
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
 def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_fn: LossFn,
-                     temperature: float, recompute: bool = False) -> list[dict]:
+                     temperature: float, recompute: bool = False, logprob_chunk: int = 0) -> list[dict]:
     """Accumulate gradients of ``loss_fn`` over the micro-batches; returns the last stage's metrics
     per micro-batch (shared with every stage): ``loss_fn``'s, and ``entropy_sum``, the policy's entropy
     (at ``temperature``, over the whole vocabulary) summed over the tokens the loss reads.
-    ``recompute``: activation recomputation per layer (:meth:`PolicyModel.stage_forward`).
+    ``recompute``: activation recomputation per layer (:meth:`PolicyModel.stage_forward`);
+    ``logprob_chunk`` > 0: the log-probs in pieces of that many positions (:func:`chunked_span_logprobs`).
     Micro-batches that carry routing route by it, in their forward and in their backward's
     recomputation (model/routing.py).
 
@@ -235,18 +266,23 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         # inverts it (some of its docstrings say otherwise)
         padding = positions >= mb.lengths[:, None].to(ctx.device) if policy.config.is_moe else None
         replay_routing(policy.routers, mb.routing)
+        chunked = logprob_chunk > 0 and not mb.stand_in
         with routers_training(policy, False) if mb.stand_in else contextlib.nullcontext():
             # causal attention without a mask (right-padded rows: see AttentionMetadata.build)
             out = policy.stage_forward(mb.input_ids, policy.metadata(positions, None), hidden_in, recompute=recompute,
-                                       padding_mask=padding, logits_span=mb.loss_span)
+                                       padding_mask=padding, logits_span=mb.loss_span, project=not chunked)
         if mb.stand_in:
             return out if not last else out[0].sum() * 0.0
         if not last:
             return out
-        # before the log-probs, which may overwrite the logits (token_logprobs)
-        entropy = vocab_parallel_entropy(out[0].detach(), policy.vocab_start, policy.config.vocab_size, ctx,
-                                         temperature)
-        loss, m = loss_fn(mb, span_logprobs(policy, out[0], mb, temperature))
+        if chunked:
+            logp, entropy = chunked_span_logprobs(policy, out[1], mb, temperature, logprob_chunk)
+        else:
+            # before the log-probs, which may overwrite the logits (token_logprobs)
+            entropy = vocab_parallel_entropy(out[0].detach(), policy.vocab_start, policy.config.vocab_size, ctx,
+                                             temperature)
+            logp = span_logprobs(policy, out[0], mb, temperature)
+        loss, m = loss_fn(mb, logp)
         m["entropy_sum"] = float((entropy * mb.loss_mask[:, mb.loss_span]).sum())
         metrics.append(m)
         return loss
@@ -363,17 +399,17 @@ def global_grad_norm(policy: PolicyModel) -> torch.Tensor:
 
 @torch.no_grad()
 def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temperature: float,
-                     replay: bool = True) -> list:
+                     replay: bool = True, logprob_chunk: int = 0) -> list:
     """log pi(labels) per micro-batch without gradients ([B, L] on the last stage, None elsewhere):
     old log-probs recomputed under filtered sampling, and the reference policy's log-probs.
     ``replay``: route by the micro-batches' routing where they carry it (the reference policy routes
-    by its own routers: ``replay=False``)."""
+    by its own routers: ``replay=False``); ``logprob_chunk`` as :func:`forward_backward`'s."""
     with policy.expert_lockstep():  # (expert parallelism: replicas hold different numbers of micro-batches)
-        return _forward_logprobs(policy, micro_batches, temperature, replay)
+        return _forward_logprobs(policy, micro_batches, temperature, replay, logprob_chunk)
 
 
 def _forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temperature: float,
-                      replay: bool) -> list:
+                      replay: bool, logprob_chunk: int) -> list:
     ctx = policy.ctx
     out: list = []
     for mb in micro_batches:
@@ -382,9 +418,11 @@ def _forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temp
         positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
         meta = policy.metadata(positions, None)  # causal, right-padded rows (as the update's forward)
         hidden_in = None if ctx.is_first_stage else ctx.recv_forward((L, b, policy.config.hidden_size), policy.dtype)
-        res = policy.stage_forward(mb.input_ids, meta, hidden_in, logits_span=mb.loss_span)
+        res = policy.stage_forward(mb.input_ids, meta, hidden_in, logits_span=mb.loss_span,
+                                   project=logprob_chunk == 0)
         if ctx.is_last_stage:
-            out.append(span_logprobs(policy, res[0], mb, temperature))
+            out.append(span_logprobs(policy, res[0], mb, temperature) if logprob_chunk == 0 else
+                       chunked_span_logprobs(policy, res[1], mb, temperature, logprob_chunk, entropy=False)[0])
         else:
             ctx.send_forward(res)
             out.append(None)

@@ -384,12 +384,14 @@ class GRPOTrainer:
         recomputed = cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.temperature == 0
         if recomputed:
             # the rollout's log-probs are of the filtered distribution: recompute unfiltered ones
-            for mb, lp in zip(every, forward_logprobs(policy, every, self._train_temperature())):
+            for mb, lp in zip(every, forward_logprobs(policy, every, self._train_temperature(),
+                                                      logprob_chunk=cfg.logprob_chunk)):
                 if lp is not None:
                     mb.old_logp = lp.detach()
         if self.ref_state is not None:
             with self._weights(self.ref_state):
-                for mb, lp in zip(every, forward_logprobs(policy, every, self._train_temperature(), replay=False)):
+                for mb, lp in zip(every, forward_logprobs(policy, every, self._train_temperature(), replay=False,
+                                                          logprob_chunk=cfg.logprob_chunk)):
                     mb.ref_logp = lp
         norms, losses, parts, aux, skipped, taken = [], [], [], [], False, 0
         entropy, tokens = 0.0, 0.0
@@ -450,7 +452,8 @@ class GRPOTrainer:
             total_mbs = int(ctx.all_reduce_dp(torch.tensor(float(len(mbs)))))
             set_moe_aux_loss_scale(total_mbs)
         with routers_training(policy) if balanced else contextlib.nullcontext():
-            parts = forward_backward(policy, mbs, loss_fn, self._train_temperature(), cfg.recompute_activations)
+            parts = forward_backward(policy, mbs, loss_fn, self._train_temperature(), cfg.recompute_activations,
+                                     cfg.logprob_chunk)
         extra = {"moe_aux_loss": moe_aux_loss(policy, total_mbs, cfg.recompute_activations)} if balanced else {}
         finalize_grads(policy)
         norm = float(global_grad_norm(policy))

@@ -286,19 +286,27 @@ def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     code, err = refused(capsys, "bench_update.py", "--replicas", "3", "--prompts", "2")
     assert code != 0 and "--replicas 3 exceeds --prompts 2: every replica rolls out whole groups" in err
     code, err = refused(capsys, "bench_update.py", "--compare-attention", "--replicas", "2")
-    assert code != 0 and "--compare-attention times one update, not replicas' shares" in err
+    assert code != 0 and "time one update, not replicas' shares: leave --replicas at 1" in err
+    code, err = refused(capsys, "bench_update.py", "--compare-attention", "--compare-logprob-chunk", "4")
+    assert code != 0 and "--compare-attention and --compare-logprob-chunk: one comparison a run" in err
+    code, err = refused(capsys, "bench_update.py", "--compare-logprob-chunk", "-2")
+    assert code != 0 and "--compare-logprob-chunk must be >= 1 positions, got -2" in err
 
 
-def test_bench_update_compare_attention_smoke(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("compare, key, names", [
+    (["--compare-attention"], "attention", {"causal", "explicit_mask"}),
+    (["--compare-logprob-chunk", "4"], "logprob_chunk", {"whole_span", "chunk_4"}),
+])
+def test_bench_update_comparisons_smoke(tiny_ckpt, tmp_path, compare, key, names):
     out = tmp_path / "a.json"
     run_tool("bench_update.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 6,
-             "--reps", 1, "--compare-attention", "--set", "reward_fn=rewards_for_tests:token_parity_reward",
+             "--reps", 1, *compare, "--set", "reward_fn=rewards_for_tests:token_parity_reward",
              "--set", "sampling.ignore_eos=true", "--out", out, PYTHONPATH=str(ROOT / "tests"))
     report = json.loads(out.read_text())
-    forms = report["attention"]
-    assert set(forms) == {"causal", "explicit_mask"} and report["response_tokens"] == 4 * 6
-    assert all(len(v["runs_s"]) == 1 and v["grad_norm"] > 0 for v in forms.values())
-    assert report["grad_norm_rel_diff"] < 1e-6  # the same attention, with and without the mask
+    forms = report[key]
+    assert set(forms) == names and report["response_tokens"] == 4 * 6
+    assert all(len(v["runs_s"]) == 1 and v["grad_norm"] > 0 and v["peak_memory_gib"] > 0 for v in forms.values())
+    assert report["grad_norm_rel_diff"] < 1e-5  # the same update either way
 
 
 def test_bench_update_replicas_smoke(tiny_ckpt, tmp_path):

@@ -427,6 +427,8 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
         load_config(TrainConfig, None, ["prompts_per_step=2", "sampling.num_samples=4", "mini_batches=9"])
     with pytest.raises(ValueError, match="TrainConfig.ppo_epochs must be >= 1, got 0"):
         load_config(TrainConfig, None, ["ppo_epochs=0"])
+    with pytest.raises(ValueError, match=r"TrainConfig.logprob_chunk must be >= 0 \(0: off\), got -1"):
+        load_config(TrainConfig, None, ["logprob_chunk=-1"])
     with pytest.raises(ValueError, match="TrainConfig.reward_fn must look like 'module:function', got 'my_reward'"):
         load_config(TrainConfig, None, ["reward_fn=my_reward"])
     with pytest.raises(ValueError, match=r"reward_fn 'no_such_module:f': cannot import 'no_such_module' .* PYTHONPATH"):
@@ -553,6 +555,55 @@ def test_recomputed_activations_give_the_same_gradients(tiny_ckpt, tmp_path, ctx
 
     for a, b in zip(grads(False), grads(True)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_log_probs_in_pieces_give_the_whole_spans_gradients_log_probs_and_entropy(tiny_ckpt, tmp_path, ctx):
+    """TrainConfig.logprob_chunk: the vocabulary projection and log-probs 3 positions at a time (the
+    last piece shorter), recomputed in the backward, on ragged sequences: the gradients, the
+    entropy and the no-gradient log-probs (old and reference log-probs) of the whole span at once."""
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
+    mbs = trainer._micro_batches(step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5)))
+    assert any(mb.loss_span.stop - mb.loss_span.start > 3 for mb in mbs)
+
+    def update(chunk):
+        trainer.optimizer.zero_grad()
+        parts = forward_backward(trainer.policy, mbs, lambda mb, lp: (
+            policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask).loss, {}), 1.0, logprob_chunk=chunk)
+        grads = [p.grad.clone() for p in trainer.policy.gpt.parameters()]
+        return grads, [p["entropy_sum"] for p in parts], forward_logprobs(trainer.policy, mbs, 1.0, logprob_chunk=chunk)
+
+    (whole, entropy, logps), (pieces, entropy_pieces, logps_pieces) = update(0), update(3)
+    assert all(g.abs().sum() > 0 for g in whole[-2:])
+    for a, b in zip(whole, pieces):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert entropy_pieces == pytest.approx(entropy, rel=1e-6)
+    for a, b in zip(logps, logps_pieces):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_log_probs_in_pieces_keep_no_logits_for_the_backward(tiny_ckpt, tmp_path, ctx):
+    """What the update keeps for its backward with TrainConfig.logprob_chunk: not the span's logits
+    [B, s', V] (each piece's are rebuilt in the backward), so at least their size less than without."""
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
+    mbs = trainer._micro_batches(step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]))
+    logits_bytes = sum(len(mb.lengths) * (mb.loss_span.stop - mb.loss_span.start) for mb in mbs) * \
+        trainer.policy.config.vocab_size * 4
+
+    def saved_bytes(chunk):
+        saved = [0]
+
+        def pack(t):
+            if not isinstance(t, torch.nn.Parameter):
+                saved[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward_backward(trainer.policy, mbs, lambda mb, lp: (
+                policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask).loss, {}), 1.0, logprob_chunk=chunk)
+        return saved[0]
+
+    whole, pieces = saved_bytes(0), saved_bytes(4)
+    assert whole - pieces >= logits_bytes, (whole, pieces, logits_bytes)
 
 
 def test_token_budget_micro_batches_give_the_gradients_of_the_whole_batch(tiny_ckpt, tmp_path, ctx):
