@@ -848,9 +848,9 @@ class TrainConfig:
     """Positions per piece of the update's vocabulary projection and log-probs (and the reference
     policy's): each piece's logits [rows, piece, V/tp] are reduced to log-probs and entropy and freed,
     and rebuilt in the backward, so the logits of a micro-batch's responses, their float32 copy and
-    their softmax are never held at once (rows x response tokens x vocabulary each: 4.9 GB in
-    bfloat16 for 8 x 4096 tokens of Qwen2.5's 152k ids at TP=1), for one more vocabulary product.
-    The same log-probs and gradients up to rounding. 0: the whole span at once."""
+    their softmax are never held at once (rows x response tokens x V/tp each: 8 x 4096 tokens of
+    Qwen2.5's 152k ids take 10 GB in bfloat16 at TP=1, 2.5 GB a rank at TP=4), for one more
+    vocabulary product. The same log-probs and gradients up to rounding. 0: the whole span at once."""
 
     moe_aux_loss_coeff: Optional[float] = None
     """A mixture of experts' load-balancing loss weight for this run (ModelConfig.moe_aux_loss_coeff;

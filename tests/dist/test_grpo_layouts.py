@@ -39,12 +39,15 @@ def run(ckpt, out, tp, pp, nproc, *extra):
 def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     """On a Qwen3 (the other layout tests run Llamas): its q/k norms are replicated over TP, but each
     rank's heads give only part of their gradient; without the TP sum the two ranks' copies would
-    take different updates (2 x lr apart after one step)."""
+    take different updates (2 x lr apart after one step). TP=2 and PP=2 take their log-probs in pieces
+    of 5 positions (TrainConfig.logprob_chunk; the vocab-parallel reductions rerun in the backward),
+    TP=1 over the whole span."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, arch="qwen3")
     # each stage and shard swaps its reference weights in for the KL term's forward; two optimizer steps
     # (the second against the rollout's log-probs, after the first moved the weights)
     kl = ("--set=kl_beta=0.1", "--set=mini_batches=2")
     ref = run(ckpt, tmp_path / "tp1", 1, 1, 1, *kl)
+    kl = (*kl, "--set=logprob_chunk=5")
     ref_w = load_full_state_dict(tmp_path / "tp1")
     norms = [k for k in ref_w if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
     assert len(norms) == 4 and all((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in norms)  # they moved
