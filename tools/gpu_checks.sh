@@ -12,8 +12,10 @@
 # with the layers chained against megatron's block (tools/bench_forward_path.py), the speculative step's
 # host work per phase at batch 1 (ms, operations and syncs a step; both engines' whole rollouts in
 # operations a token), a short GRPO run that times the vanilla engine on the same steps, batch 1 at
-# T=0, and the big batch in bfloat16 (how many responses stay identical to the vanilla engine's:
-# cuBLAS and attention kernels are not batch-invariant, so near-ties are frequent there).
+# T=0, the big batch in bfloat16 (how many responses stay identical to the vanilla engine's:
+# cuBLAS and attention kernels are not batch-invariant, so near-ties are frequent there), and the
+# policy update of a bfloat16 SmolLM2 on 8 x 1024 tokens with its causal attention (FlashAttention's
+# kernel) against an explicit causal mask (tools/bench_update.py --compare-attention).
 # Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
 # workload to a few tokens and only collects tests/gpu (which the default suite runs itself): a dry
 # run of this script on any machine (`make test-slow` runs one).
@@ -34,6 +36,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   PHASES="--max-new-tokens 8 --steps 2 --reps 1"
   FWD="--layers 2 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 --vocab 512 --shapes 1x1,2x4 --reps 1"
   TESTS="--collect-only"
+  UPDATE="--prompts 1 --samples 2 --max-new-tokens 8 --reps 1"
 else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch 1 is the slow stage
   B1="--batch1-prompts 2 --max-new-tokens 256 --reps 3"; FULL="--prompts 32 --samples 8 --max-new-tokens 256 --reps 2"
   TOKENS="1,2,4,8,16,32,64,128,256,512,1024,2048"
@@ -41,6 +44,7 @@ else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch
   PHASES="--max-new-tokens 64 --steps 30 --reps 3"
   FWD="--reps 30"
   TESTS=""
+  UPDATE="--prompts 1 --samples 8 --max-new-tokens 1024 --micro-batch-size 8 --reps 3"
 fi
 
 stage() {  # stage NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), log it, never abort the rest
@@ -80,4 +84,13 @@ stage bench_batch1_t0 100 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 -
 # shellcheck disable=SC2086
 stage bench_full_bf16 90 $PY tools/bench_specroll.py --checkpoint "$CKPT" --dtype bfloat16 $FULL --reps 1 --skip-batch1 \
   --skip-hf --out "$OUT/bench_specroll_full_bf16.json" --plot "$OUT/bench_specroll_full_bf16.png"
+UPDATE_CKPT=$CKPT
+if [ "$CKPT" = smollm2 ] && [ "${QUICK:-0}" != 1 ]; then  # the update in bfloat16: FlashAttention's dtypes
+  UPDATE_CKPT=$(mktemp -d)/smollm2-bf16
+  $PY -m specroll_mcore.cli convert hf-to-mcore "$($PY -c 'from specroll_mcore.checkpoint.smollm2 import \
+default_hf_dir; print(default_hf_dir())')" "$UPDATE_CKPT" --dtype bfloat16 2>&1 | tail -1 | tee -a "$LOG"
+fi
+# shellcheck disable=SC2086
+stage update_attention 120 $PY tools/bench_update.py --checkpoint "$UPDATE_CKPT" --compare-attention $UPDATE \
+  --set sampling.ignore_eos=true --out "$OUT/bench_update_attention.json"
 echo "== done in ${SECONDS}s" | tee -a "$LOG"

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker)
+from torch.utils.checkpoint import checkpoint
 
 from specroll_mcore.heads import vocab_parallel_entropy
 from specroll_mcore.model import PolicyModel

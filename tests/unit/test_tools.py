@@ -241,8 +241,10 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     log = (out / "gpu_checks.log").read_text()
     for stage in ("tests", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "step_phases",
-                  "grpo", "forward_path"):
+                  "grpo", "forward_path", "update_attention"):
         assert f"== {stage} rc=0" in log, log[-3000:]
+    assert set(json.loads((out / "bench_update_attention.json").read_text())["attention"]) == {"causal",
+                                                                                                "explicit_mask"}
     assert re.search(r"\d+ tests collected", log), log[:3000]  # tests/gpu, collected only
     assert json.loads((out / "step_phases_b1.json").read_text())["total_ops_per_step"] > 0
     assert set(json.loads((out / "forward_path.json").read_text())["shapes"]) == {"1x1", "2x4"}
