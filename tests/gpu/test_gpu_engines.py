@@ -136,3 +136,40 @@ def test_routing_replay_on_gpu(gpu_ctx):
     mb = pack_micro_batch(seqs, DEVICE)
     taken_in = torch.arange(mb.input_ids.shape[1], device=DEVICE)[None] < mb.lengths[:, None] - 1
     assert torch.equal(replayed[taken_in], routed_by_itself[taken_in])
+
+
+def test_update_attention_and_log_probs_in_pieces_on_gpu(gpu_ctx):
+    """The policy update's forward-backward on ragged, right-padded sequences, as the trainer runs it
+    (causal attention without a mask: on CUDA in bfloat16, FlashAttention's kernel) and with log-probs
+    in pieces of 5 positions, against an explicit causal mask over the whole span: the same loss and
+    gradients (to bfloat16's rounding on the device; float32 elsewhere)."""
+    from specroll_mcore.model import causal_mask
+    from specroll_mcore.rl.schedule import forward_backward, pack_micro_batch
+
+    dtype = "bfloat16" if DEVICE.type == "cuda" else "float32"
+    model = _policy(gpu_ctx, dtype)
+    g = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(0, 300, (p,), generator=g).tolist(), torch.randint(0, 300, (r,), generator=g).tolist(),
+             None, 1.0) for p, r in ((5, 17), (3, 6), (9, 11))]
+    mbs = [pack_micro_batch(seqs, DEVICE)]
+    causal = model.metadata
+
+    def explicit_mask(positions, new_token_mask, *rest, **kw):
+        return causal(positions, causal_mask(*positions.shape, positions.device, mbs[0].lengths.to(positions.device))
+                      if new_token_mask is None else new_token_mask, *rest, **kw)
+
+    def update(metadata, chunk):
+        model.zero_grad()
+        model.metadata = metadata
+        try:
+            parts = forward_backward(model, mbs, lambda mb, lp: ((out := (lp * mb.loss_mask).sum()),
+                                                                 {"loss": float(out)}), 1.0, logprob_chunk=chunk)
+        finally:
+            model.metadata = causal
+        return parts[0]["loss"], [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
+
+    (ref_loss, ref), (loss, grads) = update(explicit_mask, 0), update(causal, 5)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    assert loss == pytest.approx(ref_loss, rel=tol) and len(grads) == len(ref) > 0
+    for a, b in zip(ref, grads):
+        assert (a - b).norm() <= tol * a.norm() + 1e-6, (a - b).norm() / a.norm()
