@@ -2,6 +2,7 @@
 contract at the RL level (vanilla vs SpecRoll), resume after SIGKILL, bad input."""
 
 import builtins
+import contextlib
 import io
 import json
 import os
@@ -29,6 +30,20 @@ TESTS = Path(__file__).resolve().parent.parent
 def tiny_ckpt(tmp_path_factory):
     return tiny_policy_checkpoint(tmp_path_factory.mktemp("grpo"))
 
+
+
+@contextlib.contextmanager
+def saved_for_backward():
+    """The bytes of the tensors autograd saves for the backward inside (parameters not counted): [n]."""
+    saved = [0]
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
 
 def overrides(ckpt, out, *extra):
     return [f"checkpoint={ckpt}", f"output_dir={out}", "steps=3", "prompts_per_step=2", "sampling.num_samples=3",
@@ -590,14 +605,7 @@ def test_log_probs_in_pieces_keep_no_logits_for_the_backward(tiny_ckpt, tmp_path
         trainer.policy.config.vocab_size * 4
 
     def saved_bytes(chunk):
-        saved = [0]
-
-        def pack(t):
-            if not isinstance(t, torch.nn.Parameter):
-                saved[0] += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_for_backward() as saved:
             forward_backward(trainer.policy, mbs, lambda mb, lp: (
                 policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask).loss, {}), 1.0, logprob_chunk=chunk)
         return saved[0]
@@ -827,14 +835,7 @@ def test_recomputation_saves_the_layer_inputs_only(ctx):
     meta = policy.metadata(torch.arange(L)[None].expand(b, L), causal_mask(b, L, ctx.device, torch.full((b,), L)))
 
     def saved_activation_bytes(recompute):
-        saved = [0]
-
-        def pack(t):
-            if not isinstance(t, torch.nn.Parameter):
-                saved[0] += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_for_backward() as saved:
             logits, _ = policy.stage_forward(ids, meta, recompute=recompute)
         logits.float().sum().backward()
         return saved[0]
