@@ -31,7 +31,6 @@ def tiny_ckpt(tmp_path_factory):
     return tiny_policy_checkpoint(tmp_path_factory.mktemp("grpo"))
 
 
-
 @contextlib.contextmanager
 def saved_for_backward():
     """The bytes of the tensors autograd saves for the backward inside (parameters not counted): [n]."""
@@ -44,6 +43,7 @@ def saved_for_backward():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield saved
+
 
 def overrides(ckpt, out, *extra):
     return [f"checkpoint={ckpt}", f"output_dir={out}", "steps=3", "prompts_per_step=2", "sampling.num_samples=3",
