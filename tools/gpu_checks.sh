@@ -47,11 +47,18 @@ else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch
   UPDATE="--prompts 1 --samples 8 --max-new-tokens 1024 --micro-batch-size 8 --reps 3"
 fi
 
+skipped() {  # skipped NAME: whether stage NAME is in SKIP or the budget is spent (said in the log)
+  local left=$((deadline - SECONDS))
+  if [[ " ${SKIP:-} " == *" $1 "* ]]; then echo "== $1 skipped: in SKIP" | tee -a "$LOG"; return 0; fi
+  if [ "$left" -lt 30 ]; then echo "== $1 skipped: ${left}s of the budget left" | tee -a "$LOG"; return 0; fi
+  return 1
+}
+
 stage() {  # stage NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), log it, never abort the rest
-  local name=$1 limit=$2 left=$((deadline - SECONDS))
+  local name=$1 limit=$2
   shift 2
-  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "== $name skipped: in SKIP" | tee -a "$LOG"; return; fi
-  if [ "$left" -lt 30 ]; then echo "== $name skipped: ${left}s of the budget left" | tee -a "$LOG"; return; fi
+  skipped "$name" && return
+  local left=$((deadline - SECONDS))
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
   local t0=$SECONDS
@@ -84,13 +91,15 @@ stage bench_batch1_t0 100 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 -
 # shellcheck disable=SC2086
 stage bench_full_bf16 90 $PY tools/bench_specroll.py --checkpoint "$CKPT" --dtype bfloat16 $FULL --reps 1 --skip-batch1 \
   --skip-hf --out "$OUT/bench_specroll_full_bf16.json" --plot "$OUT/bench_specroll_full_bf16.png"
-UPDATE_CKPT=$CKPT
-if [ "$CKPT" = smollm2 ] && [ "${QUICK:-0}" != 1 ]; then  # the update in bfloat16: FlashAttention's dtypes
-  UPDATE_CKPT=$(mktemp -d)/smollm2-bf16
-  $PY -m specroll_mcore.cli convert hf-to-mcore "$($PY -c 'from specroll_mcore.checkpoint.smollm2 import \
-default_hf_dir; print(default_hf_dir())')" "$UPDATE_CKPT" --dtype bfloat16 2>&1 | tail -1 | tee -a "$LOG"
+if ! skipped update_attention; then
+  UPDATE_CKPT=$CKPT
+  if [ "$CKPT" = smollm2 ] && [ "${QUICK:-0}" != 1 ]; then  # the update in bfloat16: FlashAttention's dtypes
+    UPDATE_CKPT=$(mktemp -d)/smollm2-bf16
+    timeout $((deadline - SECONDS)) $PY -m specroll_mcore.cli convert hf-to-mcore "$($PY -c 'from specroll_mcore.checkpoint.smollm2 \
+import default_hf_dir; print(default_hf_dir())')" "$UPDATE_CKPT" --dtype bfloat16 2>&1 | tail -1 | tee -a "$LOG"
+  fi
+  # shellcheck disable=SC2086
+  stage update_attention 120 $PY tools/bench_update.py --checkpoint "$UPDATE_CKPT" --compare-attention $UPDATE \
+    --set sampling.ignore_eos=true --out "$OUT/bench_update_attention.json"
 fi
-# shellcheck disable=SC2086
-stage update_attention 120 $PY tools/bench_update.py --checkpoint "$UPDATE_CKPT" --compare-attention $UPDATE \
-  --set sampling.ignore_eos=true --out "$OUT/bench_update_attention.json"
 echo "== done in ${SECONDS}s" | tee -a "$LOG"

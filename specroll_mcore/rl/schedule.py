@@ -198,33 +198,38 @@ def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tens
     return -nll.transpose(0, 1)
 
 
-def chunked_span_logprobs(policy: PolicyModel, hidden: torch.Tensor, mb: MicroBatch, temperature: float,
-                          chunk: int, entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """:func:`span_logprobs` and the policy's entropy over the ``loss_span`` from its final hidden
-    states there (``hidden`` [s', B, h]), ``chunk`` positions at a time (``TrainConfig.logprob_chunk``):
-    a piece's logits [B, chunk, V/tp] are made, reduced and freed before the next's, and with
-    gradients recomputed in the backward (torch.utils.checkpoint), so the update never holds the
-    span's logits, their float32 copy or their softmax at once; for one more vocabulary product.
-    Returns log-probs [B, L] laid out as the labels, and the entropy [B, s'] (None unless ``entropy``)."""
+def stage_logprobs(policy: PolicyModel, out: tuple, mb: MicroBatch, temperature: float, chunk: int = 0,
+                   entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`span_logprobs` and the policy's entropy over the ``loss_span`` [B, s'] (None unless
+    ``entropy``) from the last stage's output ``out`` = (logits, hidden states) of
+    :meth:`PolicyModel.stage_forward`. Without logits (``project=False``) the hidden states [s', B, h]
+    are projected ``chunk`` positions at a time (``TrainConfig.logprob_chunk``): a piece's logits
+    [B, chunk, V/tp] are made, reduced and freed before the next's, and with gradients rebuilt in the
+    backward (torch.utils.checkpoint), so the span's logits, their float32 copy and their softmax are
+    never held at once; for one more vocabulary product."""
+    logits, hidden = out
+    if logits is not None:
+        # the entropy before the log-probs, which may overwrite the logits (token_logprobs)
+        ent = vocab_parallel_entropy(logits.detach(), policy.vocab_start, policy.config.vocab_size, policy.ctx,
+                                     temperature) if entropy else None
+        return span_logprobs(policy, logits, mb, temperature), ent
     span = mb.loss_span
     labels = mb.labels[:, span]
-    logps, entropies = [], []
+    entropies: dict[int, torch.Tensor] = {}  # by the piece's first position
+
+    def piece(h: torch.Tensor, lab: torch.Tensor, start: int) -> torch.Tensor:
+        logits = policy.vocab_projection(h).transpose(0, 1)  # [B, c, V/tp]
+        if entropy and start not in entropies:  # (not again in the backward's recomputation)
+            entropies[start] = vocab_parallel_entropy(logits.detach(), policy.vocab_start, policy.config.vocab_size,
+                                                      policy.ctx, temperature)
+        return token_logprobs(policy, logits, lab, temperature)
+
+    pieces = []
     for start in range(0, hidden.shape[0], chunk):
-        piece_entropy: list[torch.Tensor] = []
-
-        def piece(h: torch.Tensor, lab: torch.Tensor = labels[:, start:start + chunk],
-                  out: list = piece_entropy) -> torch.Tensor:
-            logits = policy.vocab_projection(h).transpose(0, 1)  # [B, c, V/tp]
-            if entropy and not out:  # (not again in the backward's recomputation)
-                out.append(vocab_parallel_entropy(logits.detach(), policy.vocab_start, policy.config.vocab_size,
-                                                  policy.ctx, temperature))
-            return token_logprobs(policy, logits, lab, temperature)  # (may overwrite the logits: after the entropy)
-
-        h = hidden[start:start + chunk]
-        logps.append(checkpoint(piece, h, use_reentrant=False) if torch.is_grad_enabled() else piece(h))
-        entropies += piece_entropy
-    logp = torch.nn.functional.pad(torch.cat(logps, 1), (span.start, mb.labels.shape[1] - span.stop))
-    return logp, torch.cat(entropies, 1) if entropy else None
+        args = (hidden[start:start + chunk], labels[:, start:start + chunk], start)
+        pieces.append(checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args))
+    logp = torch.nn.functional.pad(torch.cat(pieces, 1), (span.start, mb.labels.shape[1] - span.stop))
+    return logp, torch.cat(list(entropies.values()), 1) if entropy else None
 
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
@@ -236,7 +241,7 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
     per micro-batch (shared with every stage): ``loss_fn``'s, and ``entropy_sum``, the policy's entropy
     (at ``temperature``, over the whole vocabulary) summed over the tokens the loss reads.
     ``recompute``: activation recomputation per layer (:meth:`PolicyModel.stage_forward`);
-    ``logprob_chunk`` > 0: the log-probs in pieces of that many positions (:func:`chunked_span_logprobs`).
+    ``logprob_chunk`` > 0: the log-probs in pieces of that many positions (:func:`stage_logprobs`).
     Micro-batches that carry routing route by it, in their forward and in their backward's
     recomputation (model/routing.py).
 
@@ -266,22 +271,16 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
         # inverts it (some of its docstrings say otherwise)
         padding = positions >= mb.lengths[:, None].to(ctx.device) if policy.config.is_moe else None
         replay_routing(policy.routers, mb.routing)
-        chunked = logprob_chunk > 0 and not mb.stand_in
         with routers_training(policy, False) if mb.stand_in else contextlib.nullcontext():
             # causal attention without a mask (right-padded rows: see AttentionMetadata.build)
             out = policy.stage_forward(mb.input_ids, policy.metadata(positions, None), hidden_in, recompute=recompute,
-                                       padding_mask=padding, logits_span=mb.loss_span, project=not chunked)
+                                       padding_mask=padding, logits_span=mb.loss_span,
+                                       project=logprob_chunk == 0 or mb.stand_in)
         if mb.stand_in:
             return out if not last else out[0].sum() * 0.0
         if not last:
             return out
-        if chunked:
-            logp, entropy = chunked_span_logprobs(policy, out[1], mb, temperature, logprob_chunk)
-        else:
-            # before the log-probs, which may overwrite the logits (token_logprobs)
-            entropy = vocab_parallel_entropy(out[0].detach(), policy.vocab_start, policy.config.vocab_size, ctx,
-                                             temperature)
-            logp = span_logprobs(policy, out[0], mb, temperature)
+        logp, entropy = stage_logprobs(policy, out, mb, temperature, logprob_chunk)
         loss, m = loss_fn(mb, logp)
         m["entropy_sum"] = float((entropy * mb.loss_mask[:, mb.loss_span]).sum())
         metrics.append(m)
@@ -421,8 +420,7 @@ def _forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temp
         res = policy.stage_forward(mb.input_ids, meta, hidden_in, logits_span=mb.loss_span,
                                    project=logprob_chunk == 0)
         if ctx.is_last_stage:
-            out.append(span_logprobs(policy, res[0], mb, temperature) if logprob_chunk == 0 else
-                       chunked_span_logprobs(policy, res[1], mb, temperature, logprob_chunk, entropy=False)[0])
+            out.append(stage_logprobs(policy, res, mb, temperature, logprob_chunk, entropy=False)[0])
         else:
             ctx.send_forward(res)
             out.append(None)
