@@ -286,6 +286,15 @@ class ParallelConfig:
     so a rank whose responses have finished joins the others' forwards with no tokens until all have
     (PolicyModel.expert_lockstep). Must divide the data-parallel size and the number of experts."""
 
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism in the policy update (``--sequence-parallel``; TP > 1): between
+    the tensor-parallel products, the activations (the residual stream, the norms, the layer inputs
+    kept by activation recomputation, the tensors sent between pipeline stages) are split over the
+    TP ranks along the sequence instead of held whole by each: a column-parallel product all-gathers
+    its input, a row-parallel one reduce-scatters its output instead of all-reducing it. The same
+    communication volume, a TP-th of those activations. Micro-batches are padded to a multiple of TP
+    tokens. Rollouts run without it (a decoding step has one token per response)."""
+
     rollout_groups: Optional[int] = None
     """Groups of responses a rollout interleaves over the pipeline stages (rollout/base.run_groups):
     None, one per stage (no stage waits once the pipeline is full); 1, the whole batch per forward
@@ -303,6 +312,9 @@ class ParallelConfig:
                             self.num_layers_in_last_pipeline_stage)
         _check(self.expert_model_parallel_size >= 1,
                f"ParallelConfig.expert_model_parallel_size must be >= 1, got {self.expert_model_parallel_size}")
+        _check(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+               "ParallelConfig.sequence_parallel splits activations over the tensor-parallel ranks, but "
+               "tensor_model_parallel_size is 1; set it false or use tensor parallelism")
         _check(self.rollout_groups is None or self.rollout_groups >= 1,
                f"ParallelConfig.rollout_groups must be >= 1 (or unset: one per pipeline stage), "
                f"got {self.rollout_groups}")
@@ -350,8 +362,8 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
     _check(not model.is_moe or tp == 1,
            f"ParallelConfig.tensor_model_parallel_size is {tp} but the model is a mixture of experts "
            f"(ModelConfig.num_experts {model.num_experts}): megatron-core trains experts under tensor "
-           f"parallelism only with sequence parallelism, which this project's attention does not do; "
-           f"use tensor_model_parallel_size 1 with pipeline and data parallelism")
+           f"parallelism only with sequence parallelism, which this project applies to dense models only; "
+           f"use tensor_model_parallel_size 1 with pipeline, expert and data parallelism")
 
 
 def _check_stage_counts(pp: int, first: Optional[int], last: Optional[int]) -> None:

@@ -163,6 +163,9 @@ class ParallelContext:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     """ParallelConfig.num_layers_in_first/last_pipeline_stage (None: an even split)."""
+    sequence_parallel: bool = False
+    """ParallelConfig.sequence_parallel: the policy update splits activations over the TP ranks along
+    the sequence (PolicyModel.sequence_parallel)."""
     _send_in_flight: Any = field(default=None, init=False, repr=False, compare=False)
 
     def stage_layers(self, num_layers: int) -> list[int]:
@@ -445,6 +448,7 @@ def context_from_parallel_state(device: torch.device, parallel: Optional[Paralle
         expert_dp_group=ps.get_expert_data_parallel_group(),
         first_stage_layers=parallel.num_layers_in_first_pipeline_stage if parallel is not None else None,
         last_stage_layers=parallel.num_layers_in_last_pipeline_stage if parallel is not None else None,
+        sequence_parallel=parallel.sequence_parallel if parallel is not None else False,
     )
 
 

@@ -38,6 +38,12 @@ With ``--compare-logprob-chunk N``: the update's log-probs over each micro-batch
 span against N positions at a time (``TrainConfig.logprob_chunk``), alternating likewise. Both
 comparisons also report each update's peak memory (a GPU's allocator peak; on a Linux CPU the
 process's resident high-water mark, reset before each update).
+
+With ``--compare-sequence-parallel``: the update without and with sequence parallelism
+(``ParallelConfig.sequence_parallel``), alternating likewise; under TP > 1 (rank 0's peak memory):
+
+    torchrun --nproc_per_node 3 tools/bench_update.py --compare-sequence-parallel \
+        --set parallel.tensor_model_parallel_size=3 --set recompute_activations=true
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ def main() -> int:
     ap.add_argument("--compare-logprob-chunk", type=int, default=0, metavar="N",
                     help="time the update's log-probs over the whole span against N positions at a time, "
                          "with peak memory")
+    ap.add_argument("--compare-sequence-parallel", action="store_true",
+                    help="time the update without and with sequence parallelism (TP > 1), with peak memory")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="further config overrides")
     ap.add_argument("--out", default="bench_update.json")
     args = ap.parse_args()
@@ -93,11 +101,13 @@ def main() -> int:
                          "be >= 1")
     if args.compare_logprob_chunk < 0:
         raise SystemExit(f"--compare-logprob-chunk must be >= 1 positions, got {args.compare_logprob_chunk}")
-    if args.compare_attention and args.compare_logprob_chunk:
-        raise SystemExit("--compare-attention and --compare-logprob-chunk: one comparison a run")
-    if (args.compare_attention or args.compare_logprob_chunk) and args.replicas > 1:
-        raise SystemExit("--compare-attention and --compare-logprob-chunk time one update, not replicas' shares: "
-                         "leave --replicas at 1")
+    comparisons = [args.compare_attention, bool(args.compare_logprob_chunk), args.compare_sequence_parallel]
+    if sum(comparisons) > 1:
+        raise SystemExit("--compare-attention, --compare-logprob-chunk and --compare-sequence-parallel: one "
+                         "comparison a run")
+    if any(comparisons) and args.replicas > 1:
+        raise SystemExit("--compare-attention, --compare-logprob-chunk and --compare-sequence-parallel time one "
+                         "update, not replicas' shares: leave --replicas at 1")
     if args.replicas > args.prompts:
         raise SystemExit(f"--replicas {args.replicas} exceeds --prompts {args.prompts}: every replica rolls out "
                          "whole groups, so it needs a prompt")
@@ -107,11 +117,16 @@ def main() -> int:
             f"sampling.num_samples={args.samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
             f"micro_batch_size={args.micro_batch_size}", "micro_batch_tokens=0", f"output_dir={out}",
             "tensorboard=false", "compare_vanilla_every=0", *args.set])
+        if args.compare_sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
+            raise SystemExit("--compare-sequence-parallel splits the update's activations over the tensor-parallel "
+                             "ranks: launch with torchrun and --set parallel.tensor_model_parallel_size=N (N > 1)")
         trainer = GRPOTrainer(cfg)
         if args.replicas > 1 and trainer.ctx.dp_size > 1:
             raise SystemExit("--replicas times the replicas' shares in one process: run it without data parallelism")
         if args.compare_attention:
             report = bench_attention(trainer, args)
+        elif args.compare_sequence_parallel:
+            report = bench_sequence_parallel(trainer, args)
         elif args.compare_logprob_chunk:
             report = bench_logprob_chunk(trainer, args)
         else:
@@ -121,7 +136,9 @@ def main() -> int:
         for name, v in report.get("deals", {}).items():
             print(f"{name:14s} tokens per replica {v['tokens']} (max / mean {v['max_over_mean']:.3f}): slowest "
                   f"replica {v['seconds']:.2f} s, {v['speedup']:.2f}x")
-        for name, v in {**report.get("attention", {}), **report.get("logprob_chunk", {})}.items():
+        compared = {**report.get("attention", {}), **report.get("logprob_chunk", {}),
+                    **report.get("sequence_parallel", {})}
+        for name, v in compared.items():
             print(f"{name:14s} {v['micro_batches']:3d} micro-batches of up to {v['longest_sequence']} tokens: "
                   f"{v['seconds']:.2f} s, {v['speedup']:.2f}x, peak memory {v['peak_memory_gib']:.2f} GiB")
         for name, v in report.get("variants", {}).items():
@@ -273,6 +290,20 @@ def bench_logprob_chunk(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
 
     return bench_forms(trainer, args, {"whole_span": chunk(0), f"chunk_{args.compare_logprob_chunk}":
                                        chunk(args.compare_logprob_chunk)}, "logprob_chunk")
+
+
+def bench_sequence_parallel(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
+    """The update without and with sequence parallelism (ParallelConfig.sequence_parallel)."""
+    contexts = {id(c): c for c in (trainer.ctx, trainer.policy.ctx)}.values()
+
+    def split(on_in_form: bool):
+        def switch(on: bool) -> None:
+            for c in contexts:
+                c.sequence_parallel = on_in_form and on
+        return switch
+
+    return bench_forms(trainer, args, {"whole_sequence": split(False), "sequence_parallel": split(True)},
+                       "sequence_parallel")
 
 
 def bench_replicas(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:

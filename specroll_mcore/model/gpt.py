@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                           gather_from_sequence_parallel_region,
+                                           scatter_to_sequence_parallel_region)
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -259,6 +262,7 @@ class PolicyModel(torch.nn.Module):
         policy update to replay (``TrainConfig.routing_replay``; model/routing.py)."""
         self._rope_scale = rope_attention_factor(config.rope_scaling)  # (YaRN's factor on cos and sin; else 1)
         self._lockstep = False  # inside expert_lockstep: every forward of this stage joins the EP group's count
+        self._sequence_parallel = False  # inside sequence_parallel(): activations split along the sequence
         if ctx.ep_size > 1:  # megatron-core's mark of a parameter split over expert-parallel ranks, as its
             for name, p in self.gpt.named_parameters():  # Transformer Engine layers set it (local ones do not)
                 if routed_expert(name):
@@ -327,12 +331,19 @@ class PolicyModel(torch.nn.Module):
         ``padding_mask`` [b, s] (True: padding, megatron-core's convention): a mixture of experts'
         load-balancing loss leaves it out. ``project`` False: the last stage returns (None, the final
         hidden states at those positions), for a caller that projects them in pieces."""
-        b = input_ids.shape[0]
+        b, s = input_ids.shape
         gpt = self.gpt
+        sp = self._sequence_parallel
+        if sp and s % self.ctx.tp_size:
+            raise ValueError(f"sequence parallelism splits the sequence over the {self.ctx.tp_size} tensor-parallel "
+                             f"ranks, but this forward has {s} positions; pad the micro-batch to a multiple "
+                             f"(pack_micro_batch's multiple=)")
         if self._lockstep:
             self._lockstep_count(True)
         if self.ctx.is_first_stage:
             hidden = gpt.embedding(input_ids=input_ids, position_ids=meta.positions)  # [s, b, h]
+            if sp:  # this rank's part of the sequence [s/tp, b, h] (the backward gathers the gradient)
+                hidden = scatter_to_sequence_parallel_region(hidden, group=self.ctx.tp_group).clone()
         else:
             gpt.decoder.set_input_tensor(hidden_in)
             hidden = None
@@ -344,6 +355,10 @@ class PolicyModel(torch.nn.Module):
             hidden = gpt.decoder(hidden_states=hidden, attention_mask=meta, padding_mask=padding_mask)
         if not self.ctx.is_last_stage:
             return hidden
+        if sp:  # the whole sequence again; the output layer's input gradient is all-reduced, the
+            # gather's backward keeps this rank's part of it
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=self.ctx.tp_group)
         if logits_index is not None:
             selected = hidden[logits_index, torch.arange(b, device=hidden.device)][None]  # [1, b, h]
         else:
@@ -351,6 +366,38 @@ class PolicyModel(torch.nn.Module):
         if not project:
             return None, selected
         return self.vocab_projection(selected).transpose(0, 1), selected  # [b, s, V/tp], [s, b, h]
+
+    @contextlib.contextmanager
+    def sequence_parallel(self) -> Iterator[None]:
+        """Megatron's sequence parallelism (ParallelConfig.sequence_parallel) for the forwards and
+        backwards inside, the policy update's; nothing where the layout does not ask for it.
+
+        Between the tensor-parallel products each rank holds its TP-th of the sequence: the first stage
+        scatters the embeddings, every column-parallel linear all-gathers its input (and reduce-scatters
+        its input's gradient), every row-parallel linear reduce-scatters its output, and the last
+        stage gathers the final hidden states before the vocabulary (:meth:`stage_forward`). The
+        linears are megatron's, their ``sequence_parallel`` set for the duration (it is a construction
+        argument in megatron, where rollouts would then have to split one-token steps too), so the
+        backward, and recomputation within it, must run inside as well. The norms then see a part of
+        the sequence each: their gradients are summed over the TP ranks (rl/schedule.finalize_grads)."""
+        if not self.ctx.sequence_parallel or self._sequence_parallel:
+            yield
+            return
+        linears = [m for m in self.gpt.decoder.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        saved = [(m, m.sequence_parallel, getattr(m, "allreduce_dgrad", None)) for m in linears]
+        for m in linears:
+            m.sequence_parallel = True
+            if isinstance(m, ColumnParallelLinear):
+                m.allreduce_dgrad = False  # (the input's gradient is reduce-scattered instead)
+        self._sequence_parallel = True
+        try:
+            yield
+        finally:
+            self._sequence_parallel = False
+            for m, sp, allreduce in saved:
+                m.sequence_parallel = sp
+                if allreduce is not None:
+                    m.allreduce_dgrad = allreduce
 
     def _layer_by_layer(self, hidden: Optional[torch.Tensor],
                         run: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -60,14 +60,16 @@ def trained(seq: tuple) -> bool:
     return len(seq) < 5 or bool(seq[4])
 
 
-def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
+def pack_micro_batch(seqs: list[tuple], device: torch.device, multiple: int = 1) -> MicroBatch:
     """(prompt ids, response ids, response log-probs or None, advantage[, trained[, routing]]) per
     sequence -> one right-padded MicroBatch; labels are the next token, the loss covers the response
     tokens (none of a sequence whose ``trained`` is False: DAPO's overlong filtering). ``routing``:
     the rollout's experts of the sequence's tokens [n, layers, k] (RolloutOutput.routing), replayed
     by the update; where the sequences carry it, tokens past it (the last one, padding) take experts
-    0 .. k - 1, which no loss reads."""
+    0 .. k - 1, which no loss reads. ``multiple``: the padded length is a multiple of it (the TP size
+    under sequence parallelism, :func:`update_multiple`)."""
     L = max(sequence_tokens(s) for s in seqs)
+    L = -(-L // multiple) * multiple
     B = len(seqs)
     ids = torch.zeros(B, L, dtype=torch.long)
     labels = torch.zeros(B, L, dtype=torch.long)
@@ -93,6 +95,12 @@ def pack_micro_batch(seqs: list[tuple], device: torch.device) -> MicroBatch:
     return MicroBatch(ids.to(device), lengths.to(device), labels.to(device), mask.to(device), old.to(device),
                       torch.tensor([s[3] for s in seqs], device=device), routing=routing,
                       loss_start=max(0, min(len(s[0]) for s in seqs) - 1))
+
+
+def update_multiple(ctx: ParallelContext) -> int:
+    """What a policy update's micro-batch length must be a multiple of: the TP size under sequence
+    parallelism (each rank takes as many positions), else 1."""
+    return ctx.tp_size if ctx.sequence_parallel else 1
 
 
 def expert_stand_ins(micro_batches: list[MicroBatch], ctx: ParallelContext) -> list[MicroBatch]:
@@ -258,7 +266,7 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
 
     def input_shape(mb: MicroBatch) -> tuple[int, int, int]:
         b, L = mb.input_ids.shape
-        return L, b, policy.config.hidden_size
+        return L // update_multiple(ctx), b, policy.config.hidden_size  # (this rank's part of L)
 
     def recv_forward(mb: MicroBatch) -> Optional[torch.Tensor]:
         return None if first else ctx.recv_forward(input_shape(mb), policy.dtype).requires_grad_()
@@ -296,28 +304,30 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
     M = len(micro_batches)
     warmup = min(ctx.pp_size - ctx.pp_rank - 1, M)
     in_flight: deque = deque()  # (input, output, micro-batch) of those whose backward is still to run
-    for i in range(warmup):
-        x = recv_forward(micro_batches[i])
-        out = forward(micro_batches[i], x)
-        ctx.send_forward(out.detach())  # never the last stage: warmup is 0 there
-        in_flight.append((x, out, micro_batches[i]))
-    x = recv_forward(micro_batches[warmup]) if warmup < M else None
-    for i in range(warmup, M):
-        out = forward(micro_batches[i], x)
-        in_flight.append((x, out, micro_batches[i]))
-        grad = None if last else ctx.send_forward_recv_backward(out.detach(), in_flight[0][1].shape)
-        g_in = backward(*in_flight.popleft(), grad)
-        if first:
-            continue
-        if i == M - 1:
-            ctx.send_backward(g_in)
-        else:
-            x = ctx.send_backward_recv_forward(g_in, input_shape(micro_batches[i + 1]), policy.dtype).requires_grad_()
-    while in_flight:
-        x, out, mb = in_flight.popleft()
-        g_in = backward(x, out, mb, ctx.recv_backward(out.shape, out.dtype))
-        if not first:
-            ctx.send_backward(g_in)
+    with policy.sequence_parallel():  # (the backwards too: they communicate as the forwards did)
+        for i in range(warmup):
+            x = recv_forward(micro_batches[i])
+            out = forward(micro_batches[i], x)
+            ctx.send_forward(out.detach())  # never the last stage: warmup is 0 there
+            in_flight.append((x, out, micro_batches[i]))
+        x = recv_forward(micro_batches[warmup]) if warmup < M else None
+        for i in range(warmup, M):
+            out = forward(micro_batches[i], x)
+            in_flight.append((x, out, micro_batches[i]))
+            grad = None if last else ctx.send_forward_recv_backward(out.detach(), in_flight[0][1].shape)
+            g_in = backward(*in_flight.popleft(), grad)
+            if first:
+                continue
+            if i == M - 1:
+                ctx.send_backward(g_in)
+            else:
+                shape = input_shape(micro_batches[i + 1])
+                x = ctx.send_backward_recv_forward(g_in, shape, policy.dtype).requires_grad_()
+        while in_flight:
+            x, out, mb = in_flight.popleft()
+            g_in = backward(x, out, mb, ctx.recv_backward(out.shape, out.dtype))
+            if not first:
+                ctx.send_backward(g_in)
     replay_routing(policy.routers, None)
     return ctx.broadcast_object_from_last_stage(metrics)  # type: ignore[return-value]
 
@@ -363,8 +373,11 @@ def finalize_grads(policy: PolicyModel) -> None:
     """Sum gradients over data-parallel replicas; sum the tied embedding's two copies (first and
     last stage) so both take the same update; sum the query/key norms' gradients over the TP group
     (replicated weights, each rank's heads giving part of their gradient: megatron-core's
-    finalize_model_grads does the same for ``qk_layernorm``)."""
+    finalize_model_grads does the same for ``qk_layernorm``), and under sequence parallelism every
+    norm's (each rank's part of the sequence giving part of it: megatron's ``sequence_parallel``
+    parameters)."""
     ctx = policy.ctx
+    tp_summed = ("layernorm.weight",) if ctx.sequence_parallel else ("q_layernorm.weight", "k_layernorm.weight")
     for name, p in policy.gpt.named_parameters():
         g = grad_of(p)
         if g is None:
@@ -373,7 +386,7 @@ def finalize_grads(policy: PolicyModel) -> None:
             ctx.all_reduce_expert_dp(g)
         else:
             ctx.all_reduce_dp(g)
-        if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        if name.endswith(tp_summed):
             ctx.all_reduce_tp(g)
     if ctx.pp_size > 1 and policy.config.tie_word_embeddings and (ctx.is_first_stage or ctx.is_last_stage):
         w = policy.gpt.shared_embedding_or_output_weight()
@@ -403,7 +416,9 @@ def forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], tempe
     old log-probs recomputed under filtered sampling, and the reference policy's log-probs.
     ``replay``: route by the micro-batches' routing where they carry it (the reference policy routes
     by its own routers: ``replay=False``); ``logprob_chunk`` as :func:`forward_backward`'s."""
-    with policy.expert_lockstep():  # (expert parallelism: replicas hold different numbers of micro-batches)
+    # (expert parallelism: replicas hold different numbers of micro-batches; sequence parallelism: the
+    # forwards as the update's)
+    with policy.expert_lockstep(), policy.sequence_parallel():
         return _forward_logprobs(policy, micro_batches, temperature, replay, logprob_chunk)
 
 
@@ -416,7 +431,8 @@ def _forward_logprobs(policy: PolicyModel, micro_batches: list[MicroBatch], temp
         b, L = mb.input_ids.shape
         positions = torch.arange(L, device=ctx.device)[None].expand(b, L)
         meta = policy.metadata(positions, None)  # causal, right-padded rows (as the update's forward)
-        hidden_in = None if ctx.is_first_stage else ctx.recv_forward((L, b, policy.config.hidden_size), policy.dtype)
+        shape = (L // update_multiple(ctx), b, policy.config.hidden_size)
+        hidden_in = None if ctx.is_first_stage else ctx.recv_forward(shape, policy.dtype)
         res = policy.stage_forward(mb.input_ids, meta, hidden_in, logits_span=mb.loss_span,
                                    project=logprob_chunk == 0)
         if ctx.is_last_stage:

@@ -43,7 +43,7 @@ from specroll_mcore.rl.rewards import overlong_penalty
 from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
                                        balanced_assignment, global_grad_norm, micro_batch_split, moe_aux_loss,
                                        pack_micro_batch, routers_training, sequence_tokens, set_moe_aux_loss_scale,
-                                       trained)
+                                       trained, update_multiple)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, engine_for
 from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats
 
@@ -508,7 +508,8 @@ class GRPOTrainer:
         TrainConfig.micro_batch_size and micro_batch_tokens (schedule.micro_batch_split)."""
         split = micro_batch_split([sequence_tokens(s) for s in seqs], self.cfg.micro_batch_size,
                                   self.cfg.micro_batch_tokens)
-        return [pack_micro_batch([seqs[i] for i in idx], self.ctx.device) for idx in split]
+        multiple = update_multiple(self.ctx)  # (sequence parallelism: each TP rank takes as many positions)
+        return [pack_micro_batch([seqs[i] for i in idx], self.ctx.device, multiple) for idx in split]
 
     @contextlib.contextmanager
     def _weights(self, state: dict[str, torch.Tensor]) -> Iterator[None]:

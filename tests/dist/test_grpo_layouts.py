@@ -56,7 +56,9 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     # token budget's order: longest first, where TP=1 runs 2 of 3 in the rollout's order) and activation
     # recomputation (PP=2 with several padded sequences a micro-batch: the uneven-split test)
     pp2 = ("--set=micro_batch_size=1", "--set=micro_batch_tokens=524", "--set=recompute_activations=true")
-    for tp, pp, extra in [(2, 1, ()), (1, 2, pp2)]:
+    # sequence parallelism, with recomputation (the layers' inputs kept split) and without (megatron's block)
+    sp = ("--set=parallel.sequence_parallel=true",)
+    for tp, pp, extra in [(2, 1, ()), (2, 1, (*sp, "--set=recompute_activations=true")), (2, 1, sp), (1, 2, pp2)]:
         got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, *kl, *extra)
         for k in ("reward_mean", "response_len"):
             assert got[0][k] == ref[0][k], (tp, pp, k)
@@ -68,6 +70,22 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
         print(f"TP={tp} PP={pp} {extra}: max |weight diff| after two optimizer steps = {diff:.2e}")
         assert diff < 1e-4
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
+
+
+@pytest.mark.slow  # (4 processes on 2 cores, ~40 s: `make test-slow`)
+def test_grpo_step_with_sequence_parallelism_over_tp2_pp2_equals_tp1(tmp_path):
+    """TP=2 x PP=2 with sequence parallelism: the stages send each other the TP ranks' parts of the
+    sequence (half the positions), through 1F1B with one sequence a micro-batch, with recomputation."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
+    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
+    got = run(ckpt, tmp_path / "tp2pp2", 2, 2, 4, "--set=parallel.sequence_parallel=true", "--set=micro_batch_size=1",
+              "--set=recompute_activations=true")
+    for k in ("reward_mean", "response_len"):
+        assert got[0][k] == ref[0][k], k
+    for k in ("loss", "grad_norm", "entropy"):
+        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
+    ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(tmp_path / "tp2pp2")
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
 
 
 def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):

@@ -94,3 +94,24 @@ def test_multinode_launcher_runs_a_grpo_step(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "examples" / "launch_multinode.sh"), str(config)],
                           env={k: v for k, v in env.items() if k != "MASTER_ADDR"}, capture_output=True, text=True)
     assert proc.returncode != 0 and "MASTER_ADDR: set MASTER_ADDR" in proc.stderr
+
+
+def test_bench_update_sequence_parallel_smoke(tmp_path):
+    """tools/bench_update.py --compare-sequence-parallel at TP=2: the same gradient either way, with
+    each form's time and rank 0's peak memory."""
+    ckpt = tiny_policy_checkpoint(tmp_path / "ckpt", with_heads=False)
+    out = tmp_path / "sp.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tools" / "bench_update.py"), "--checkpoint", str(ckpt), "--compare-sequence-parallel",
+           "--prompts", "2", "--samples", "2", "--max-new-tokens", "6", "--reps", "1",
+           "--set", "parallel.tensor_model_parallel_size=2", "--set", "reward_fn=rewards_for_tests:token_parity_reward",
+           "--set", "sampling.ignore_eos=true", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    forms = report["sequence_parallel"]
+    assert set(forms) == {"whole_sequence", "sequence_parallel"} and report["layout"]["tp"] == 2
+    assert all(len(v["runs_s"]) == 1 and v["grad_norm"] > 0 and v["peak_memory_gib"] > 0 for v in forms.values())
+    assert report["grad_norm_rel_diff"] < 1e-5

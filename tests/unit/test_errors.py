@@ -1,6 +1,9 @@
 """Every bad input a user can hit gets a clear error naming the values involved."""
 
+import dataclasses
+
 import pytest
+import torch
 
 from conftest import make_policy
 from specroll_mcore import parallel
@@ -65,6 +68,26 @@ def test_parallel_layout(tp, pp, world, match):
     cfg = tiny_llama(num_experts=4) if "experts" in match else tiny_llama()
     with pytest.raises(ValueError, match=match):
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).validate(cfg, world)
+
+
+def test_sequence_parallelism_needs_tensor_parallelism_and_an_even_split(engine):
+    with pytest.raises(ValueError, match=r"ParallelConfig.sequence_parallel .* tensor_model_parallel_size is 1"):
+        ParallelConfig(sequence_parallel=True)
+    # a forward whose positions do not split evenly over the TP ranks (the check comes before any
+    # communication, so one process stands for TP=2)
+    policy = engine.model
+    ctx = policy.ctx
+    policy.ctx = dataclasses.replace(ctx, tp_size=2, sequence_parallel=True)
+    try:
+        ids = torch.tensor([[5, 6, 7]])
+        meta = policy.metadata(torch.arange(3)[None], None)
+        with policy.sequence_parallel(), pytest.raises(ValueError, match=r"sequence parallelism splits the "
+                                                                          r"sequence over the 2 .* has 3 positions"):
+            policy.stage_forward(ids, meta)
+    finally:
+        policy.ctx = ctx
+    assert not policy._sequence_parallel
+    assert not any(getattr(m, "sequence_parallel", False) for m in policy.gpt.modules())  # all restored
 
 
 @pytest.mark.parametrize("experts, ep, world, match", [

@@ -290,7 +290,9 @@ def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     code, err = refused(capsys, "bench_update.py", "--compare-attention", "--replicas", "2")
     assert code != 0 and "time one update, not replicas' shares: leave --replicas at 1" in err
     code, err = refused(capsys, "bench_update.py", "--compare-attention", "--compare-logprob-chunk", "4")
-    assert code != 0 and "--compare-attention and --compare-logprob-chunk: one comparison a run" in err
+    assert code != 0 and "--compare-logprob-chunk and --compare-sequence-parallel: one comparison a run" in err
+    code, err = refused(capsys, "bench_update.py", "--compare-sequence-parallel")
+    assert code != 0 and "launch with torchrun and --set parallel.tensor_model_parallel_size=N (N > 1)" in err
     code, err = refused(capsys, "bench_update.py", "--compare-logprob-chunk", "-2")
     assert code != 0 and "--compare-logprob-chunk must be >= 1 positions, got -2" in err
 

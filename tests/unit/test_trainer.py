@@ -617,7 +617,8 @@ def test_log_probs_in_pieces_keep_no_logits_for_the_backward(tiny_ckpt, tmp_path
 def test_token_budget_micro_batches_give_the_gradients_of_the_whole_batch(tiny_ckpt, tmp_path, ctx):
     """TrainConfig.micro_batch_tokens: ragged sequences sorted into micro-batches by length, each
     within the budget of padded tokens; the accumulated gradients and the logged metrics are those
-    of one micro-batch holding every sequence."""
+    of one micro-batch holding every sequence, and of that micro-batch padded to a multiple of 16
+    positions (as sequence parallelism pads it to a multiple of TP)."""
     args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "data.max_prompt_tokens=100",
                      "micro_batch_tokens=224", "micro_batch_size=3")
     trainer = GRPOTrainer(load_config(TrainConfig, None, args))
@@ -637,10 +638,13 @@ def test_token_budget_micro_batches_give_the_gradients_of_the_whole_batch(tiny_c
             {"clip": out.clip_fraction * float(mb.loss_mask.sum())}), 1.0)
         return [p.grad.clone() for p in trainer.policy.gpt.parameters()], sum(p["clip"] for p in parts)
 
-    (split, clipped), (one, clipped_one) = update(mbs), update(whole)
-    for a, b in zip(split, one):
+    padded = [pack_micro_batch(seqs, ctx.device, multiple=16)]
+    assert padded[0].input_ids.shape[1] % 16 == 0 and padded[0].input_ids.shape[1] > whole[0].input_ids.shape[1]
+    (split, clipped), (one, clipped_one), (eights, clipped_eights) = update(mbs), update(whole), update(padded)
+    for a, b, c in zip(split, one, eights):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    assert clipped == pytest.approx(clipped_one)
+        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-7)
+    assert clipped == pytest.approx(clipped_one) == pytest.approx(clipped_eights)
 
 
 def test_overlong_filtered_sequences_are_left_out_of_the_update(tiny_ckpt, tmp_path, ctx):
