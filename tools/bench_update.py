@@ -35,20 +35,23 @@ None)``: SDPA's ``is_causal``, what the trainer runs) against an explicit [b, 1,
         --set sampling.ignore_eos=true
 
 With ``--compare-logprob-chunk N``: the update's log-probs over each micro-batch's whole response
-span against N positions at a time (``TrainConfig.logprob_chunk``), alternating likewise. Both
-comparisons also report each update's peak memory (a GPU's allocator peak; on a Linux CPU the
-process's resident high-water mark, reset before each update).
+span against N positions at a time (``TrainConfig.logprob_chunk``), alternating likewise.
 
 With ``--compare-sequence-parallel``: the update without and with sequence parallelism
-(``ParallelConfig.sequence_parallel``), alternating likewise; under TP > 1 (rank 0's peak memory):
+(``ParallelConfig.sequence_parallel``), alternating likewise; under TP > 1 (rank 0's figures):
 
     torchrun --nproc_per_node 3 tools/bench_update.py --compare-sequence-parallel \
         --set parallel.tensor_model_parallel_size=3 --set recompute_activations=true
+
+The comparisons also report each update's peak memory (a GPU's allocator peak; on a Linux CPU the
+process's resident high-water mark, reset before each update, which keeps what the allocator held on
+to) and the bytes autograd saves for its backward (the activations; counted in the untimed round).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -140,7 +143,8 @@ def main() -> int:
                     **report.get("sequence_parallel", {})}
         for name, v in compared.items():
             print(f"{name:14s} {v['micro_batches']:3d} micro-batches of up to {v['longest_sequence']} tokens: "
-                  f"{v['seconds']:.2f} s, {v['speedup']:.2f}x, peak memory {v['peak_memory_gib']:.2f} GiB")
+                  f"{v['seconds']:.2f} s, {v['speedup']:.2f}x, peak memory {v['peak_memory_gib']:.2f} GiB, "
+                  f"saved for the backward {v['saved_for_backward_gib']:.3f} GiB")
         for name, v in report.get("variants", {}).items():
             print(f"{name:14s} {v['micro_batches']:3d} micro-batches, {v['token_positions']:6d} token positions "
                   f"({100 * v['padding']:4.1f}% padding): {v['seconds']:.2f} s, {v['speedup']:.2f}x")
@@ -227,6 +231,18 @@ def peak_memory_gib(device) -> float:
     return int(PROC_STATUS.read_text().split("VmHWM:")[1].split()[0]) / 2**20  # (kB)
 
 
+def saved_for_backward(total: list[int]):
+    """Count into ``total[0]`` the bytes of the tensors autograd saves for the backward inside
+    (parameters left out; a tensor saved twice counts twice): the update's activation memory, as the
+    allocator would hold it, on any device (activation recomputation's are those its forwards keep)."""
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
 def bench_forms(trainer: GRPOTrainer, args: argparse.Namespace, forms: dict[str, Callable[[bool], None]],
                 key: str) -> dict:
     """Two forms of the same update on the token-budget split, alternating, ``--reps`` rounds after an
@@ -240,12 +256,14 @@ def bench_forms(trainer: GRPOTrainer, args: argparse.Namespace, forms: dict[str,
     names = list(forms)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, list[float]] = {name: [] for name in names}
+    saved: dict[str, list[int]] = {name: [0] for name in names}
     norms: dict[str, float] = {}
-    for rep in range(args.reps + 1):  # round 0 untimed: first-call allocations
+    for rep in range(args.reps + 1):  # round 0 untimed: first-call allocations, and what the backward keeps
         for name in names[rep % 2:] + names[:rep % 2]:
             forms[name](True)
             peak_memory_reset(trainer.ctx.device)
-            dt, norms[name], mbs = timed_update(trainer, seqs)
+            with saved_for_backward(saved[name]) if rep == 0 else contextlib.nullcontext():
+                dt, norms[name], mbs = timed_update(trainer, seqs)
             peak = peak_memory_gib(trainer.ctx.device)
             forms[name](False)
             if rep:
@@ -260,6 +278,7 @@ def bench_forms(trainer: GRPOTrainer, args: argparse.Namespace, forms: dict[str,
                          "micro_batch_tokens": cfg.micro_batch_tokens, "seconds": statistics.median(seconds[name]),
                          "runs_s": seconds[name], "speedup": base / statistics.median(seconds[name]),
                          "peak_memory_gib": statistics.median(peaks[name]), "runs_peak_memory_gib": peaks[name],
+                         "saved_for_backward_gib": saved[name][0] / 2**30,
                          "grad_norm": norms[name]} for name in names},
             "grad_norm_rel_diff": abs(norms[names[0]] - norms[names[1]]) / max(abs(norms[names[0]]), 1e-30)}
 

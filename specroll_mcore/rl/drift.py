@@ -15,7 +15,8 @@ import torch
 
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rl.data import chat_prompt_ids
-from specroll_mcore.rl.schedule import MicroBatch, finalize_grads, forward_backward, forward_logprobs, pack_micro_batch
+from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs, pack_micro_batch,
+                                       update_multiple)
 from specroll_mcore.rl.synthetic import problems
 
 STYLES: dict[str, Callable[[str], str]] = {
@@ -25,9 +26,11 @@ STYLES: dict[str, Callable[[str], str]] = {
 }
 
 
-def sft_batches(tok: Any, n: int, seed: int, batch: int, device: torch.device, style: str) -> list[MicroBatch]:
-    """Chat prompt + worked solution (in ``style``) + EOS for ``n`` problems, ``batch`` per micro-batch;
-    the loss covers the solution tokens."""
+def sft_batches(tok: Any, n: int, seed: int, batch: int, device: torch.device, style: str,
+                multiple: int = 1) -> list[MicroBatch]:
+    """Chat prompt + worked solution (in ``style``) + EOS for ``n`` problems, ``batch`` per micro-batch
+    (padded to a multiple of ``multiple`` positions: schedule.update_multiple); the loss covers the
+    solution tokens."""
     if style not in STYLES:
         raise ValueError(f"unknown drift style {style!r}; choose one of {sorted(STYLES)}")
     seqs = []
@@ -35,7 +38,7 @@ def sft_batches(tok: Any, n: int, seed: int, batch: int, device: torch.device, s
         text = STYLES[style](p.solution)
         seqs.append((chat_prompt_ids(tok, p.question),
                      tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], None, 0.0))
-    return [pack_micro_batch(seqs[s:s + batch], device) for s in range(0, len(seqs), batch)]
+    return [pack_micro_batch(seqs[s:s + batch], device, multiple) for s in range(0, len(seqs), batch)]
 
 
 def nll(mb: MicroBatch, logp: torch.Tensor):
@@ -53,9 +56,9 @@ class SFTDrift:
         if steps < 0 or batch < 1 or not lr > 0:
             raise ValueError(f"drift needs steps >= 0, batch >= 1 and lr > 0, got {steps}, {batch}, {lr}")
         self.policy = policy
-        device = policy.ctx.device
-        self.train = sft_batches(tok, steps * batch, 4242, batch, device, style)
-        self.held = sft_batches(tok, 16, 9999, 8, device, style)
+        device, multiple = policy.ctx.device, update_multiple(policy.ctx)
+        self.train = sft_batches(tok, steps * batch, 4242, batch, device, style, multiple)
+        self.held = sft_batches(tok, 16, 9999, 8, device, style, multiple)
         for p in policy.heads.parameters() if policy.heads is not None else ():
             p.requires_grad_(False)
         self.params = list(policy.gpt.parameters())

@@ -98,7 +98,7 @@ def test_multinode_launcher_runs_a_grpo_step(tmp_path):
 
 def test_bench_update_sequence_parallel_smoke(tmp_path):
     """tools/bench_update.py --compare-sequence-parallel at TP=2: the same gradient either way, with
-    each form's time and rank 0's peak memory."""
+    each form's time, rank 0's peak memory and what its backward keeps."""
     ckpt = tiny_policy_checkpoint(tmp_path / "ckpt", with_heads=False)
     out = tmp_path / "sp.json"
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -115,3 +115,5 @@ def test_bench_update_sequence_parallel_smoke(tmp_path):
     assert set(forms) == {"whole_sequence", "sequence_parallel"} and report["layout"]["tp"] == 2
     assert all(len(v["runs_s"]) == 1 and v["grad_norm"] > 0 and v["peak_memory_gib"] > 0 for v in forms.values())
     assert report["grad_norm_rel_diff"] < 1e-5
+    # each rank keeps its half of the layers' activations for the backward
+    assert 0 < forms["sequence_parallel"]["saved_for_backward_gib"] < forms["whole_sequence"]["saved_for_backward_gib"]

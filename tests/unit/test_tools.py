@@ -309,7 +309,8 @@ def test_bench_update_comparisons_smoke(tiny_ckpt, tmp_path, compare, key, names
     report = json.loads(out.read_text())
     forms = report[key]
     assert set(forms) == names and report["response_tokens"] == 4 * 6
-    assert all(len(v["runs_s"]) == 1 and v["grad_norm"] > 0 and v["peak_memory_gib"] > 0 for v in forms.values())
+    assert all(len(v["runs_s"]) == 1 and v["grad_norm"] > 0 and v["peak_memory_gib"] > 0
+               and v["saved_for_backward_gib"] > 0 for v in forms.values())
     assert report["grad_norm_rel_diff"] < 1e-5  # the same update either way
 
 
