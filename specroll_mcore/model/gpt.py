@@ -20,8 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                           gather_from_sequence_parallel_region,
-                                           scatter_to_sequence_parallel_region)
+                                           gather_from_sequence_parallel_region)
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -341,9 +340,7 @@ class PolicyModel(torch.nn.Module):
         if self._lockstep:
             self._lockstep_count(True)
         if self.ctx.is_first_stage:
-            hidden = gpt.embedding(input_ids=input_ids, position_ids=meta.positions)  # [s, b, h]
-            if sp:  # this rank's part of the sequence [s/tp, b, h] (the backward gathers the gradient)
-                hidden = scatter_to_sequence_parallel_region(hidden, group=self.ctx.tp_group).clone()
+            hidden = gpt.embedding(input_ids=input_ids, position_ids=meta.positions)  # [s, b, h] ([s/tp, b, h])
         else:
             gpt.decoder.set_input_tensor(hidden_in)
             hidden = None
@@ -373,31 +370,37 @@ class PolicyModel(torch.nn.Module):
         backwards inside, the policy update's; nothing where the layout does not ask for it.
 
         Between the tensor-parallel products each rank holds its TP-th of the sequence: the first stage
-        scatters the embeddings, every column-parallel linear all-gathers its input (and reduce-scatters
-        its input's gradient), every row-parallel linear reduce-scatters its output, and the last
-        stage gathers the final hidden states before the vocabulary (:meth:`stage_forward`). The
-        linears are megatron's, their ``sequence_parallel`` set for the duration (it is a construction
-        argument in megatron, where rollouts would then have to split one-token steps too), so the
-        backward, and recomputation within it, must run inside as well. The norms then see a part of
-        the sequence each: their gradients are summed over the TP ranks (rl/schedule.finalize_grads)."""
+        reduce-scatters the embeddings, every column-parallel linear all-gathers its input (and
+        reduce-scatters its input's gradient), every row-parallel linear reduce-scatters its output,
+        and the last stage gathers the final hidden states before the vocabulary
+        (:meth:`stage_forward`). The embedding and the linears are megatron's, switched for the
+        duration to what megatron builds for sequence parallelism (there it is a construction
+        argument, and rollouts would then have to split one-token steps too), so the backward, and
+        recomputation within it, must run inside too. The norms then see a part of the sequence each:
+        their gradients are summed over the TP ranks (rl/schedule.finalize_grads)."""
         if not self.ctx.sequence_parallel or self._sequence_parallel:
             yield
             return
-        linears = [m for m in self.gpt.decoder.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-        saved = [(m, m.sequence_parallel, getattr(m, "allreduce_dgrad", None)) for m in linears]
-        for m in linears:
-            m.sequence_parallel = True
+        switched: list[tuple[torch.nn.Module, str, bool]] = []  # (module, attribute, value inside)
+        for m in self.gpt.decoder.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                switched.append((m, "sequence_parallel", True))
             if isinstance(m, ColumnParallelLinear):
-                m.allreduce_dgrad = False  # (the input's gradient is reduce-scattered instead)
+                switched.append((m, "allreduce_dgrad", False))  # (its input's gradient is reduce-scattered)
+        if self.ctx.is_first_stage:  # the embedding's partial sums reduce-scattered, not all-reduced and split
+            embedding = self.gpt.embedding
+            switched += [(embedding, "reduce_scatter_embeddings", True),
+                         (embedding.word_embeddings, "reduce_scatter_embeddings", True)]
+        saved = [(m, name, getattr(m, name)) for m, name, _ in switched]
+        for m, name, value in switched:
+            setattr(m, name, value)
         self._sequence_parallel = True
         try:
             yield
         finally:
             self._sequence_parallel = False
-            for m, sp, allreduce in saved:
-                m.sequence_parallel = sp
-                if allreduce is not None:
-                    m.allreduce_dgrad = allreduce
+            for m, name, value in saved:
+                setattr(m, name, value)
 
     def _layer_by_layer(self, hidden: Optional[torch.Tensor],
                         run: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -87,7 +87,8 @@ def test_sequence_parallelism_needs_tensor_parallelism_and_an_even_split(engine)
     finally:
         policy.ctx = ctx
     assert not policy._sequence_parallel
-    assert not any(getattr(m, "sequence_parallel", False) for m in policy.gpt.modules())  # all restored
+    assert not any(getattr(m, "sequence_parallel", False) or getattr(m, "reduce_scatter_embeddings", False)
+                   for m in policy.gpt.modules())  # all restored
 
 
 @pytest.mark.parametrize("experts, ep, world, match", [
