@@ -44,8 +44,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = engine_for(cfg.engine, policy, cfg.spec, ckpt, eos_token_ids=stop_token_ids(ckpt, tokenizer),
                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
-    rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p], "response": tokenizer.decode(t, skip_special_tokens=True),
-             "tokens": t, "logprobs": [round(float(x), 6) for x in lp], "finish_reason": f}
+    rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p],
+             "response": tokenizer.decode(t, skip_special_tokens=True), "tokens": t,
+             "logprobs": [round(float(x), 6) for x in lp], "finish_reason": f}
             for p, s, t, lp, f in zip(out.prompt_index, out.sample_index, out.tokens, out.logprobs, out.finish_reason)]
     rows = ctx.gather_to_rank0(rows)
     if ctx.rank == 0:

@@ -581,8 +581,9 @@ class SlowPath:
         rank = torch.relu(b.want - (lf.gather(1, b.top) - lf)).sum(-1).mean() / max(lf.shape[1] - 1, 1)
         prox = sum(((w - w0) ** 2).sum() for w, w0 in zip(heads.head_parameters(head), prev))
         loss = loss_raw + cfg.corrected_weight * loss_cor + cfg.rank_weight * rank + cfg.proximal * prox
-        return loss, {"loss": float(loss.detach()), "kl_raw": float(loss_raw.detach()), "kl_corrected": float(loss_cor.detach()),
-                      "rank": float(rank.detach()), "proximal": float(prox.detach())}
+        return loss, {"loss": float(loss.detach()), "kl_raw": float(loss_raw.detach()),
+                      "kl_corrected": float(loss_cor.detach()), "rank": float(rank.detach()),
+                      "proximal": float(prox.detach())}
 
     def _inputs(self, rec: Records, head: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """The head's inputs for records: hidden [N, h], root features [N, h] and its draft path's

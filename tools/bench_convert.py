@@ -80,11 +80,14 @@ def write_synthetic_llama(path: Path, layers: int, hidden: int, ffn: int, vocab:
         emit(f"layer{i:03d}.safetensors", {
             p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            p + "self_attn.q_proj.weight": rnd(heads * d, hidden), p + "self_attn.k_proj.weight": rnd(kv_heads * d, hidden),
-            p + "self_attn.v_proj.weight": rnd(kv_heads * d, hidden), p + "self_attn.o_proj.weight": rnd(hidden, heads * d),
+            p + "self_attn.q_proj.weight": rnd(heads * d, hidden),
+            p + "self_attn.k_proj.weight": rnd(kv_heads * d, hidden),
+            p + "self_attn.v_proj.weight": rnd(kv_heads * d, hidden),
+            p + "self_attn.o_proj.weight": rnd(hidden, heads * d),
             p + "mlp.gate_proj.weight": rnd(ffn, hidden), p + "mlp.up_proj.weight": rnd(ffn, hidden),
             p + "mlp.down_proj.weight": rnd(hidden, ffn)})
-    emit("head.safetensors", {"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16), "lm_head.weight": rnd(vocab, hidden)})
+    emit("head.safetensors", {"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                              "lm_head.weight": rnd(vocab, hidden)})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                     "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps({

@@ -85,7 +85,8 @@ def main() -> int:
                 times[mode].append(1e3 * (time.perf_counter() - t0) / args.max_new_tokens)
                 tokens[mode] = out.tokens
         SpecRollSequentialMLP.forward = ROUTED
-        res = {"ms_per_step_routed": statistics.median(times["routed"]), "ms_per_step_all": statistics.median(times["all"]),
+        res = {"ms_per_step_routed": statistics.median(times["routed"]),
+               "ms_per_step_all": statistics.median(times["all"]),
                "speedup_median": statistics.median(a / b for a, b in zip(times["all"], times["routed"])),
                "identical": tokens["routed"] == tokens["all"], "times_ms": times}
         report["rows"][rows] = res

@@ -77,8 +77,8 @@ def time_hf(hf, prompts, sp, tok, prompt_lookup: int = 0) -> float:
     with torch.inference_mode():
         for p in prompts:  # batch 1: what prompt lookup decoding supports
             kw = dict(prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else {}
-            hf.generate(torch.tensor([p], device=hf.device), do_sample=sp.temperature > 0, temperature=sp.temperature or None,
-                        top_p=1.0, top_k=0,
+            hf.generate(torch.tensor([p], device=hf.device), do_sample=sp.temperature > 0,
+                        temperature=sp.temperature or None, top_p=1.0, top_k=0,
                         max_new_tokens=sp.max_new_tokens, pad_token_id=pad_id(tok), **kw)
     wait(hf.device)
     return time.perf_counter() - t0
@@ -100,8 +100,8 @@ def time_hf_batch(hf, prompts, sp, tok) -> float:
     wait(hf.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        hf.generate(input_ids=ids, attention_mask=mask, do_sample=sp.temperature > 0, temperature=sp.temperature or None,
-                    top_p=1.0, top_k=0,
+        hf.generate(input_ids=ids, attention_mask=mask, do_sample=sp.temperature > 0,
+                    temperature=sp.temperature or None, top_p=1.0, top_k=0,
                     max_new_tokens=sp.max_new_tokens, pad_token_id=pad_id(tok),
                     num_return_sequences=sp.num_samples)
     wait(hf.device)

@@ -79,7 +79,8 @@ def main() -> int:
             ms = {name: medians[(name, r, n)] * 1e3 for name in SETTINGS}
             report["shapes"][f"{r}x{n}"] = {**ms, "ordered_over_kernel": ms["ordered_attention"] / ms["step_kernel"]}
             print(f"{r:4d} rows x {n:3d} nodes: step kernel {ms['step_kernel']:7.1f} ms   ordered attention "
-                  f"{ms['ordered_attention']:7.1f} ms   ({ms['ordered_attention'] / ms['step_kernel']:.2f}x)", flush=True)
+                  f"{ms['ordered_attention']:7.1f} ms   ({ms['ordered_attention'] / ms['step_kernel']:.2f}x)",
+                  flush=True)
     os.environ.pop("SPECROLL_STEP_ATTENTION", None)
     write_json_atomic(Path(args.out), report)
     print(f"wrote {args.out}")

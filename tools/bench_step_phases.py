@@ -248,7 +248,8 @@ def main() -> int:
           f"{report['total_syncs_per_step']:.1f} host syncs a step (the verification forward: "
           f"{fwd['ops_per_step']:.0f} operations, {fwd['syncs_per_step']:.1f} syncs; tau {out.stats['tau']:.2f})")
     print(f"whole rollouts, a token: SpecRoll {rollouts['specroll']['ops_per_token']:.0f} operations and "
-          f"{rollouts['specroll']['syncs_per_token']:.1f} syncs, vanilla {rollouts['vanilla']['ops_per_token']:.0f} and "
+          f"{rollouts['specroll']['syncs_per_token']:.1f} syncs, "
+          f"vanilla {rollouts['vanilla']['ops_per_token']:.0f} and "
           f"{rollouts['vanilla']['syncs_per_token']:.1f} (tokens identical: {rollouts['tokens_identical']}): "
           f"{rollouts['launch_bound_speedup']:.2f}x where launches bound both; wrote {args.out}")
     return 0

@@ -62,8 +62,9 @@ def main() -> int:
     ax = axes[1]
     ax.plot(steps, [r["generation_s"] for r in rows], "o-", label="SpecRoll generation")
     if any("vanilla_gen_s" in r for r in rows):
-        ax.plot([r["step"] for r in rows if "vanilla_gen_s" in r], [r["vanilla_gen_s"] for r in rows if "vanilla_gen_s" in r],
-                "s-", label="vanilla generation (same step)")
+        compared = [r for r in rows if "vanilla_gen_s" in r]
+        ax.plot([r["step"] for r in compared], [r["vanilla_gen_s"] for r in compared], "s-",
+                label="vanilla generation (same step)")
     ax.plot(steps, [r["training_s"] for r in rows], "^-", label="policy update")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("seconds")

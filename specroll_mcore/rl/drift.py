@@ -15,8 +15,8 @@ import torch
 
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rl.data import chat_prompt_ids
-from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs, pack_micro_batch,
-                                       update_multiple)
+from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_backward, forward_logprobs,
+                                       pack_micro_batch, update_multiple)
 from specroll_mcore.rl.synthetic import problems
 
 STYLES: dict[str, Callable[[str], str]] = {

@@ -56,7 +56,8 @@ def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None, with
     path = resolve_checkpoint(checkpoint)
     policy = load_policy(path, ctx, params_dtype, with_heads=with_heads)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    return path, policy, tokenizer, ensure_capacity(policy, c_hw, read_checkpoint_config(path).get("policy_fingerprint"))
+    fitted_on = read_checkpoint_config(path).get("policy_fingerprint")
+    return path, policy, tokenizer, ensure_capacity(policy, c_hw, fitted_on)
 
 
 def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_fingerprint: Optional[str],

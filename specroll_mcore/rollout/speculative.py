@@ -43,8 +43,8 @@ from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutStat
                                          validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
-from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens, node_beliefs,
-                                 node_budget, row_chunks, select_tree, tree_ancestor_mask, tree_size)
+from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens,
+                                 node_beliefs, node_budget, row_chunks, select_tree, tree_ancestor_mask, tree_size)
 from specroll_mcore.tree.budget import DEFAULT_C_HW, Latency, StepCost
 from specroll_mcore.verify import accept, node_rows
 
@@ -80,7 +80,8 @@ class SpeculativeEngine:
         without it a stage's time is its host work plus whatever earlier GPU work it waits on.
         ``latency``: the profiled forward latency of this policy, hardware and layout
         (rollout/profile.ensure_capacity: its grid over the forward's shape, or a one-row curve),
-        with which each step keeps only the nodes that pay for themselves (``SpecConfig.adaptive_nodes``); None: every step uses its whole budget.
+        with which each step keeps only the nodes that pay for themselves (``SpecConfig.adaptive_nodes``);
+        None: every step uses its whole budget.
         ``pipeline_groups``: groups of responses interleaved over the pipeline stages, each verifying
         under its own node budget (as :class:`VanillaEngine`; None: one per stage).
         :meth:`state_dict` holds what a resumed run needs to repeat the same rollout statistics."""

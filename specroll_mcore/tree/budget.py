@@ -236,7 +236,8 @@ class DepthCalibration:
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["expected"]) != len(self.expected):
-            raise ValueError(f"a calibration of {len(state['expected'])} depths does not fit {len(self.expected)} heads")
+            raise ValueError(f"a calibration of {len(state['expected'])} depths does not fit "
+                             f"{len(self.expected)} heads")
         self.expected, self.accepted = list(state["expected"]), list(state["accepted"])
 
 

@@ -107,7 +107,8 @@ def select_tree(root_tokens: torch.Tensor, levels: Sequence[DraftLevel],
     root = torch.full((b, 1), ROOT, dtype=torch.long, device=dev)
     tree = TreeBatch(torch.cat([root_tok, torch.where(live, tokens.gather(1, order), root_tok)], 1),
                      torch.cat([root, torch.where(live, par_pos, PAD)], 1),
-                     torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), torch.where(live, depth[order], 0)], 1),
+                     torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev),
+                                torch.where(live, depth[order], 0)], 1),
                      1 + live.sum(1))
     return tree, torch.cat([root, torch.where(live, order, ROOT)], 1)
 

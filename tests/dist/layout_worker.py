@@ -12,8 +12,8 @@ warnings.filterwarnings("ignore")
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
-from specroll_mcore.config import (ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig, SpecConfig,  # noqa: E402
-                                   tiny_llama, tiny_qwen2)
+from specroll_mcore.config import (ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig,  # noqa: E402
+                                   SpecConfig, tiny_llama, tiny_qwen2)
 from specroll_mcore.heads import (coupled_scores, vocab_parallel_entropy, vocab_parallel_filter,  # noqa: E402
                                   vocab_parallel_logsumexp, vocab_parallel_topk)
 from specroll_mcore.model import PolicyModel, causal_mask  # noqa: E402

@@ -77,9 +77,10 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
     balance_batch: in the first step the replicas train 5 and 7 micro-batches, so one runs two
     stand-ins. At EP=2 the steps equal EP=1's: losses, gradient norms, load-balancing losses and
     weights (to 0.1 x lr, as in test_grpo_layouts.py: SpecRoll's float32 log-probs move by rounding with
-    the trees' shapes, which each run's measured capacity sets), also with a sharded optimizer (ZeRO-1). Runs stopped after step 1 at EP=2 and resumed
-    (each expert-parallel rank loading its experts' AdamW state, or each replica its shards) end with
-    the same weights; resuming at EP=1 is refused by name."""
+    the trees' shapes, which each run's measured capacity sets), also with a sharded optimizer
+    (ZeRO-1). Runs stopped after step 1 at EP=2 and resumed (each expert-parallel rank loading its
+    experts' AdamW state, or each replica its shards) end with the same weights; resuming at EP=1 is
+    refused by name."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=True, arch="qwen3_moe")
     common = (f"--set=data.source={_prompts(tmp_path)}", "--set=data.limit=8", "--set=prompts_per_step=4",
               "--set=routing_replay=true", "--set=moe_aux_loss_coeff=0.05", "--set=micro_batch_size=1",

@@ -1,6 +1,6 @@
 """Half-precision steps compute each token as a one-token forward would, bit for bit: the step-attention
-kernel or ordered attention (model/attention.py) and row-invariant products (cpu_gemm.half_product). References: one-token
-forwards of the same tokens, one-row products, and the vanilla engine's tokens."""
+kernel or ordered attention (model/attention.py) and row-invariant products (cpu_gemm.half_product).
+References: one-token forwards of the same tokens, one-row products, and the vanilla engine's tokens."""
 
 from pathlib import Path
 

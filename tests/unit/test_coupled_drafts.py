@@ -52,7 +52,8 @@ def test_drafts_under_several_paths_share_their_positions_noise(ctx):
     logits = torch.randn(12, 300, generator=torch.Generator().manual_seed(4))
     k = keys(4)  # 3 drafts (paths) per key
     repeated = SampleKeys(k.seed, k.step, *(t.repeat_interleave(3) for t in (k.prompt, k.sample, k.position)))
-    assert torch.equal(coupled_scores(logits, k, 0.9, 0, 0, 300, ctx), coupled_scores(logits, repeated, 0.9, 0, 0, 300, ctx))
+    assert torch.equal(coupled_scores(logits, k, 0.9, 0, 0, 300, ctx),
+                       coupled_scores(logits, repeated, 0.9, 0, 0, 300, ctx))
 
 
 def constant_policy(ctx):

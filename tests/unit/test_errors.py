@@ -58,7 +58,8 @@ def test_stop_strings_need_a_tokenizer(engine):
 
 
 @pytest.mark.parametrize("tp, pp, world, match", [
-    (2, 1, 3, r"world size 3 is not divisible by tensor_model_parallel_size \(2\) x pipeline_model_parallel_size \(1\)"),
+    (2, 1, 3, r"world size 3 is not divisible by tensor_model_parallel_size \(2\) x "
+              r"pipeline_model_parallel_size \(1\)"),
     (8, 1, 8, r"num_attention_heads \(4\) is not divisible by .*tensor_model_parallel_size \(8\)"),
     (4, 1, 4, r"num_query_groups \(2 KV heads\) is not divisible by .*tensor_model_parallel_size \(4\)"),
     (1, 3, 3, r"num_layers \(4\) is not divisible by .*pipeline_model_parallel_size \(3\)"),
@@ -176,7 +177,8 @@ def test_weights_that_do_not_fit_the_config(ctx):
 
     model = make_policy(tiny_llama(), ctx)
     bad = random_full_state_dict(tiny_llama(ffn_hidden_size=96), 0)
-    with pytest.raises(ValueError, match=r"mlp.linear_fc1.weight has shape \(192, 64\) but the model config implies \(256, 64\)"):
+    with pytest.raises(ValueError, match=r"mlp.linear_fc1.weight has shape \(192, 64\) but the model config "
+                                         r"implies \(256, 64\)"):
         model.load_full_state_dict(bad)
     missing = random_full_state_dict(tiny_llama(), 0)
     del missing["decoder.layers.2.input_layernorm.weight"]

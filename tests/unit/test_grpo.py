@@ -144,7 +144,8 @@ def test_rounds_statistics_combine_over_their_steps():
          "accepted_per_depth": [1, 1],
          "acceptance_per_depth": [0.5, 1.0], "reflex_gate_open": 0.0, "slow_path": {"events": 1, "event": {"head": 0}}}
     b = {"tau": 1.0, "per_step": [{"emitted": 2, "active": 2}, {"emitted": 1, "active": 1}], "tried_per_depth": [2, 0],
-         "accepted_per_depth": [0, 0], "acceptance_per_depth": [0.0, 0.0], "reflex_gate_open": 0.5, "slow_path": {"events": 1, "event": None}}
+         "accepted_per_depth": [0, 0], "acceptance_per_depth": [0.0, 0.0], "reflex_gate_open": 0.5,
+         "slow_path": {"events": 1, "event": None}}
     c = combined_stats([a, b])
     assert c["tau"] == 7 / 5 and c["tried_per_depth"] == [4, 1] and c["accepted_per_depth"] == [1, 1]
     assert c["acceptance_per_depth"] == [0.25, 1.0]

@@ -60,8 +60,10 @@ def test_noise_is_a_pure_function_of_the_key():
                    torch.cat([a.sample[perm], torch.tensor([0])]), torch.cat([a.position[perm], torch.tensor([0])]))
     assert torch.equal(gumbel_noise(b, 100)[:6], g1[perm])
     # Every key field matters.
-    for other in (keys_for(6, seed=4, step=2, prompt=5, sample_idx=1), keys_for(6, seed=3, step=3, prompt=5, sample_idx=1),
-                  keys_for(6, seed=3, step=2, prompt=6, sample_idx=1), keys_for(6, seed=3, step=2, prompt=5, sample_idx=2)):
+    for other in (keys_for(6, seed=4, step=2, prompt=5, sample_idx=1),
+                  keys_for(6, seed=3, step=3, prompt=5, sample_idx=1),
+                  keys_for(6, seed=3, step=2, prompt=6, sample_idx=1),
+                  keys_for(6, seed=3, step=2, prompt=5, sample_idx=2)):
         assert not torch.equal(gumbel_noise(other, 100), g1)
     u = uniform_noise(keys_for(200), 1000)
     assert 0 < u.min() and u.max() < 1

@@ -23,7 +23,8 @@ def policy_with_heads(cfg, ctx, head_std=0.05, seed=0):
     model.load_full_state_dict(random_full_state_dict(cfg, seed, std=0.08))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for layer in [*model.heads.layers, *model.heads.root_layers, *(v for vs in model.heads.path_layers for v in vs)]:
+        paths = (v for vs in model.heads.path_layers for v in vs)
+        for layer in [*model.heads.layers, *model.heads.root_layers, *paths]:
             layer.weight.copy_(head_std * torch.randn(layer.weight.shape, generator=g))
     return model
 
@@ -210,7 +211,8 @@ def test_trees_are_sized_by_the_latency_of_the_forwards_shape_and_context(ctx, m
     assert contexts and min(contexts) > 8 and contexts == sorted(contexts)  # weighed once contexts grew
     long = [p["nodes_per_row"] for p in steps[-8:]]  # past 24 committed tokens in the longest row
     assert set(long) <= {1, 4} and long.count(4) <= 1, long
-    flat = SpeculativeEngine(model, SpecConfig(c_hw=64), latency=LatencySurface((1, 16), (1, 2, 4), (8,), ((free, free),)))
+    flat = SpeculativeEngine(model, SpecConfig(c_hw=64),
+                             latency=LatencySurface((1, 16), (1, 2, 4), (8,), ((free, free),)))
     assert flat.generate(PROMPTS, sp).tokens == ref.tokens
 
 

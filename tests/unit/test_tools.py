@@ -368,8 +368,8 @@ def test_bench_moe_experts_smoke_and_a_dense_checkpoint(tiny_ckpt, tmp_path):
     report = json.loads(out.read_text())
     assert set(report["rows"]) == {"1", "3"} and all(r["identical"] for r in report["rows"].values())
     assert all(len(r["times_ms"]["routed"]) == len(r["times_ms"]["all"]) == 2 for r in report["rows"].values())
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_moe_experts.py"), "--checkpoint", str(tiny_ckpt)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_moe_experts.py"), "--checkpoint",
+                           str(tiny_ckpt)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "holds a dense model: there are no experts to compare" in proc.stderr
 
 

@@ -61,7 +61,8 @@ def test_one_step_lowers_the_loss_on_its_batch(tiny_ckpt, tmp_path, ctx):
 
     before = loss_on_batch()
     trainer.optimizer.zero_grad()
-    forward_backward(trainer.policy, mbs, lambda mb, lp: (policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask).loss, {}), 1.0)
+    forward_backward(trainer.policy, mbs,
+                     lambda mb, lp: (policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask).loss, {}), 1.0)
     finalize_grads(trainer.policy)
     trainer.optimizer.step()
     after = loss_on_batch()
@@ -302,8 +303,8 @@ def test_overlong_filtering_masks_cut_responses_as_if_they_were_dropped():
     from types import SimpleNamespace
 
     rollout = SimpleNamespace(tokens=[[5, 6, 7], [8, 9], [10, 11, 12, 13]], finish_reason=["length", "eos", "length"],
-                              logprobs=[torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5, -0.7]), torch.full((4,), -1.0)],
-                              routing=None)
+                              logprobs=[torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5, -0.7]),
+                                        torch.full((4,), -1.0)], routing=None)
     prompts, adv = [[1, 2], [3]], torch.tensor([1.0, -1.0, 0.5])
     assert all(s[4] for s in response_sequences(prompts, rollout, adv, 2))
     seqs = response_sequences(prompts, rollout, adv, 2, overlong_filter=True)
@@ -342,7 +343,8 @@ BUSY_SLOW_PATH = ["spec.slow_path.window=4", "spec.slow_path.min_records=4", "sp
 
 def test_resume_after_sigkill_equals_uninterrupted(tiny_ckpt, tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    full = subprocess.run(_train_cmd(tiny_ckpt, tmp_path / "full"), env=env, capture_output=True, text=True, timeout=600)
+    full = subprocess.run(_train_cmd(tiny_ckpt, tmp_path / "full"), env=env, capture_output=True, text=True,
+                          timeout=600)
     assert full.returncode == 0, full.stderr[-2000:]
     # Kill -9 while step 3 runs (after the step-2 checkpoint is complete), then resume.
     proc = subprocess.Popen(_train_cmd(tiny_ckpt, tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL,
@@ -405,8 +407,8 @@ def test_bad_rows_and_long_prompts_are_skipped_and_counted(tiny_ckpt, tmp_path, 
             {"problem": "What is 3 + 3?", "gt_answer": "6"}]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla",
-                                                                   f"data.source={data}", "data.max_prompt_tokens=256")))
+    args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", f"data.source={data}", "data.max_prompt_tokens=256")
+    trainer = GRPOTrainer(load_config(TrainConfig, None, args))
     assert len(trainer.examples) == 3  # GSM8K-, DAPO- and SimpleRL-style rows
     assert trainer.data_report.skipped == {"missing reference answer": 1, "missing question": 1,
                                            "prompt over the context limit": 1}

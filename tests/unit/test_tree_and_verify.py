@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from specroll_mcore.tree import (PAD, ROOT, DraftLevel, LatencyCurve, LatencySurface, TreeBatch, capacity_from_latency,
-                                 expansion, expected_tokens, node_beliefs, node_budget, row_chunks, select_tree, tree_size)
+from specroll_mcore.tree import (PAD, ROOT, DraftLevel, LatencyCurve, LatencySurface, TreeBatch,
+                                 capacity_from_latency, expansion, expected_tokens, node_beliefs, node_budget,
+                                 row_chunks, select_tree, tree_size)
 from specroll_mcore.tree.budget import DepthCalibration, StepCost, StepOverhead, tree_row_seconds
 from specroll_mcore.verify import accept, node_rows
 
@@ -232,7 +233,8 @@ def test_tree_prefixes_are_trees_and_expected_tokens_sum_path_beliefs():
     lv1 = DraftLevel(torch.full((b, 1), ROOT), torch.randint(5, 50, (b, 1, k), generator=g), lq)
     sel = expansion(lv1, 2)
     lq2 = torch.log_softmax(torch.randn(b, 2, k, generator=g), -1).sort(-1, descending=True).values
-    lv2 = DraftLevel(sel, torch.randint(5, 50, (b, 2, k), generator=g), lv1.score.reshape(b, -1).gather(1, sel)[..., None] + lq2)
+    lv2 = DraftLevel(sel, torch.randint(5, 50, (b, 2, k), generator=g),
+                     lv1.score.reshape(b, -1).gather(1, sel)[..., None] + lq2)
     tree, pool = select_tree(torch.tensor([1, 2, 3]), [lv1, lv2], 7)
     flat = torch.cat([lv1.score.reshape(b, -1), lv2.score.reshape(b, -1)], 1)
     want = [b + sum(float(flat[r, pool[r, j]].exp()) for r in range(b) for j in range(1, n)) for n in range(1, 8)]
@@ -405,7 +407,8 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     for c in record["curve"]["grid"]["seconds"]:  # shapes of up to C_hw tokens, and 1 and 2 nodes for every row
         assert [[s is not None for s in row] for row in c] == [[n <= 2 or r * n <= cap.c_hw for n in nodes]
                                                                for r in rows]
-    monkeypatch.setattr(profile, "forward_latency", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
+    monkeypatch.setattr(profile, "forward_latency",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
     assert profile.ensure_capacity(model, None, "fp") == cap  # cached
     assert profile.ensure_capacity(model, 24, "fp") == (24, cap.latency)  # configured C_hw, the cached curve
     # C_hw comes from the cached curve by the rule in force
@@ -459,7 +462,8 @@ def test_latency_profile_leaves_out_each_shapes_first_forward(monkeypatch):
 
     monkeypatch.setattr(profile, "tree_forward", fake)
     monkeypatch.setattr(profile, "decode_forward", fake)
-    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")), expert_lockstep=contextlib.nullcontext)
+    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")),
+                                 expert_lockstep=contextlib.nullcontext)
     res = profile.forward_latency(cpu_policy, [1, 4], reps=1)
     assert max(res["tree_row_s"] + res["decode_rows_s"]) < 0.04, res
 
@@ -486,7 +490,8 @@ def test_latency_grid_times_every_shape_after_an_untimed_first_forward(monkeypat
 
     monkeypatch.setattr(profile, "_committed_cache", lambda policy, rows, context, capacity: (rows, context, capacity))
     monkeypatch.setattr(profile, "_step", fake_step)
-    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")), expert_lockstep=contextlib.nullcontext)
+    cpu_policy = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu")),
+                                 expert_lockstep=contextlib.nullcontext)
     grid = profile.forward_grid(cpu_policy, 4, reps=2, contexts=(8, 32))
     assert (grid["rows"], grid["nodes"], grid["contexts"]) == ([1, 2, 4], [1, 2, 4], [8, 32])
     for c in grid["seconds"]:

@@ -49,7 +49,8 @@ def test_finish_reasons_eos_length_and_context(ctx):
     model = make_policy(tiny_llama(max_position_embeddings=20), ctx, seed=5)
     greedy = VanillaEngine(model).generate([[3, 4, 5]], SamplingConfig(temperature=0, max_new_tokens=8))
     eos = greedy.tokens[0][2]
-    out = VanillaEngine(model, eos_token_ids=[eos]).generate([[3, 4, 5]], SamplingConfig(temperature=0, max_new_tokens=8))
+    out = VanillaEngine(model, eos_token_ids=[eos]).generate([[3, 4, 5]],
+                                                            SamplingConfig(temperature=0, max_new_tokens=8))
     assert out.finish_reason == ["eos"] and out.tokens[0][-1] == eos
     assert len(out.tokens[0]) == greedy.tokens[0].index(eos) + 1
     ignore = VanillaEngine(model, eos_token_ids=[eos]).generate(
@@ -71,7 +72,8 @@ def test_stop_strings(ctx):
             return "".join(chr(ord("a") + i % 26) for i in ids)
 
     model = make_policy(tiny_llama(), ctx, seed=6)
-    base = VanillaEngine(model, tokenizer=CharTok()).generate([[1, 2]], SamplingConfig(temperature=0, max_new_tokens=12))
+    base = VanillaEngine(model, tokenizer=CharTok()).generate([[1, 2]],
+                                                             SamplingConfig(temperature=0, max_new_tokens=12))
     text = CharTok().decode(base.tokens[0])
     stop = text[4:6]
     out = VanillaEngine(model, tokenizer=CharTok()).generate(
