@@ -293,7 +293,8 @@ class ParallelConfig:
     TP ranks along the sequence instead of held whole by each: a column-parallel product all-gathers
     its input, a row-parallel one reduce-scatters its output instead of all-reducing it. The same
     communication volume, a TP-th of those activations. Micro-batches are padded to a multiple of TP
-    tokens. Rollouts run without it (a decoding step has one token per response)."""
+    tokens (TrainConfig.micro_batch_tokens counts the padding). Rollouts run without it (a decoding
+    step has one token per response)."""
 
     rollout_groups: Optional[int] = None
     """Groups of responses a rollout interleaves over the pipeline stages (rollout/base.run_groups):
@@ -955,9 +956,13 @@ class TrainConfig:
         _check(self.prompts_per_step >= 1, f"TrainConfig.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.micro_batch_size >= 1, f"TrainConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         longest = self.data.max_prompt_tokens + self.sampling.max_new_tokens
-        _check(self.micro_batch_tokens == 0 or self.micro_batch_tokens >= longest,
+        tp = self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1
+        padded = -(-longest // tp) * tp  # (sequence parallelism pads to a multiple of TP)
+        _check(self.micro_batch_tokens == 0 or self.micro_batch_tokens >= padded,
                f"TrainConfig.micro_batch_tokens must be 0 (off) or at least data.max_prompt_tokens + "
-               f"sampling.max_new_tokens = {longest} (the longest sequence), got {self.micro_batch_tokens}")
+               f"sampling.max_new_tokens = {longest} (the longest sequence"
+               + (f", {padded} padded to a multiple of TP for sequence parallelism" if padded > longest else "")
+               + f"), got {self.micro_batch_tokens}")
         _check(self.logprob_chunk >= 0, f"TrainConfig.logprob_chunk must be >= 0 (0: off), got {self.logprob_chunk}")
         responses = self.prompts_per_step * self.sampling.num_samples
         _check(1 <= self.mini_batches <= responses,

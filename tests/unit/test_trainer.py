@@ -431,6 +431,11 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
                                          r"data.max_prompt_tokens \+ sampling.max_new_tokens = 528 .* got 500"):
         load_config(TrainConfig, None, ["data.max_prompt_tokens=512", "sampling.max_new_tokens=16",
                                         "micro_batch_tokens=500"])
+    with pytest.raises(ValueError, match=r"micro_batch_tokens .* = 529 \(the longest sequence, 536 padded to a "
+                                         r"multiple of TP for sequence parallelism\), got 529"):
+        load_config(TrainConfig, None, ["data.max_prompt_tokens=512", "sampling.max_new_tokens=17",
+                                        "micro_batch_tokens=529", "parallel.tensor_model_parallel_size=8",
+                                        "parallel.sequence_parallel=true"])
     with pytest.raises(ValueError, match=r"TrainConfig.lr_warmup_steps must be in \[0, steps = 20\], got 30"):
         load_config(TrainConfig, None, ["lr_warmup_steps=30"])
     with pytest.raises(ValueError, match="TrainConfig.lr_decay must be 'constant' or 'cosine', got 'step'"):
