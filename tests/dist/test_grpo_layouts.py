@@ -72,7 +72,7 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
 
 
-@pytest.mark.slow  # (4 processes on 2 cores, ~40 s: `make test-slow`)
+@pytest.mark.slow  # (4 processes on 2 cores, ~25 s: `make test-slow`)
 def test_grpo_step_with_sequence_parallelism_over_tp2_pp2_equals_tp1(tmp_path):
     """TP=2 x PP=2 with sequence parallelism: the stages send each other the TP ranks' parts of the
     sequence (half the positions), through 1F1B with one sequence a micro-batch, with recomputation."""
