@@ -68,7 +68,8 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import TrainConfig, load_config  # noqa: E402
 from specroll_mcore.model import causal_mask  # noqa: E402
-from specroll_mcore.rl.schedule import MicroBatch, balanced_assignment, sequence_tokens  # noqa: E402
+from specroll_mcore.rl.schedule import (MicroBatch, balanced_assignment, saved_for_backward,  # noqa: E402
+                                       sequence_tokens)
 from specroll_mcore.rl.trainer import GRPOTrainer  # noqa: E402
 from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
@@ -231,18 +232,6 @@ def peak_memory_gib(device) -> float:
     return int(PROC_STATUS.read_text().split("VmHWM:")[1].split()[0]) / 2**20  # (kB)
 
 
-def saved_for_backward(total: list[int]):
-    """Count into ``total[0]`` the bytes of the tensors autograd saves for the backward inside
-    (parameters left out; a tensor saved twice counts twice): the update's activation memory, as the
-    allocator would hold it, on any device (activation recomputation's are those its forwards keep)."""
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):
-            total[0] += t.numel() * t.element_size()
-        return t
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-
 def bench_forms(trainer: GRPOTrainer, args: argparse.Namespace, forms: dict[str, Callable[[bool], None]],
                 key: str) -> dict:
     """Two forms of the same update on the token-budget split, alternating, ``--reps`` rounds after an
@@ -252,18 +241,21 @@ def bench_forms(trainer: GRPOTrainer, args: argparse.Namespace, forms: dict[str,
     cfg = trainer.cfg
     seqs, gen_s = one_step(trainer)
     longest = max(map(sequence_tokens, seqs))
-    cfg.micro_batch_size, cfg.micro_batch_tokens = len(seqs), args.micro_batch_size * longest
+    tp = trainer.ctx.tp_size  # (room for sequence parallelism's padding: every form splits alike)
+    cfg.micro_batch_size, cfg.micro_batch_tokens = len(seqs), args.micro_batch_size * -(-longest // tp) * tp
     names = list(forms)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, list[float]] = {name: [] for name in names}
-    saved: dict[str, list[int]] = {name: [0] for name in names}
+    saved: dict[str, int] = {}
     norms: dict[str, float] = {}
     for rep in range(args.reps + 1):  # round 0 untimed: first-call allocations, and what the backward keeps
         for name in names[rep % 2:] + names[:rep % 2]:
             forms[name](True)
             peak_memory_reset(trainer.ctx.device)
-            with saved_for_backward(saved[name]) if rep == 0 else contextlib.nullcontext():
+            with saved_for_backward() if rep == 0 else contextlib.nullcontext([0]) as counted:
                 dt, norms[name], mbs = timed_update(trainer, seqs)
+            if rep == 0:
+                saved[name] = counted[0]
             peak = peak_memory_gib(trainer.ctx.device)
             forms[name](False)
             if rep:
@@ -278,7 +270,7 @@ def bench_forms(trainer: GRPOTrainer, args: argparse.Namespace, forms: dict[str,
                          "micro_batch_tokens": cfg.micro_batch_tokens, "seconds": statistics.median(seconds[name]),
                          "runs_s": seconds[name], "speedup": base / statistics.median(seconds[name]),
                          "peak_memory_gib": statistics.median(peaks[name]), "runs_peak_memory_gib": peaks[name],
-                         "saved_for_backward_gib": saved[name][0] / 2**30,
+                         "saved_for_backward_gib": saved[name] / 2**30,
                          "grad_norm": norms[name]} for name in names},
             "grad_norm_rel_diff": abs(norms[names[0]] - norms[names[1]]) / max(abs(norms[names[0]]), 1e-30)}
 

@@ -122,7 +122,8 @@ def expert_stand_ins(micro_batches: list[MicroBatch], ctx: ParallelContext) -> l
     return micro_batches + [stand_in] * (count - len(micro_batches))
 
 
-def micro_batch_split(lengths: Sequence[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+def micro_batch_split(lengths: Sequence[int], max_rows: int, max_tokens: int = 0,
+                      multiple: int = 1) -> list[list[int]]:
     """The sequences (indices into ``lengths``) of each micro-batch of a policy update.
 
     ``max_tokens`` 0: runs of ``max_rows`` consecutive sequences, in the given order. Otherwise a
@@ -131,11 +132,13 @@ def micro_batch_split(lengths: Sequence[int], max_rows: int, max_tokens: int = 0
     ``rows x its longest <= max_tokens``. Sequences of like lengths then share a micro-batch, so
     little of the update's compute goes to padding, and every micro-batch's activations stay within
     the same bound (the first one is the largest: a run that fits it fits). The loss is normalised
-    over the whole batch (grpo.policy_loss), so the split does not change the update."""
+    over the whole batch (grpo.policy_loss), so the split does not change the update. ``multiple``:
+    the budget counts each micro-batch's length padded to a multiple of it (:func:`pack_micro_batch`)."""
     if max_rows < 1 or max_tokens < 0:
         raise ValueError(f"micro-batches need max_rows >= 1 and max_tokens >= 0, got {max_rows}, {max_tokens}")
     if not max_tokens:
         return [list(range(s, min(s + max_rows, len(lengths)))) for s in range(0, len(lengths), max_rows)]
+    lengths = [-(-n // multiple) * multiple for n in lengths]
     if lengths and max(lengths) > max_tokens:
         raise ValueError(f"a {max(lengths)}-token sequence does not fit a micro-batch of {max_tokens} tokens: "
                          "raise TrainConfig.micro_batch_tokens to at least the longest prompt + response")
@@ -179,14 +182,6 @@ def balanced_assignment(costs: Sequence[Sequence[int]]) -> list[list[tuple[int, 
     return out
 
 
-def span_logprobs(policy: PolicyModel, logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """:func:`token_logprobs` of the micro-batch's labels from logits over its ``loss_span``, laid
-    out [B, L] as its labels (0 outside the span, where no loss reads them)."""
-    span = mb.loss_span
-    logp = token_logprobs(policy, logits, mb.labels[:, span], temperature)
-    return torch.nn.functional.pad(logp, (span.start, mb.labels.shape[1] - span.stop))
-
-
 def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     """log pi(labels) under softmax(logits / T) from vocab-parallel logits [B, L, V/tp] -> [B, L].
 
@@ -208,36 +203,59 @@ def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tens
 
 def stage_logprobs(policy: PolicyModel, out: tuple, mb: MicroBatch, temperature: float, chunk: int = 0,
                    entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """:func:`span_logprobs` and the policy's entropy over the ``loss_span`` [B, s'] (None unless
-    ``entropy``) from the last stage's output ``out`` = (logits, hidden states) of
-    :meth:`PolicyModel.stage_forward`. Without logits (``project=False``) the hidden states [s', B, h]
-    are projected ``chunk`` positions at a time (``TrainConfig.logprob_chunk``): a piece's logits
-    [B, chunk, V/tp] are made, reduced and freed before the next's, and with gradients rebuilt in the
-    backward (torch.utils.checkpoint), so the span's logits, their float32 copy and their softmax are
-    never held at once; for one more vocabulary product."""
+    """:func:`token_logprobs` of the micro-batch's labels over its ``loss_span``, laid out [B, L] as
+    the labels, and the policy's entropy there [B, s'] (None unless ``entropy``), from the last
+    stage's output ``out`` = (logits, hidden states) of :meth:`PolicyModel.stage_forward`. Without
+    logits (``project=False``) the hidden states [s', B, h] are projected ``chunk`` positions at a
+    time (``TrainConfig.logprob_chunk``): a piece's logits [B, chunk, V/tp] are made, reduced and
+    freed before the next's, and with gradients rebuilt in the backward (torch.utils.checkpoint), so
+    the span's logits, their float32 copy and their softmax are never held at once; for one more
+    vocabulary product."""
     logits, hidden = out
-    if logits is not None:
-        # the entropy before the log-probs, which may overwrite the logits (token_logprobs)
-        ent = vocab_parallel_entropy(logits.detach(), policy.vocab_start, policy.config.vocab_size, policy.ctx,
-                                     temperature) if entropy else None
-        return span_logprobs(policy, logits, mb, temperature), ent
     span = mb.loss_span
     labels = mb.labels[:, span]
-    entropies: dict[int, torch.Tensor] = {}  # by the piece's first position
 
-    def piece(h: torch.Tensor, lab: torch.Tensor, start: int) -> torch.Tensor:
-        logits = policy.vocab_projection(h).transpose(0, 1)  # [B, c, V/tp]
-        if entropy and start not in entropies:  # (not again in the backward's recomputation)
-            entropies[start] = vocab_parallel_entropy(logits.detach(), policy.vocab_start, policy.config.vocab_size,
-                                                      policy.ctx, temperature)
-        return token_logprobs(policy, logits, lab, temperature)
+    def entropy_of(logits: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_entropy(logits.detach(), policy.vocab_start, policy.config.vocab_size, policy.ctx,
+                                      temperature)
 
-    pieces = []
-    for start in range(0, hidden.shape[0], chunk):
-        args = (hidden[start:start + chunk], labels[:, start:start + chunk], start)
-        pieces.append(checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args))
-    logp = torch.nn.functional.pad(torch.cat(pieces, 1), (span.start, mb.labels.shape[1] - span.stop))
-    return logp, torch.cat(list(entropies.values()), 1) if entropy else None
+    if logits is not None:
+        ent = entropy_of(logits) if entropy else None  # (before the log-probs, which may overwrite the logits)
+        logp = token_logprobs(policy, logits, labels, temperature)
+    else:
+        entropies: dict[int, torch.Tensor] = {}  # by the piece's first position
+
+        def piece(h: torch.Tensor, lab: torch.Tensor, start: int) -> torch.Tensor:
+            logits = policy.vocab_projection(h).transpose(0, 1)  # [B, c, V/tp]
+            if entropy and start not in entropies:  # (not again in the backward's recomputation)
+                entropies[start] = entropy_of(logits)
+            return token_logprobs(policy, logits, lab, temperature)
+
+        pieces = []
+        for start in range(0, hidden.shape[0], chunk):
+            args = (hidden[start:start + chunk], labels[:, start:start + chunk], start)
+            pieces.append(checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args))
+        logp = torch.cat(pieces, 1)
+        ent = torch.cat(list(entropies.values()), 1) if entropy else None
+    # 0 outside the span, where no loss reads them
+    return torch.nn.functional.pad(logp, (span.start, mb.labels.shape[1] - span.stop)), ent
+
+
+@contextlib.contextmanager
+def saved_for_backward() -> Iterator[list[int]]:
+    """Count the bytes of the tensors autograd saves for the backward inside (parameters left out; a
+    tensor saved twice counts twice): the update's activation memory as the allocator would hold it,
+    on any device (under activation recomputation, what its forwards keep). Yields [bytes], filled
+    as the forwards run."""
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
 
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]

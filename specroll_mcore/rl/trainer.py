@@ -507,8 +507,8 @@ class GRPOTrainer:
         sequences, labels shifted by one, loss on response tokens only; split by
         TrainConfig.micro_batch_size and micro_batch_tokens (schedule.micro_batch_split)."""
         multiple = update_multiple(self.ctx)  # (sequence parallelism: each TP rank takes as many positions)
-        padded = [-(-sequence_tokens(s) // multiple) * multiple for s in seqs]  # what the token budget holds
-        split = micro_batch_split(padded, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+        split = micro_batch_split([sequence_tokens(s) for s in seqs], self.cfg.micro_batch_size,
+                                  self.cfg.micro_batch_tokens, multiple)
         return [pack_micro_batch([seqs[i] for i in idx], self.ctx.device, multiple) for idx in split]
 
     @contextlib.contextmanager

@@ -163,7 +163,8 @@ def test_update_attention_and_log_probs_in_pieces_on_gpu(gpu_ctx):
         model.metadata = metadata
         try:
             parts = forward_backward(model, mbs, lambda mb, lp: ((out := (lp * mb.loss_mask).sum()),
-                                                                 {"loss": float(out)}), 1.0, logprob_chunk=chunk)
+                                                                 {"loss": float(out.detach())}),
+                                     1.0, logprob_chunk=chunk)
         finally:
             model.metadata = causal
         return parts[0]["loss"], [p.grad.float().clone() for p in model.parameters() if p.grad is not None]

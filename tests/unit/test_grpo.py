@@ -82,6 +82,8 @@ def test_micro_batch_split_by_hand():
     assert micro_batch_split(lengths, 4, 100) == [[2, 4], [0, 5, 1], [3]]
     assert micro_batch_split(lengths, 2, 100) == [[2, 4], [0, 5], [1, 3]]  # at most 2 rows
     assert micro_batch_split(lengths, 8, 50) == [[2], [4], [0], [5, 1], [3]]
+    # lengths padded to multiples of 16 (sequence parallelism's padding) count as 32, 16, 64, 16, 48, 32
+    assert micro_batch_split(lengths, 4, 100, multiple=16) == [[2], [4, 0], [5, 1, 3]]
     assert micro_batch_split([], 4, 100) == []
     with pytest.raises(ValueError, match="a 50-token sequence does not fit a micro-batch of 40 tokens: raise "
                                          "TrainConfig.micro_batch_tokens"):

@@ -2,7 +2,6 @@
 contract at the RL level (vanilla vs SpecRoll), resume after SIGKILL, bad input."""
 
 import builtins
-import contextlib
 import io
 import json
 import os
@@ -19,7 +18,8 @@ import torch
 from grpo_fixtures import tiny_policy_checkpoint
 from specroll_mcore.config import TrainConfig, load_config
 from specroll_mcore.rl.grpo import policy_loss
-from specroll_mcore.rl.schedule import finalize_grads, forward_backward, forward_logprobs, pack_micro_batch
+from specroll_mcore.rl.schedule import (finalize_grads, forward_backward, forward_logprobs, pack_micro_batch,
+                                       saved_for_backward)
 from specroll_mcore.rl.trainer import GRPOTrainer, response_sequences, summary_table
 from specroll_mcore.rollout import VanillaEngine
 
@@ -29,20 +29,6 @@ TESTS = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     return tiny_policy_checkpoint(tmp_path_factory.mktemp("grpo"))
-
-
-@contextlib.contextmanager
-def saved_for_backward():
-    """The bytes of the tensors autograd saves for the backward inside (parameters not counted): [n]."""
-    saved = [0]
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield saved
 
 
 def overrides(ckpt, out, *extra):
