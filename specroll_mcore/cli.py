@@ -137,8 +137,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     positions = policy.config.max_position_embeddings
     # the training prompts, left out of the evaluation as in training (the same held-out prompts)
     examples, report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed, cfg.data.name)
-    training = usable_prompts(examples, cfg.data, tokenizer, positions, report)[0]
-    held_out = HeldOut.load(cfg.eval, cfg.seed, tokenizer, positions, training, ctx.dp_size)
+    math_verify = reward_fn is None
+    training = usable_prompts(examples, cfg.data, tokenizer, positions, report, math_verify)[0]
+    held_out = HeldOut.load(cfg.eval, cfg.seed, tokenizer, positions, training, ctx.dp_size, math_verify)
     engine = engine_for(cfg.engine, policy, cfg.spec, ckpt, eos_token_ids=stop_token_ids(ckpt, tokenizer),
                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups)
     responses: list[dict] = []

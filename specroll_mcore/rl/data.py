@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from specroll_mcore.rl.rewards import reference_answer
 from specroll_mcore.rl.synthetic import problems
 
 SYSTEM_SUFFIX = "Think step by step, then give the final answer after '####'."
@@ -91,7 +92,7 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
         if not q or not isinstance(q, str):
             report.skip("missing question")
             continue
-        if ref is None or str(ref).strip() == "":
+        if reference_answer(ref) is None:  # (none, blank, or a GSM8K answer with nothing after its '####')
             report.skip("missing reference answer")
             continue
         out.append(Example(i, q.strip(), str(ref)))

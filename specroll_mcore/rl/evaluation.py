@@ -18,7 +18,7 @@ import torch
 
 from specroll_mcore.config import DataConfig, EvalConfig, TrainConfig
 from specroll_mcore.rl.data import Example, LoadReport, load_examples, render_prompt
-from specroll_mcore.rl.rewards import RewardConfig, score
+from specroll_mcore.rl.rewards import RewardConfig, parse_reference, score
 from specroll_mcore.rollout.base import combined_stats
 
 Scorer = Callable[[list[int], str], tuple[float, float]]
@@ -26,12 +26,17 @@ Scorer = Callable[[list[int], str], tuple[float, float]]
 
 
 def usable_prompts(examples: list[Example], data: DataConfig, tokenizer: Any, max_positions: int,
-                   report: LoadReport) -> tuple[list[Example], dict[int, list[int]]]:
+                   report: LoadReport, math_verify: bool = True) -> tuple[list[Example], dict[int, list[int]]]:
     """The examples whose rendered prompt fits the context, and their token ids; the others are
-    skipped and counted in ``report`` (a cut question changes its answer)."""
+    skipped and counted in ``report`` (a cut question changes its answer). ``math_verify``: the
+    rewards are math-verify's (no TrainConfig.reward_fn), so an example whose reference answer it
+    finds nothing to check against is skipped and counted too (its responses could not be scored)."""
     limit = min(data.max_prompt_tokens, max_positions - 1)
     kept, prompt_ids = [], {}
     for ex in examples:
+        if math_verify and not parse_reference(ex.reference):
+            report.skip("unparseable reference answer")
+            continue
         ids = render_prompt(tokenizer, ex.question, data.chat, data.chat_template_kwargs)
         if len(ids) > limit:
             report.skip("prompt over the context limit")
@@ -79,17 +84,18 @@ class HeldOut:
 
     @classmethod
     def load(cls, ev: EvalConfig, seed: int, tokenizer: Any, max_positions: int, training: list[Example],
-             dp_size: int) -> "HeldOut":
+             dp_size: int, math_verify: bool = True) -> "HeldOut":
         """``ev.data``'s prompts, less those whose question is among ``training``'s (counted), cut to a
         multiple of ``dp_size``, so that every replica rolls out as many of them in as many rollouts
-        as the others (expert parallelism runs them in lockstep)."""
+        as the others (expert parallelism runs them in lockstep); ``math_verify`` as
+        :func:`usable_prompts`'."""
         examples, report = load_examples(ev.data.source, ev.data.split, ev.data.limit, seed, ev.data.name)
         trained = {ex.question for ex in training}
         for ex in examples:
             if ex.question in trained:
                 report.skip("also a training prompt")
         examples = [ex for ex in examples if ex.question not in trained]
-        usable, prompt_ids = usable_prompts(examples, ev.data, tokenizer, max_positions, report)
+        usable, prompt_ids = usable_prompts(examples, ev.data, tokenizer, max_positions, report, math_verify)
         if len(usable) < dp_size:
             raise ValueError(f"only {len(usable)} usable evaluation prompts (skipped: {report.skipped}) for "
                              f"{dp_size} data-parallel replicas: raise TrainConfig.eval.data.limit or give "

@@ -12,11 +12,12 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-_GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
+_GSM8K = re.compile(r"####\s*(.*?)\s*$", re.S)
 
 
-def reference_answer(reference: str) -> Optional[str]:
-    """The answer part of a reference: after '####' for GSM8K, else the whole string; None if empty."""
+def reference_answer(reference: Optional[str]) -> Optional[str]:
+    """The answer part of a reference: after '####' for GSM8K (thousands separators dropped), else
+    the whole string; None if that is empty (a GSM8K reference with nothing after its '####' too)."""
     if reference is None:
         return None
     text = str(reference).strip()
@@ -26,6 +27,18 @@ def reference_answer(reference: str) -> Optional[str]:
     return text or None
 
 
+def parse_reference(reference: Optional[str]) -> list:
+    """math-verify's parse of a reference's answer: what responses are checked against; empty where
+    there is nothing to check against (no answer, or one math-verify extracts nothing from, as an
+    empty ``\\boxed{}``)."""
+    from math_verify import parse
+
+    ref = reference_answer(reference)
+    if ref is None:
+        return []
+    return parse(ref if ("\\" in ref or "$" in ref) else f"${ref}$")
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     format_reward: float = 0.0
@@ -33,15 +46,13 @@ class RewardConfig:
 
 
 def score(response: str, reference: str, cfg: RewardConfig = RewardConfig()) -> tuple[float, bool]:
-    """(reward, correct). Correctness is 1.0; the format reward, if any, is added on top."""
+    """(reward, correct). Correctness is 1.0; the format reward, if any, is added on top. A reference
+    :func:`parse_reference` finds nothing in is refused (the data loaders skip those rows)."""
     from math_verify import parse, verify
 
-    ref = reference_answer(reference)
-    if ref is None:
-        raise ValueError("empty reference answer")
-    gold = parse(ref if ("\\" in ref or "$" in ref) else f"${ref}$")
+    gold = parse_reference(reference)
     if not gold:
-        raise ValueError(f"unparseable reference answer {reference!r}")
+        raise ValueError(f"reference answer {reference!r} holds nothing math-verify can check a response against")
     text = response
     m = _GSM8K.search(response)
     if m:  # a GSM8K-style final line wins over earlier numbers

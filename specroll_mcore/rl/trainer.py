@@ -85,13 +85,14 @@ class GRPOTrainer:
         # Data: prompts that do not fit are skipped and counted (a cut question changes its answer).
         examples, self.data_report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed,
                                                    cfg.data.name)
-        self.examples, self.prompt_ids = usable_prompts(examples, cfg.data, self.tokenizer,
-                                                        self.policy.config.max_position_embeddings, self.data_report)
+        positions, math_verify = self.policy.config.max_position_embeddings, self.reward_fn is None
+        self.examples, self.prompt_ids = usable_prompts(examples, cfg.data, self.tokenizer, positions,
+                                                        self.data_report, math_verify)
         if len(self.examples) < cfg.prompts_per_step:
             raise ValueError(f"only {len(self.examples)} usable prompts (skipped: {self.data_report.skipped}); "
                              f"TrainConfig.prompts_per_step is {cfg.prompts_per_step}")
-        self.eval_set = HeldOut.load(cfg.eval, cfg.seed, self.tokenizer, self.policy.config.max_position_embeddings,
-                                     self.examples, self.ctx.dp_size) if cfg.eval.enabled else None
+        self.eval_set = HeldOut.load(cfg.eval, cfg.seed, self.tokenizer, positions, self.examples, self.ctx.dp_size,
+                                     math_verify) if cfg.eval.enabled else None
         self.scorer = make_scorer(cfg, self.tokenizer, self.reward_fn)
 
         groups = cfg.parallel.rollout_groups

@@ -384,20 +384,30 @@ def test_nan_loss_skips_the_step_and_keeps_the_checkpoint(tiny_ckpt, tmp_path, c
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
-def test_bad_rows_and_long_prompts_are_skipped_and_counted(tiny_ckpt, tmp_path, ctx):
+@pytest.mark.parametrize("reward_fn", ["", "rewards_for_tests:token_parity_reward"])
+def test_bad_rows_and_long_prompts_are_skipped_and_counted(tiny_ckpt, tmp_path, ctx, reward_fn):
+    """With math-verify's rewards (no reward_fn) a reference it finds nothing to check against is
+    skipped too; a custom reward function reads the references its own way."""
     rows = [{"question": "What is 2 + 3?", "answer": "5 #### 5"},
             {"question": "No answer here"},
             {"answer": "#### 4"},
+            {"question": "What is 4 + 4?", "answer": "Four and four make eight. ####"},
+            {"question": "What is 5 + 5?", "answer": "\\boxed{}"},
             {"question": "Tell me " + "very " * 600 + "much about 7.", "answer": "#### 7"},
             {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "reward_model": {"ground_truth": "2"}},
             {"problem": "What is 3 + 3?", "gt_answer": "6"}]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", f"data.source={data}", "data.max_prompt_tokens=256")
+    args = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", f"data.source={data}", "data.max_prompt_tokens=256",
+                     f"reward_fn={reward_fn}")
     trainer = GRPOTrainer(load_config(TrainConfig, None, args))
-    assert len(trainer.examples) == 3  # GSM8K-, DAPO- and SimpleRL-style rows
-    assert trainer.data_report.skipped == {"missing reference answer": 1, "missing question": 1,
-                                           "prompt over the context limit": 1}
+    skipped = {"missing reference answer": 2, "missing question": 1, "prompt over the context limit": 1}
+    if reward_fn:
+        assert len(trainer.examples) == 4  # GSM8K-, DAPO- and SimpleRL-style rows, and the empty \\boxed{}
+    else:
+        assert len(trainer.examples) == 3
+        skipped["unparseable reference answer"] = 1
+    assert trainer.data_report.skipped == skipped
 
 
 def test_train_config_errors(tiny_ckpt, tmp_path):
