@@ -41,3 +41,31 @@ def test_a_reference_with_nothing_to_check_against_is_refused():
     for bad in ("\\boxed{}", "####"):
         with pytest.raises(ValueError, match="holds nothing math-verify can check a response against"):
             score("\\boxed{1}", bad)
+
+
+def test_dataset_files_in_their_published_layouts(tmp_path):
+    """DAPO-Math-17K as verl's parquet (chat messages, the answer under reward_model), GSM8K's parquet
+    (question / answer), and SimpleRL's json (question / gt_answer) in one directory: the questions and
+    references the rewards then check."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from specroll_mcore.rl.data import load_examples
+
+    dapo = [{"data_source": "math_dapo", "ability": "MATH", "extra_info": {"index": f"d{i}"},
+             "prompt": [{"role": "user", "content": f"What is {i} + {i}? Answer: $Answer"}],
+             "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"}} for i in (1, 2)]
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.Table.from_pylist(dapo), tmp_path / "data" / "a_dapo.parquet")
+    pq.write_table(pa.Table.from_pylist([{"question": "Tom has 3 apples and buys 4. How many?",
+                                          "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}]), tmp_path / "data" / "b_gsm8k.parquet")
+    examples, report = load_examples(str(tmp_path / "data" / "a_dapo.parquet"))
+    assert [(e.question, e.reference) for e in examples] == [("What is 1 + 1? Answer: $Answer", "2"),
+                                                             ("What is 2 + 2? Answer: $Answer", "4")]
+    assert report.kept == 2 and not report.skipped
+    assert score("2 + 2 = 4\nAnswer: 4", examples[1].reference) == (1.0, True)
+    examples, _ = load_examples(str(tmp_path / "data" / "b_gsm8k.parquet"))
+    assert examples[0].question.startswith("Tom has") and score("3 + 4 = 7 #### 7", examples[0].reference)[1]
+    (tmp_path / "simplerl.json").write_text('[{"question": "Simplify 2/4.", "gt_answer": "\\\\frac{1}{2}"}]')
+    examples, _ = load_examples(str(tmp_path / "simplerl.json"))
+    assert score("It is \\boxed{0.5}", examples[0].reference) == (1.0, True)
