@@ -57,8 +57,8 @@ def test_dataset_files_in_their_published_layouts(tmp_path):
              "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"}} for i in (1, 2)]
     (tmp_path / "data").mkdir()
     pq.write_table(pa.Table.from_pylist(dapo), tmp_path / "data" / "a_dapo.parquet")
-    pq.write_table(pa.Table.from_pylist([{"question": "Tom has 3 apples and buys 4. How many?",
-                                          "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}]), tmp_path / "data" / "b_gsm8k.parquet")
+    gsm8k = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}]
+    pq.write_table(pa.Table.from_pylist(gsm8k), tmp_path / "data" / "b_gsm8k.parquet")
     examples, report = load_examples(str(tmp_path / "data" / "a_dapo.parquet"))
     assert [(e.question, e.reference) for e in examples] == [("What is 1 + 1? Answer: $Answer", "2"),
                                                              ("What is 2 + 2? Answer: $Answer", "4")]
