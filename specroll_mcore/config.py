@@ -7,6 +7,7 @@ the config without reading the code.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -761,6 +762,8 @@ class DataConfig:
     block), passed to ``apply_chat_template``."""
 
     def __post_init__(self) -> None:
+        _check(self.max_prompt_tokens >= 1, f"DataConfig.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        _check(self.limit is None or self.limit >= 1, f"DataConfig.limit must be >= 1 (or unset), got {self.limit}")
         _check_template_kwargs(self.chat_template_kwargs, "DataConfig")
 
 
@@ -891,6 +894,8 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
     grad_clip: float = 1.0
+    """The gradient's global norm (over every TP, PP and EP shard) is scaled down to at most this
+    before each optimizer step (megatron's ``clip_grad``); 0: no clipping."""
     shard_optimizer: bool = False
     """Split AdamW's moment buffers over the data-parallel replicas (ZeRO stage 1; each replica
     saves its shard, and a run resumes with the data-parallel size it was saved with). Under expert
@@ -905,6 +910,7 @@ class TrainConfig:
 
     adv_mean_only: bool = False
     adv_eps: float = 1e-6
+    """Added to a group's reward std before dividing by it."""
     kl_beta: float = 0.0
     """KL to the frozen initial policy (k3 estimator); 0 disables it (and the reference model)."""
 
@@ -971,6 +977,9 @@ class TrainConfig:
         _check(self.ppo_epochs >= 1, f"TrainConfig.ppo_epochs must be >= 1, got {self.ppo_epochs}")
         _check(self.lr > 0, f"TrainConfig.lr must be > 0, got {self.lr}")
         _check(self.weight_decay >= 0, f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+               f"TrainConfig.adam_beta1 and adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+        _check(self.grad_clip >= 0, f"TrainConfig.grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
         _check(0 <= self.lr_warmup_steps <= self.steps,
                f"TrainConfig.lr_warmup_steps must be in [0, steps = {self.steps}], got {self.lr_warmup_steps}")
         _check(self.lr_decay in ("constant", "cosine"),
@@ -980,7 +989,10 @@ class TrainConfig:
                f"TrainConfig.loss_normalization must be 'token' or 'sequence', got {self.loss_normalization!r}")
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0,
                f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        _check(self.adv_eps >= 0, f"TrainConfig.adv_eps must be >= 0, got {self.adv_eps}")
         _check(self.kl_beta >= 0, f"TrainConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        _check(math.isfinite(self.format_reward),
+               f"TrainConfig.format_reward must be a finite number, got {self.format_reward}")
         _check(self.moe_aux_loss_coeff is None or self.moe_aux_loss_coeff >= 0,
                f"TrainConfig.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         _check(self.max_sampling_rounds >= 1,
@@ -991,6 +1003,8 @@ class TrainConfig:
         _check(self.overlong_penalty >= 0, f"TrainConfig.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         _check(self.save_every >= 1 and self.keep_last >= 1,
                f"TrainConfig.save_every and keep_last must be >= 1, got {self.save_every}, {self.keep_last}")
+        _check(self.compare_vanilla_every >= 0,
+               f"TrainConfig.compare_vanilla_every must be >= 0 (0: never), got {self.compare_vanilla_every}")
 
 
 _NESTED = {(top, name): sub for top in (GenerateConfig, TrainConfig) for name, sub in

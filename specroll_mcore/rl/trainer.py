@@ -469,7 +469,8 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)  # skip the update; the last checkpoint stays valid
             self.state["skipped_steps"] += 1
             return norm, loss, parts, False, extra
-        parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
+        if cfg.grad_clip > 0:
+            parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
         self.optimizer.set_lr(self._lr())
         self.optimizer.step()
         self.state["policy_version"] += 1  # the heads are tied to the new policy version

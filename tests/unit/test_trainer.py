@@ -55,6 +55,22 @@ def test_one_step_lowers_the_loss_on_its_batch(tiny_ckpt, tmp_path, ctx):
     assert after < before - 1e-4, (before, after)
 
 
+def test_grad_clip_scales_the_step_and_zero_turns_clipping_off(tiny_ckpt, tmp_path, ctx):
+    """grad_clip bounds the gradient's norm; 0 turns clipping off (megatron's convention): the step
+    then equals one whose bound is never reached (before, a bound of 0 scaled every gradient to 0)."""
+    moved = {}
+    for clip in ("0", "1e9", "1e-3"):
+        trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / clip, "engine=vanilla",
+                                                                       f"grad_clip={clip}", "lr=1e-2")))
+        before = {k: p.detach().clone() for k, p in trainer.policy.gpt.named_parameters()}
+        norm, *_ = trainer._update(trainer._mini_batches(step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0])))
+        assert norm > 1e-3  # (the third run's bound is reached)
+        moved[clip] = {k: p.detach() - before[k] for k, p in trainer.policy.gpt.named_parameters()}
+    assert all(torch.equal(moved["0"][k], moved["1e9"][k]) for k in moved["0"])
+    assert max(float(d.abs().max()) for d in moved["0"].values()) > 0
+    assert any(not torch.equal(moved["0"][k], moved["1e-3"][k]) for k in moved["0"])
+
+
 def run_rows(ckpt, out, *extra):
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(ckpt, out, *extra)))
     return trainer.run()
@@ -447,6 +463,15 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
         load_config(TrainConfig, None, ["ppo_epochs=0"])
     with pytest.raises(ValueError, match=r"TrainConfig.logprob_chunk must be >= 0 \(0: off\), got -1"):
         load_config(TrainConfig, None, ["logprob_chunk=-1"])
+    for fields, match in [(["adam_beta2=1.0"], r"TrainConfig.adam_beta1 and adam_beta2 must be in \[0, 1\), got 0.9, 1.0"),
+                          (["grad_clip=-1"], r"TrainConfig.grad_clip must be >= 0 \(0: no clipping\), got -1"),
+                          (["adv_eps=-1e-6"], "TrainConfig.adv_eps must be >= 0, got -1e-06"),
+                          (["format_reward=nan"], "TrainConfig.format_reward must be a finite number, got nan"),
+                          (["compare_vanilla_every=-2"], r"compare_vanilla_every must be >= 0 \(0: never\), got -2"),
+                          (["data.max_prompt_tokens=0"], "DataConfig.max_prompt_tokens must be >= 1, got 0"),
+                          (["data.limit=0"], r"DataConfig.limit must be >= 1 \(or unset\), got 0")]:
+        with pytest.raises(ValueError, match=match):
+            load_config(TrainConfig, None, fields)
     with pytest.raises(ValueError, match="TrainConfig.reward_fn must look like 'module:function', got 'my_reward'"):
         load_config(TrainConfig, None, ["reward_fn=my_reward"])
     with pytest.raises(ValueError, match=r"reward_fn 'no_such_module:f': cannot import 'no_such_module' .* PYTHONPATH"):
