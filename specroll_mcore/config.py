@@ -961,6 +961,13 @@ class TrainConfig:
                f"TrainConfig.reward_fn must look like 'module:function', got {self.reward_fn!r}")
         _check(self.prompts_per_step >= 1, f"TrainConfig.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.micro_batch_size >= 1, f"TrainConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        # GRPO's advantages compare a prompt's responses with each other: alike responses teach nothing
+        _check(self.sampling.num_samples >= 2,
+               f"TrainConfig.sampling.num_samples must be >= 2 (a response alone in its group has advantage 0), "
+               f"got {self.sampling.num_samples}")
+        _check(self.sampling.temperature > 0,
+               "TrainConfig.sampling.temperature 0 (greedy) makes a prompt's responses all alike, so their advantages "
+               "are 0: train at a temperature > 0 (the evaluation's eval.sampling may stay greedy)")
         longest = self.data.max_prompt_tokens + self.sampling.max_new_tokens
         tp = self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1
         padded = -(-longest // tp) * tp  # (sequence parallelism pads to a multiple of TP)

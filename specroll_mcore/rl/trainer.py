@@ -382,16 +382,16 @@ class GRPOTrainer:
         mean over the optimizer steps) and, where there are several, ``optimizer_steps``."""
         cfg, ctx, policy = self.cfg, self.ctx, self.policy
         every = [mb for mbs in minis for mb in mbs]
-        recomputed = cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.temperature == 0
+        recomputed = cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0
         if recomputed:
             # the rollout's log-probs are of the filtered distribution: recompute unfiltered ones
-            for mb, lp in zip(every, forward_logprobs(policy, every, self._train_temperature(),
+            for mb, lp in zip(every, forward_logprobs(policy, every, cfg.sampling.temperature,
                                                       logprob_chunk=cfg.logprob_chunk)):
                 if lp is not None:
                     mb.old_logp = lp.detach()
         if self.ref_state is not None:
             with self._weights(self.ref_state):
-                for mb, lp in zip(every, forward_logprobs(policy, every, self._train_temperature(), replay=False,
+                for mb, lp in zip(every, forward_logprobs(policy, every, cfg.sampling.temperature, replay=False,
                                                           logprob_chunk=cfg.logprob_chunk)):
                     mb.ref_logp = lp
         norms, losses, parts, aux, skipped, taken = [], [], [], [], False, 0
@@ -453,7 +453,7 @@ class GRPOTrainer:
             total_mbs = int(ctx.all_reduce_dp(torch.tensor(float(len(mbs)))))
             set_moe_aux_loss_scale(total_mbs)
         with routers_training(policy) if balanced else contextlib.nullcontext():
-            parts = forward_backward(policy, mbs, loss_fn, self._train_temperature(), cfg.recompute_activations,
+            parts = forward_backward(policy, mbs, loss_fn, cfg.sampling.temperature, cfg.recompute_activations,
                                      cfg.logprob_chunk)
         extra = {"moe_aux_loss": moe_aux_loss(policy, total_mbs, cfg.recompute_activations)} if balanced else {}
         finalize_grads(policy)
@@ -488,9 +488,6 @@ class GRPOTrainer:
         alone, so a resumed run follows the same schedule."""
         cfg = self.cfg
         return learning_rate(self.state["step"] + 1, cfg.lr, cfg.steps, cfg.lr_warmup_steps, cfg.lr_decay, cfg.min_lr)
-
-    def _train_temperature(self) -> float:
-        return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
 
     def _mini_batches(self, seqs: list[tuple]) -> list[list[MicroBatch]]:
         """This replica's sequences in TrainConfig.mini_batches consecutive parts, one optimizer step

@@ -469,7 +469,9 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
                           (["format_reward=nan"], "TrainConfig.format_reward must be a finite number, got nan"),
                           (["compare_vanilla_every=-2"], r"compare_vanilla_every must be >= 0 \(0: never\), got -2"),
                           (["data.max_prompt_tokens=0"], "DataConfig.max_prompt_tokens must be >= 1, got 0"),
-                          (["data.limit=0"], r"DataConfig.limit must be >= 1 \(or unset\), got 0")]:
+                          (["data.limit=0"], r"DataConfig.limit must be >= 1 \(or unset\), got 0"),
+                          (["sampling.num_samples=1"], r"sampling.num_samples must be >= 2 \(a response alone"),
+                          (["sampling.temperature=0"], r"sampling.temperature 0 \(greedy\) makes a prompt's responses")]:
         with pytest.raises(ValueError, match=match):
             load_config(TrainConfig, None, fields)
     with pytest.raises(ValueError, match="TrainConfig.reward_fn must look like 'module:function', got 'my_reward'"):
