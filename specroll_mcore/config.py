@@ -906,7 +906,10 @@ class TrainConfig:
     """Separate upper clip (DAPO's clip-higher uses 0.28)."""
 
     loss_normalization: str = "token"
-    """``token`` (DAPO) or ``sequence`` (GRPO paper)."""
+    """``token``: over all response tokens of the step (DAPO); ``sequence``: each response over its
+    tokens, then over responses (the GRPO paper); ``constant``: each response's token sum over
+    sampling.max_new_tokens, then over responses (Dr. GRPO; TRL's ``dr_grpo``, verl's
+    ``seq-mean-token-sum-norm``; with ``adv_mean_only: true`` for Dr. GRPO's advantages)."""
 
     adv_mean_only: bool = False
     adv_eps: float = 1e-6
@@ -992,8 +995,9 @@ class TrainConfig:
         _check(self.lr_decay in ("constant", "cosine"),
                f"TrainConfig.lr_decay must be 'constant' or 'cosine', got {self.lr_decay!r}")
         _check(0 <= self.min_lr <= self.lr, f"TrainConfig.min_lr must be in [0, lr = {self.lr}], got {self.min_lr}")
-        _check(self.loss_normalization in ("token", "sequence"),
-               f"TrainConfig.loss_normalization must be 'token' or 'sequence', got {self.loss_normalization!r}")
+        _check(self.loss_normalization in ("token", "sequence", "constant"),
+               f"TrainConfig.loss_normalization must be 'token', 'sequence' or 'constant', "
+               f"got {self.loss_normalization!r}")
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0,
                f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         _check(self.adv_eps >= 0, f"TrainConfig.adv_eps must be >= 0, got {self.adv_eps}")

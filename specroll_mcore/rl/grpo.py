@@ -78,19 +78,25 @@ class LossOutput:
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, normalization: str = "token",
                 ref_logp: Optional[torch.Tensor] = None, kl_beta: float = 0.0,
-                total_tokens: Optional[float] = None, total_sequences: Optional[float] = None) -> LossOutput:
+                total_tokens: Optional[float] = None, total_sequences: Optional[float] = None,
+                max_tokens: Optional[int] = None) -> LossOutput:
     """Clipped-ratio GRPO loss.
 
     logp, old_logp, mask: [B, T] (log-probs of the sampled tokens under the current policy and under
     the rollout policy; mask 1 on response tokens). advantages: [B].
     Per token: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) (+ kl_beta * k3).
     normalization: ``token`` averages over all tokens of the batch (DAPO), ``sequence`` averages each
-    response over its tokens, then over responses (the GRPO paper). ``total_tokens`` /
-    ``total_sequences`` override the denominators so that micro-batches of a gradient-accumulation
-    step add up to the loss of the whole batch.
+    response over its tokens, then over responses (the GRPO paper), ``constant`` sums each
+    response's tokens, divides by the constant ``max_tokens`` (the response length limit) and
+    averages over responses (Dr. GRPO: no response's tokens weigh more for its being short; TRL's
+    ``dr_grpo``). ``total_tokens`` / ``total_sequences`` override the denominators so that
+    micro-batches of a gradient-accumulation step add up to the loss of the whole batch.
     """
-    if normalization not in ("token", "sequence"):
-        raise ValueError(f"normalization must be 'token' or 'sequence', got {normalization!r}")
+    if normalization not in ("token", "sequence", "constant"):
+        raise ValueError(f"normalization must be 'token', 'sequence' or 'constant', got {normalization!r}")
+    if normalization == "constant" and not (max_tokens is not None and max_tokens >= 1):
+        raise ValueError(f"normalization 'constant' divides by max_tokens, the response length limit: give one "
+                         f">= 1, got {max_tokens}")
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     adv = advantages[:, None].to(logp.dtype)
@@ -105,7 +111,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if normalization == "token":
         loss = (per_token * mask).sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
     else:
-        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        per_seq = (per_token * mask).sum(1)
+        per_seq = per_seq / (max_tokens if normalization == "constant" else mask.sum(1).clamp(min=1))
         loss = per_seq.sum() / (total_sequences if total_sequences is not None else per_seq.numel())
     with torch.no_grad():
         is_clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))

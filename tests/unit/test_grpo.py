@@ -34,6 +34,9 @@ def test_policy_loss_by_hand():
     assert out.loss.item() == pytest.approx(expected)
     seq = policy_loss(new, old, adv, mask, normalization="sequence")
     assert seq.loss.item() == pytest.approx((-(2.7) / 3 + 2.5 / 2) / 2)
+    # Dr. GRPO: each response's token sum over the length limit (4), averaged over the responses
+    const = policy_loss(new, old, adv, mask, normalization="constant", max_tokens=4)
+    assert const.loss.item() == pytest.approx((-(2.7) / 4 + 2.5 / 4) / 2)
     assert out.clip_fraction == pytest.approx(1 / 5)  # only ratio 1.5 with A > 0 hits the clip
     # asymmetric clipping (DAPO clip-higher): 1.5 with A>0 is now inside [0.8, 1.6]
     hi = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.6)
@@ -60,8 +63,15 @@ def test_micro_batches_add_up():
     parts = sum(policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], total_tokens=mask.sum()).loss
                 for i in (0, 2))
     assert torch.allclose(whole, parts)
-    with pytest.raises(ValueError, match="normalization must be"):
+    for norm in ("sequence", "constant"):  # (the sequences with loss tokens: all four here)
+        whole = policy_loss(logp, old, adv, mask, normalization=norm, max_tokens=6).loss
+        parts = sum(policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], normalization=norm,
+                                total_sequences=4, max_tokens=6).loss for i in (0, 2))
+        assert torch.allclose(whole, parts), norm
+    with pytest.raises(ValueError, match="normalization must be 'token', 'sequence' or 'constant', got 'batch'"):
         policy_loss(logp, old, adv, mask, normalization="batch")
+    with pytest.raises(ValueError, match="normalization 'constant' divides by max_tokens, .* got None"):
+        policy_loss(logp, old, adv, mask, normalization="constant")
 
 
 def test_learning_rate_schedule_by_hand():

@@ -429,7 +429,7 @@ def test_bad_rows_and_long_prompts_are_skipped_and_counted(tiny_ckpt, tmp_path, 
 def test_train_config_errors(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['data.sorce'\]"):
         load_config(TrainConfig, None, ["data.sorce=x"])
-    with pytest.raises(ValueError, match="TrainConfig.loss_normalization must be 'token' or 'sequence'"):
+    with pytest.raises(ValueError, match="loss_normalization must be 'token', 'sequence' or 'constant', got 'batch'"):
         load_config(TrainConfig, None, ["loss_normalization=batch"])
     with pytest.raises(ValueError, match="lr must be a number, got 'fast'"):
         load_config(TrainConfig, None, ["lr=fast"])
@@ -826,11 +826,14 @@ def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_c
         torch.testing.assert_close(again * mb.loss_mask, o * mb.loss_mask, rtol=1e-6, atol=1e-7)
 
 
-def test_sequence_normalisation_mean_only_advantages_plain_prompts_and_tensorboard(tiny_ckpt, tmp_path, ctx):
-    """The run options no other test takes: the GRPO paper's per-sequence normalisation, advantages
-    centred without scaling, prompts without the chat template, TensorBoard events."""
+@pytest.mark.parametrize("normalization", ["sequence", "constant"])
+def test_sequence_normalisation_mean_only_advantages_plain_prompts_and_tensorboard(tiny_ckpt, tmp_path, ctx,
+                                                                                 normalization):
+    """The run options no other test takes: the GRPO paper's per-sequence normalisation and Dr. GRPO's
+    constant one, advantages centred without scaling, prompts without the chat template, TensorBoard
+    events."""
     cfg = load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1",
-                                                   "loss_normalization=sequence", "adv_mean_only=true",
+                                                   f"loss_normalization={normalization}", "adv_mean_only=true",
                                                    "data.chat=false", "tensorboard=true"))
     trainer = GRPOTrainer(cfg)
     start = trainer.tokenizer.convert_tokens_to_ids("<|im_start|>")
