@@ -463,7 +463,7 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
         load_config(TrainConfig, None, ["ppo_epochs=0"])
     with pytest.raises(ValueError, match=r"TrainConfig.logprob_chunk must be >= 0 \(0: off\), got -1"):
         load_config(TrainConfig, None, ["logprob_chunk=-1"])
-    for fields, match in [(["adam_beta2=1.0"], r"TrainConfig.adam_beta1 and adam_beta2 must be in \[0, 1\), got 0.9, 1.0"),
+    for fields, match in [(["adam_beta2=1.0"], r"adam_beta1 and adam_beta2 must be in \[0, 1\), got 0.9, 1.0"),
                           (["grad_clip=-1"], r"TrainConfig.grad_clip must be >= 0 \(0: no clipping\), got -1"),
                           (["adv_eps=-1e-6"], "TrainConfig.adv_eps must be >= 0, got -1e-06"),
                           (["format_reward=nan"], "TrainConfig.format_reward must be a finite number, got nan"),
@@ -471,7 +471,7 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
                           (["data.max_prompt_tokens=0"], "DataConfig.max_prompt_tokens must be >= 1, got 0"),
                           (["data.limit=0"], r"DataConfig.limit must be >= 1 \(or unset\), got 0"),
                           (["sampling.num_samples=1"], r"sampling.num_samples must be >= 2 \(a response alone"),
-                          (["sampling.temperature=0"], r"sampling.temperature 0 \(greedy\) makes a prompt's responses")]:
+                          (["sampling.temperature=0"], r"sampling.temperature 0 \(greedy\) makes a prompt's")]:
         with pytest.raises(ValueError, match=match):
             load_config(TrainConfig, None, fields)
     with pytest.raises(ValueError, match="TrainConfig.reward_fn must look like 'module:function', got 'my_reward'"):
