@@ -905,6 +905,14 @@ class TrainConfig:
     clip_high: float = 0.2
     """Separate upper clip (DAPO's clip-higher uses 0.28)."""
 
+    ratio_level: str = "token"
+    """The importance ratio the clipped loss weighs a token by: ``token``, its own (pi / pi_old);
+    ``sequence``, its response's, the geometric mean of the response's tokens' ratios (GSPO; TRL's
+    ``importance_sampling_level``, verl's ``loss_mode: gspo``). GSPO clips that ratio far tighter
+    (its paper: clip_low 3e-4, clip_high 4e-4) and averages over responses
+    (``loss_normalization: sequence``). Its motivation: where a mixture of experts routes a token
+    differently after an update, that token's own ratio jumps (routing_replay is the other remedy)."""
+
     loss_normalization: str = "token"
     """``token``: over all response tokens of the step (DAPO); ``sequence``: each response over its
     tokens, then over responses (the GRPO paper); ``constant``: each response's token sum over
@@ -998,6 +1006,8 @@ class TrainConfig:
         _check(self.loss_normalization in ("token", "sequence", "constant"),
                f"TrainConfig.loss_normalization must be 'token', 'sequence' or 'constant', "
                f"got {self.loss_normalization!r}")
+        _check(self.ratio_level in ("token", "sequence"),
+               f"TrainConfig.ratio_level must be 'token' or 'sequence', got {self.ratio_level!r}")
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0,
                f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         _check(self.adv_eps >= 0, f"TrainConfig.adv_eps must be >= 0, got {self.adv_eps}")

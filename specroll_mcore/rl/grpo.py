@@ -79,12 +79,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_low: float = 0.2, clip_high: float = 0.2, normalization: str = "token",
                 ref_logp: Optional[torch.Tensor] = None, kl_beta: float = 0.0,
                 total_tokens: Optional[float] = None, total_sequences: Optional[float] = None,
-                max_tokens: Optional[int] = None) -> LossOutput:
+                max_tokens: Optional[int] = None, ratio_level: str = "token") -> LossOutput:
     """Clipped-ratio GRPO loss.
 
     logp, old_logp, mask: [B, T] (log-probs of the sampled tokens under the current policy and under
     the rollout policy; mask 1 on response tokens). advantages: [B].
     Per token: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) (+ kl_beta * k3).
+    ratio_level: ``token``, each token's own ratio pi / pi_old; ``sequence``, every token of a
+    response takes the response's ratio, the geometric mean of its tokens' (GSPO; TRL's
+    ``importance_sampling_level="sequence"``), whose gradient spreads evenly over the tokens.
     normalization: ``token`` averages over all tokens of the batch (DAPO), ``sequence`` averages each
     response over its tokens, then over responses (the GRPO paper), ``constant`` sums each
     response's tokens, divides by the constant ``max_tokens`` (the response length limit) and
@@ -94,11 +97,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     """
     if normalization not in ("token", "sequence", "constant"):
         raise ValueError(f"normalization must be 'token', 'sequence' or 'constant', got {normalization!r}")
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     if normalization == "constant" and not (max_tokens is not None and max_tokens >= 1):
         raise ValueError(f"normalization 'constant' divides by max_tokens, the response length limit: give one "
                          f">= 1, got {max_tokens}")
     mask = mask.to(logp.dtype)
-    ratio = torch.exp(logp - old_logp)
+    log_ratio = logp - old_logp  # [B, T]
+    if ratio_level == "sequence":  # mean over the response's tokens, the same for each of them
+        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    ratio = torch.exp(log_ratio)
     adv = advantages[:, None].to(logp.dtype)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv

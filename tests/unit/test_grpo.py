@@ -43,6 +43,26 @@ def test_policy_loss_by_hand():
     assert hi.loss.item() == pytest.approx((-(1.5 + 1.0 + 0.5) + (1.5 + 1.0)) / 5)
 
 
+def test_sequence_level_ratio_by_hand():
+    """GSPO: a response's tokens all take the geometric mean of their ratios, clipped as one, and its
+    gradient spreads evenly over them."""
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.75, 0.5, 0.25], [0.75, 0.5, 0.5]])).requires_grad_()
+    adv, mask = torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    s0, s1 = (1.5 * 1.0 * 0.5) ** (1 / 3), (1.5 * 1.0) ** (1 / 2)  # 0.909 (inside [0.8, 1.2]), 1.225
+    out = policy_loss(new, old, adv, mask, normalization="sequence", ratio_level="sequence")
+    assert out.loss.item() == pytest.approx((-s0 + s1) / 2)  # row 1 (A < 0): min(-1.225, -1.2) = -1.225
+    assert out.ratio_mean == pytest.approx((3 * s0 + 2 * s1) / 5) and out.clip_fraction == 0.0
+    out.loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-s0 / 6] * 3, [s1 / 4, s1 / 4, 0.0]]))
+    # GSPO's clip range, the advantages' signs swapped so that it binds on both rows (token-normalised)
+    tight = policy_loss(new, old, -adv, mask, clip_low=3e-4, clip_high=4e-4, ratio_level="sequence")
+    assert tight.loss.item() == pytest.approx((3 * (1 - 3e-4) - 2 * (1 + 4e-4)) / 5)
+    assert tight.clip_fraction == 1.0
+    with pytest.raises(ValueError, match="ratio_level must be 'token' or 'sequence', got 'group'"):
+        policy_loss(new, old, adv, mask, ratio_level="group")
+
+
 def test_k3_and_kl_penalty():
     logp = torch.log(torch.tensor([[0.5, 0.25]]))
     ref = torch.log(torch.tensor([[0.25, 0.25]]))
@@ -63,11 +83,12 @@ def test_micro_batches_add_up():
     parts = sum(policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], total_tokens=mask.sum()).loss
                 for i in (0, 2))
     assert torch.allclose(whole, parts)
-    for norm in ("sequence", "constant"):  # (the sequences with loss tokens: all four here)
-        whole = policy_loss(logp, old, adv, mask, normalization=norm, max_tokens=6).loss
+    for norm, level in [("sequence", "token"), ("constant", "token"), ("token", "sequence"), ("sequence", "sequence")]:
+        whole = policy_loss(logp, old, adv, mask, normalization=norm, max_tokens=6, ratio_level=level).loss
         parts = sum(policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], normalization=norm,
-                                total_sequences=4, max_tokens=6).loss for i in (0, 2))
-        assert torch.allclose(whole, parts), norm
+                                total_tokens=mask.sum(), total_sequences=4, max_tokens=6, ratio_level=level).loss
+                    for i in (0, 2))  # (the sequences with loss tokens: all four here)
+        assert torch.allclose(whole, parts), (norm, level)
     with pytest.raises(ValueError, match="normalization must be 'token', 'sequence' or 'constant', got 'batch'"):
         policy_loss(logp, old, adv, mask, normalization="batch")
     with pytest.raises(ValueError, match="normalization 'constant' divides by max_tokens, .* got None"):
