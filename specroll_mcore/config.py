@@ -788,7 +788,8 @@ class EvalConfig:
 
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, num_samples=1,
                                                                            max_new_tokens=160))
-    """Greedy by default (accuracy of the policy's answer); ``num_samples`` > 1 at T > 0 gives mean@n."""
+    """Greedy by default (accuracy of the policy's answer); ``num_samples`` > 1 at T > 0 gives mean@n
+    (``eval_accuracy``) and pass@n (``eval_pass_at_n``)."""
 
     batch_prompts: int = 64
     """Prompts per rollout on each data-parallel replica (with their ``num_samples`` responses)."""

@@ -111,33 +111,40 @@ def evaluate(engine: Any, held_out: HeldOut, ev: EvalConfig, scorer: Scorer, ctx
     inside the engine's ``held_out()``, with noise keyed by step 0, and ``scorer`` scores every
     response (the reward without the overlong penalty, a shaping of training). Returns
     ``eval_accuracy``, ``eval_reward_mean`` and ``eval_response_len`` over all replicas' responses,
-    ``eval_prompts``, ``eval_s``, and for the speculative engine ``eval_tau``. ``responses``: a list
+    ``eval_prompts``, ``eval_s``, with several samples a prompt ``eval_pass_at_n`` (the share of
+    prompts with a correct response among their ``num_samples``), and for the speculative engine
+    ``eval_tau``. ``responses``: a list
     that gets one record per response of this replica (example id, sample, question, reference,
     response tokens, reward, correct, finish reason)."""
     G, batch = ev.sampling.num_samples, ev.batch_prompts * ctx.dp_size
     t0 = time.perf_counter()
     engine.model.pack_for_inference()
-    sums = torch.zeros(4, dtype=torch.float64)  # reward, correct, tokens, responses
+    sums = torch.zeros(5, dtype=torch.float64)  # reward, correct, tokens, responses, prompts solved
     stats = []
     with engine.held_out():
         for start in range(0, len(held_out.examples), batch):
             mine = held_out.examples[start:start + batch][ctx.dp_rank::ctx.dp_size]
             out = engine.generate([held_out.prompt_ids[e.id] for e in mine], ev.sampling, step=0,
                                   prompt_ids=[e.id for e in mine])
+            solved = [False] * len(mine)
             for k, toks in enumerate(out.tokens):
                 ex = mine[k // G]
                 r, c = scorer(toks, ex.reference)
-                sums += torch.tensor([float(r), float(c), len(toks), 1.0], dtype=torch.float64)
+                sums += torch.tensor([float(r), float(c), len(toks), 1.0, 0.0], dtype=torch.float64)
+                solved[k // G] = solved[k // G] or bool(c)
                 if responses is not None:
                     responses.append({"id": ex.id, "sample": k % G, "question": ex.question,
                                       "reference": ex.reference, "tokens": toks, "reward": float(r),
                                       "correct": bool(c), "finish_reason": out.finish_reason[k]})
+            sums[4] += sum(solved)
             stats.append(out.stats)
     sums = ctx.all_reduce_dp(sums)
     n = float(sums[3])
     row = {"eval_accuracy": float(sums[1]) / n, "eval_reward_mean": float(sums[0]) / n,
            "eval_response_len": float(sums[2]) / n, "eval_prompts": len(held_out.examples),
            "eval_s": time.perf_counter() - t0}
+    if G > 1:
+        row["eval_pass_at_n"] = float(sums[4]) / len(held_out.examples)
     combined = combined_stats(stats)
     if "tau" in combined:
         row["eval_tau"] = combined["tau"]

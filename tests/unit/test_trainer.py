@@ -2,6 +2,7 @@
 contract at the RL level (vanilla vs SpecRoll), resume after SIGKILL, bad input."""
 
 import builtins
+import dataclasses
 import io
 import json
 import os
@@ -237,6 +238,27 @@ def test_evaluation_scores_the_policy_on_held_out_prompts_and_changes_nothing_in
     assert [r["question"] for r in responses] == [e.question for e in held_out]
     assert sum(r["correct"] for r in responses) / 6 == got["eval_accuracy"]
     assert all(token_parity_reward(None, None, r["tokens"])[0] == r["reward"] for r in responses)
+
+
+def test_evaluation_with_several_samples_reports_pass_at_n(tiny_ckpt, tmp_path, ctx):
+    """eval.sampling.num_samples = n > 1 (at T > 0): eval_pass_at_n, the share of prompts with a correct
+    response among their n, beside the accuracy over all responses (mean@n)."""
+    from specroll_mcore.rl.evaluation import evaluate
+
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(
+        tiny_ckpt, tmp_path / "run", "engine=vanilla", "eval.every=1", *EVAL, "eval.sampling.temperature=1.0",
+        "eval.sampling.num_samples=3")))
+    responses: list = []
+    row = evaluate(trainer.engine, trainer.eval_set, trainer.cfg.eval, trainer.scorer, trainer.ctx, responses)
+    assert len(responses) == 18 and row["eval_prompts"] == 6
+    assert row["eval_accuracy"] == sum(r["correct"] for r in responses) / 18
+    solved = {r["id"] for r in responses if r["correct"]}
+    assert row["eval_pass_at_n"] == len(solved) / 6
+    assert row["eval_accuracy"] < row["eval_pass_at_n"] < 1  # (these samples: some prompts solved, not all)
+    greedy = evaluate(trainer.engine, trainer.eval_set, dataclasses.replace(
+        trainer.cfg.eval, sampling=dataclasses.replace(trainer.cfg.eval.sampling, num_samples=1)), trainer.scorer,
+        trainer.ctx)
+    assert "eval_pass_at_n" not in greedy
 
 
 def test_evaluation_prompts_that_are_training_prompts_are_left_out(tiny_ckpt, tmp_path, ctx):
