@@ -113,9 +113,8 @@ def evaluate(engine: Any, held_out: HeldOut, ev: EvalConfig, scorer: Scorer, ctx
     ``eval_accuracy``, ``eval_reward_mean`` and ``eval_response_len`` over all replicas' responses,
     ``eval_prompts``, ``eval_s``, with several samples a prompt ``eval_pass_at_n`` (the share of
     prompts with a correct response among their ``num_samples``), and for the speculative engine
-    ``eval_tau``. ``responses``: a list
-    that gets one record per response of this replica (example id, sample, question, reference,
-    response tokens, reward, correct, finish reason)."""
+    ``eval_tau``. ``responses``: a list that gets one record per response of this replica (example
+    id, sample, question, reference, response tokens, reward, correct, finish reason)."""
     G, batch = ev.sampling.num_samples, ev.batch_prompts * ctx.dp_size
     t0 = time.perf_counter()
     engine.model.pack_for_inference()
