@@ -906,6 +906,11 @@ class TrainConfig:
     clip_high: float = 0.2
     """Separate upper clip (DAPO's clip-higher uses 0.28)."""
 
+    clip_ratio_c: Optional[float] = None
+    """Dual-clip PPO (verl's ``clip_ratio_c``, 3.0 there; > 1): a token of negative advantage loses at
+    most ``clip_ratio_c`` x |A| however far its ratio has grown, which off-policy optimizer steps
+    (``mini_batches``, ``ppo_epochs``) can make large; ``clip_fraction`` counts it. None: off."""
+
     ratio_level: str = "token"
     """The importance ratio the clipped loss weighs a token by: ``token``, its own (pi / pi_old);
     ``sequence``, its response's, the geometric mean of the response's tokens' ratios (GSPO; TRL's
@@ -1007,6 +1012,8 @@ class TrainConfig:
         _check(self.loss_normalization in ("token", "sequence", "constant"),
                f"TrainConfig.loss_normalization must be 'token', 'sequence' or 'constant', "
                f"got {self.loss_normalization!r}")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
+               f"TrainConfig.clip_ratio_c (dual clip) must be > 1 (or unset: off), got {self.clip_ratio_c}")
         _check(self.ratio_level in ("token", "sequence"),
                f"TrainConfig.ratio_level must be 'token' or 'sequence', got {self.ratio_level!r}")
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0,

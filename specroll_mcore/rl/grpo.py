@@ -79,7 +79,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_low: float = 0.2, clip_high: float = 0.2, normalization: str = "token",
                 ref_logp: Optional[torch.Tensor] = None, kl_beta: float = 0.0,
                 total_tokens: Optional[float] = None, total_sequences: Optional[float] = None,
-                max_tokens: Optional[int] = None, ratio_level: str = "token") -> LossOutput:
+                max_tokens: Optional[int] = None, ratio_level: str = "token",
+                clip_ratio_c: Optional[float] = None) -> LossOutput:
     """Clipped-ratio GRPO loss.
 
     logp, old_logp, mask: [B, T] (log-probs of the sampled tokens under the current policy and under
@@ -88,6 +89,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ratio_level: ``token``, each token's own ratio pi / pi_old; ``sequence``, every token of a
     response takes the response's ratio, the geometric mean of its tokens' (GSPO; TRL's
     ``importance_sampling_level="sequence"``), whose gradient spreads evenly over the tokens.
+    clip_ratio_c (dual-clip PPO; > 1, None: off): a token of negative advantage loses at most
+    clip_ratio_c * |A|, however far its ratio has grown (with no gradient beyond).
     normalization: ``token`` averages over all tokens of the batch (DAPO), ``sequence`` averages each
     response over its tokens, then over responses (the GRPO paper), ``constant`` sums each
     response's tokens, divides by the constant ``max_tokens`` (the response length limit) and
@@ -99,6 +102,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"normalization must be 'token', 'sequence' or 'constant', got {normalization!r}")
     if ratio_level not in ("token", "sequence"):
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
     if normalization == "constant" and not (max_tokens is not None and max_tokens >= 1):
         raise ValueError(f"normalization 'constant' divides by max_tokens, the response length limit: give one "
                          f">= 1, got {max_tokens}")
@@ -111,6 +116,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if clip_ratio_c is not None:  # (-c * A > 0 where A < 0)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -clip_ratio_c * adv), per_token)
     kl_value = torch.zeros((), dtype=logp.dtype)
     if ref_logp is not None and kl_beta > 0:
         kl_tok = k3_kl(logp, ref_logp)
@@ -124,6 +131,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         loss = per_seq.sum() / (total_sequences if total_sequences is not None else per_seq.numel())
     with torch.no_grad():
         is_clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))
+        if clip_ratio_c is not None:
+            is_clipped |= (ratio > clip_ratio_c) & (adv < 0)
         n = mask.sum().clamp(min=1)
         clip_fraction = float((is_clipped.to(mask.dtype) * mask).sum() / n)
         ratio_mean = float((ratio * mask).sum() / n)

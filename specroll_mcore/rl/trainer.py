@@ -440,7 +440,7 @@ class GRPOTrainer:
         def loss_fn(mb: MicroBatch, logp: torch.Tensor):
             out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
                               cfg.loss_normalization, mb.ref_logp, cfg.kl_beta, float(total_tokens), float(total_seqs),
-                              cfg.sampling.max_new_tokens, cfg.ratio_level)
+                              cfg.sampling.max_new_tokens, cfg.ratio_level, cfg.clip_ratio_c)
             m = {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction, "ratio": out.ratio_mean,
                  "kl": out.kl, "tokens": float(mb.loss_mask.sum())}
             if gap:  # the rollout's log-probs against this forward's, same weights: numerics alone

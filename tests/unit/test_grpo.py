@@ -63,6 +63,23 @@ def test_sequence_level_ratio_by_hand():
         policy_loss(new, old, adv, mask, ratio_level="group")
 
 
+def test_dual_clip_by_hand():
+    """A token of negative advantage whose ratio grew past clip_ratio_c loses c * |A|, with no gradient;
+    positive advantages and smaller ratios are as without it."""
+    old = torch.log(torch.full((2, 2), 0.1))
+    new = torch.log(torch.tensor([[0.5, 0.2], [0.5, 0.2]])).requires_grad_()  # ratios 5, 2 on both rows
+    adv, mask = torch.tensor([-1.0, 1.0]), torch.ones(2, 2)
+    plain = policy_loss(new, old, adv, mask)
+    assert plain.loss.item() == pytest.approx((5 + 2 - 1.2 - 1.2) / 4)
+    dual = policy_loss(new, old, adv, mask, clip_ratio_c=3.0)
+    assert dual.loss.item() == pytest.approx((3 + 2 - 1.2 - 1.2) / 4)
+    assert dual.clip_fraction == pytest.approx(3 / 4)  # the dual clip on (0, 0); the upper clip on row 1
+    dual.loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, 2 / 4], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match="clip_ratio_c \\(dual clip\\) must be > 1, got 1.0"):
+        policy_loss(new, old, adv, mask, clip_ratio_c=1.0)
+
+
 def test_k3_and_kl_penalty():
     logp = torch.log(torch.tensor([[0.5, 0.25]]))
     ref = torch.log(torch.tensor([[0.25, 0.25]]))

@@ -494,6 +494,7 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
                           (["data.limit=0"], r"DataConfig.limit must be >= 1 \(or unset\), got 0"),
                           (["sampling.num_samples=1"], r"sampling.num_samples must be >= 2 \(a response alone"),
                           (["ratio_level=group"], "TrainConfig.ratio_level must be 'token' or 'sequence', got 'group'"),
+                          (["clip_ratio_c=0.5"], r"clip_ratio_c \(dual clip\) must be > 1 \(or unset: off\), got 0.5"),
                           (["sampling.temperature=0"], r"sampling.temperature 0 \(greedy\) makes a prompt's")]:
         with pytest.raises(ValueError, match=match):
             load_config(TrainConfig, None, fields)
@@ -853,11 +854,11 @@ def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_c
 def test_sequence_normalisation_mean_only_advantages_plain_prompts_and_tensorboard(tiny_ckpt, tmp_path, ctx,
                                                                                  normalization, ratio_level):
     """The run options no other test takes: the GRPO paper's per-sequence normalisation with GSPO's
-    sequence-level ratio, Dr. GRPO's constant normalisation, advantages centred without scaling,
-    prompts without the chat template, TensorBoard events."""
+    sequence-level ratio, Dr. GRPO's constant normalisation, the dual clip, advantages centred without
+    scaling, prompts without the chat template, TensorBoard events."""
     cfg = load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1",
                                                    f"loss_normalization={normalization}", "adv_mean_only=true",
-                                                   f"ratio_level={ratio_level}",
+                                                   f"ratio_level={ratio_level}", "clip_ratio_c=3.0",
                                                    "data.chat=false", "tensorboard=true"))
     trainer = GRPOTrainer(cfg)
     start = trainer.tokenizer.convert_tokens_to_ids("<|im_start|>")
