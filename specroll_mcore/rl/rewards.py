@@ -8,6 +8,7 @@ soft overlong punishment (:func:`overlong_penalty`) takes reward from responses 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -30,13 +31,17 @@ def reference_answer(reference: Optional[str]) -> Optional[str]:
 def parse_reference(reference: Optional[str]) -> list:
     """math-verify's parse of a reference's answer: what responses are checked against; empty where
     there is nothing to check against (no answer, or one math-verify extracts nothing from, as an
-    empty ``\\boxed{}``)."""
+    empty ``\\boxed{}``). Cached by answer: the data loaders parse every reference once, and each
+    of a prompt's responses is scored against the same one."""
+    ref = reference_answer(reference)
+    return [] if ref is None else list(_parse_answer(ref))
+
+
+@functools.lru_cache(maxsize=65536)
+def _parse_answer(ref: str) -> tuple:
     from math_verify import parse
 
-    ref = reference_answer(reference)
-    if ref is None:
-        return []
-    return parse(ref if ("\\" in ref or "$" in ref) else f"${ref}$")
+    return tuple(parse(ref if ("\\" in ref or "$" in ref) else f"${ref}$"))
 
 
 @dataclass(frozen=True)

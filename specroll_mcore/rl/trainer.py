@@ -439,8 +439,10 @@ class GRPOTrainer:
 
         def loss_fn(mb: MicroBatch, logp: torch.Tensor):
             out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
-                              cfg.loss_normalization, mb.ref_logp, cfg.kl_beta, float(total_tokens), float(total_seqs),
-                              cfg.sampling.max_new_tokens, cfg.ratio_level, cfg.clip_ratio_c)
+                              normalization=cfg.loss_normalization, ref_logp=mb.ref_logp, kl_beta=cfg.kl_beta,
+                              total_tokens=float(total_tokens), total_sequences=float(total_seqs),
+                              max_tokens=cfg.sampling.max_new_tokens, ratio_level=cfg.ratio_level,
+                              clip_ratio_c=cfg.clip_ratio_c)
             m = {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction, "ratio": out.ratio_mean,
                  "kl": out.kl, "tokens": float(mb.loss_mask.sum())}
             if gap:  # the rollout's log-probs against this forward's, same weights: numerics alone
