@@ -931,6 +931,12 @@ class TrainConfig:
     kl_beta: float = 0.0
     """KL to the frozen initial policy (k3 estimator); 0 disables it (and the reference model)."""
 
+    entropy_coeff: float = 0.0
+    """An entropy bonus (verl's ``entropy_coeff``): the loss takes ``- entropy_coeff x`` the policy's
+    entropy (at sampling.temperature, over the whole vocabulary) at each response token, normalised as
+    the policy loss; a counter to the entropy collapse that the ``entropy`` metric shows. Its
+    gradient costs a float32 copy of the update's logits (``logprob_chunk`` bounds it). 0: off."""
+
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: train only on groups whose rewards are not all equal (the others
     have zero advantage), rolling out further prompts within the step until ``prompts_per_step``
@@ -1020,6 +1026,9 @@ class TrainConfig:
                f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         _check(self.adv_eps >= 0, f"TrainConfig.adv_eps must be >= 0, got {self.adv_eps}")
         _check(self.kl_beta >= 0, f"TrainConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        _check(math.isfinite(self.entropy_coeff) and self.entropy_coeff >= 0,
+               f"TrainConfig.entropy_coeff must be a finite number >= 0 (0: no entropy bonus), "
+               f"got {self.entropy_coeff}")
         _check(math.isfinite(self.format_reward),
                f"TrainConfig.format_reward must be a finite number, got {self.format_reward}")
         _check(self.moe_aux_loss_coeff is None or self.moe_aux_loss_coeff >= 0,

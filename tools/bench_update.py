@@ -37,6 +37,10 @@ None)``: SDPA's ``is_causal``, what the trainer runs) against an explicit [b, 1,
 With ``--compare-logprob-chunk N``: the update's log-probs over each micro-batch's whole response
 span against N positions at a time (``TrainConfig.logprob_chunk``), alternating likewise.
 
+With ``--compare-entropy-bonus C``: the update without and with an entropy bonus of coefficient C
+(``TrainConfig.entropy_coeff``: the entropy's gradient through the vocabulary), alternating
+likewise (the gradients differ by the bonus, so their norms are not compared).
+
 With ``--compare-sequence-parallel``: the update without and with sequence parallelism
 (``ParallelConfig.sequence_parallel``), alternating likewise; under TP > 1 (rank 0's figures):
 
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 import tempfile
@@ -95,6 +100,8 @@ def main() -> int:
     ap.add_argument("--compare-logprob-chunk", type=int, default=0, metavar="N",
                     help="time the update's log-probs over the whole span against N positions at a time, "
                          "with peak memory")
+    ap.add_argument("--compare-entropy-bonus", type=float, default=0.0, metavar="C",
+                    help="time the update without and with TrainConfig.entropy_coeff = C (> 0)")
     ap.add_argument("--compare-sequence-parallel", action="store_true",
                     help="time the update without and with sequence parallelism (TP > 1), with peak memory")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="further config overrides")
@@ -105,13 +112,15 @@ def main() -> int:
                          "be >= 1")
     if args.compare_logprob_chunk < 0:
         raise SystemExit(f"--compare-logprob-chunk must be >= 1 positions, got {args.compare_logprob_chunk}")
-    comparisons = [args.compare_attention, bool(args.compare_logprob_chunk), args.compare_sequence_parallel]
+    if not (args.compare_entropy_bonus >= 0 and math.isfinite(args.compare_entropy_bonus)):
+        raise SystemExit(f"--compare-entropy-bonus must be a coefficient > 0, got {args.compare_entropy_bonus}")
+    comparisons = [args.compare_attention, bool(args.compare_logprob_chunk), args.compare_entropy_bonus > 0,
+                   args.compare_sequence_parallel]
+    names = "--compare-attention, --compare-logprob-chunk, --compare-entropy-bonus and --compare-sequence-parallel"
     if sum(comparisons) > 1:
-        raise SystemExit("--compare-attention, --compare-logprob-chunk and --compare-sequence-parallel: one "
-                         "comparison a run")
+        raise SystemExit(f"{names}: one comparison a run")
     if any(comparisons) and args.replicas > 1:
-        raise SystemExit("--compare-attention, --compare-logprob-chunk and --compare-sequence-parallel time one "
-                         "update, not replicas' shares: leave --replicas at 1")
+        raise SystemExit(f"{names} time one update, not replicas' shares: leave --replicas at 1")
     if args.replicas > args.prompts:
         raise SystemExit(f"--replicas {args.replicas} exceeds --prompts {args.prompts}: every replica rolls out "
                          "whole groups, so it needs a prompt")
@@ -133,6 +142,8 @@ def main() -> int:
             report = bench_sequence_parallel(trainer, args)
         elif args.compare_logprob_chunk:
             report = bench_logprob_chunk(trainer, args)
+        elif args.compare_entropy_bonus:
+            report = bench_entropy_bonus(trainer, args)
         else:
             report = bench_replicas(trainer, args) if args.replicas > 1 else bench(trainer, args)
     if trainer.ctx.rank == 0:
@@ -141,7 +152,7 @@ def main() -> int:
             print(f"{name:14s} tokens per replica {v['tokens']} (max / mean {v['max_over_mean']:.3f}): slowest "
                   f"replica {v['seconds']:.2f} s, {v['speedup']:.2f}x")
         compared = {**report.get("attention", {}), **report.get("logprob_chunk", {}),
-                    **report.get("sequence_parallel", {})}
+                    **report.get("entropy_bonus", {}), **report.get("sequence_parallel", {})}
         for name, v in compared.items():
             print(f"{name:14s} {v['micro_batches']:3d} micro-batches of up to {v['longest_sequence']} tokens: "
                   f"{v['seconds']:.2f} s, {v['speedup']:.2f}x, peak memory {v['peak_memory_gib']:.2f} GiB, "
@@ -301,6 +312,19 @@ def bench_logprob_chunk(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
 
     return bench_forms(trainer, args, {"whole_span": chunk(0), f"chunk_{args.compare_logprob_chunk}":
                                        chunk(args.compare_logprob_chunk)}, "logprob_chunk")
+
+
+def bench_entropy_bonus(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:
+    """The update without and with an entropy bonus of ``--compare-entropy-bonus`` (TrainConfig.entropy_coeff)."""
+    cfg = trainer.cfg
+
+    def coeff(c):
+        return lambda on: setattr(cfg, "entropy_coeff", c if on else 0.0)
+
+    report = bench_forms(trainer, args, {"no_bonus": coeff(0.0), f"entropy_coeff_{args.compare_entropy_bonus:g}":
+                                         coeff(args.compare_entropy_bonus)}, "entropy_bonus")
+    del report["grad_norm_rel_diff"]  # (the bonus changes the gradient)
+    return report
 
 
 def bench_sequence_parallel(trainer: GRPOTrainer, args: argparse.Namespace) -> dict:

@@ -80,7 +80,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 ref_logp: Optional[torch.Tensor] = None, kl_beta: float = 0.0,
                 total_tokens: Optional[float] = None, total_sequences: Optional[float] = None,
                 max_tokens: Optional[int] = None, ratio_level: str = "token",
-                clip_ratio_c: Optional[float] = None) -> LossOutput:
+                clip_ratio_c: Optional[float] = None, entropy: Optional[torch.Tensor] = None,
+                entropy_coeff: float = 0.0) -> LossOutput:
     """Clipped-ratio GRPO loss.
 
     logp, old_logp, mask: [B, T] (log-probs of the sampled tokens under the current policy and under
@@ -91,6 +92,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ``importance_sampling_level="sequence"``), whose gradient spreads evenly over the tokens.
     clip_ratio_c (dual-clip PPO; > 1, None: off): a token of negative advantage loses at most
     clip_ratio_c * |A|, however far its ratio has grown (with no gradient beyond).
+    entropy [B, T] (the policy's entropy at each position, with gradients) and entropy_coeff >= 0:
+    an entropy bonus, - entropy_coeff * entropy per token, normalised as the rest (verl's
+    ``entropy_coeff``).
     normalization: ``token`` averages over all tokens of the batch (DAPO), ``sequence`` averages each
     response over its tokens, then over responses (the GRPO paper), ``constant`` sums each
     response's tokens, divides by the constant ``max_tokens`` (the response length limit) and
@@ -104,6 +108,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     if clip_ratio_c is not None and not clip_ratio_c > 1:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
+    if not (math.isfinite(entropy_coeff) and entropy_coeff >= 0):
+        raise ValueError(f"entropy_coeff must be a finite number >= 0, got {entropy_coeff}")
+    if entropy_coeff > 0 and (entropy is None or entropy.shape != logp.shape):
+        raise ValueError(f"an entropy bonus (entropy_coeff {entropy_coeff}) needs the entropy at every position, "
+                         f"shaped as logp {tuple(logp.shape)}; got "
+                         f"{None if entropy is None else tuple(entropy.shape)}")
     if normalization == "constant" and not (max_tokens is not None and max_tokens >= 1):
         raise ValueError(f"normalization 'constant' divides by max_tokens, the response length limit: give one "
                          f">= 1, got {max_tokens}")
@@ -118,6 +128,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     per_token = -torch.minimum(unclipped, clipped)
     if clip_ratio_c is not None:  # (-c * A > 0 where A < 0)
         per_token = torch.where(adv < 0, torch.minimum(per_token, -clip_ratio_c * adv), per_token)
+    if entropy_coeff > 0:
+        per_token = per_token - entropy_coeff * entropy.to(logp.dtype)
     kl_value = torch.zeros((), dtype=logp.dtype)
     if ref_logp is not None and kl_beta > 0:
         kl_tok = k3_kl(logp, ref_logp)

@@ -21,7 +21,7 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear
                                                      get_moe_layer_wise_logging_tracker)
 from torch.utils.checkpoint import checkpoint
 
-from specroll_mcore.heads import vocab_parallel_entropy
+from specroll_mcore.heads import differentiable_vocab_parallel_entropy, vocab_parallel_entropy
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.model.routing import fill_routing, replay_routing
 from specroll_mcore.parallel import ParallelContext, expert_parallel, grad_of, grad_sq_norm
@@ -202,9 +202,10 @@ def token_logprobs(policy: PolicyModel, logits: torch.Tensor, labels: torch.Tens
 
 
 def stage_logprobs(policy: PolicyModel, out: tuple, mb: MicroBatch, temperature: float, chunk: int = 0,
-                   entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   entropy: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`token_logprobs` of the micro-batch's labels over its ``loss_span``, laid out [B, L] as
-    the labels, and the policy's entropy there [B, s'] (None unless ``entropy``), from the last
+    the labels, and the policy's entropy there [B, s'] (None unless ``entropy``; with gradients to
+    the logits under ``entropy_grad``, for an entropy bonus), from the last
     stage's output ``out`` = (logits, hidden states) of :meth:`PolicyModel.stage_forward`. Without
     logits (``project=False``) the hidden states [s', B, h] are projected ``chunk`` positions at a
     time (``TrainConfig.logprob_chunk``): a piece's logits [B, chunk, V/tp] are made, reduced and
@@ -215,13 +216,28 @@ def stage_logprobs(policy: PolicyModel, out: tuple, mb: MicroBatch, temperature:
     span = mb.loss_span
     labels = mb.labels[:, span]
 
+    entropy_grad = entropy and entropy_grad and torch.is_grad_enabled()
+
     def entropy_of(logits: torch.Tensor) -> torch.Tensor:
+        if entropy_grad:
+            return differentiable_vocab_parallel_entropy(logits, policy.vocab_start, policy.config.vocab_size,
+                                                         policy.ctx, temperature)
         return vocab_parallel_entropy(logits.detach(), policy.vocab_start, policy.config.vocab_size, policy.ctx,
                                       temperature)
 
     if logits is not None:
         ent = entropy_of(logits) if entropy else None  # (before the log-probs, which may overwrite the logits)
         logp = token_logprobs(policy, logits, labels, temperature)
+    elif entropy_grad:  # each piece's entropy is an output of its checkpointed function, rebuilt with it
+
+        def piece_with_entropy(h: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = policy.vocab_projection(h).transpose(0, 1)  # [B, c, V/tp]
+            ent = entropy_of(logits)
+            return token_logprobs(policy, logits, lab, temperature), ent
+
+        pieces = [checkpoint(piece_with_entropy, hidden[start:start + chunk], labels[:, start:start + chunk],
+                             use_reentrant=False) for start in range(0, hidden.shape[0], chunk)]
+        logp, ent = (torch.cat(parts, 1) for parts in zip(*pieces))
     else:
         entropies: dict[int, torch.Tensor] = {}  # by the piece's first position
 
@@ -258,14 +274,19 @@ def saved_for_backward() -> Iterator[list[int]]:
         yield total
 
 
-LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+LossFn = Callable[..., tuple[torch.Tensor, dict]]
+"""(micro-batch, log-probs [B, L]) -> (loss, metrics); with ``entropy_grad`` also the entropy [B, L]."""
 
 
 def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_fn: LossFn,
-                     temperature: float, recompute: bool = False, logprob_chunk: int = 0) -> list[dict]:
+                     temperature: float, recompute: bool = False, logprob_chunk: int = 0,
+                     entropy_grad: bool = False) -> list[dict]:
     """Accumulate gradients of ``loss_fn`` over the micro-batches; returns the last stage's metrics
     per micro-batch (shared with every stage): ``loss_fn``'s, and ``entropy_sum``, the policy's entropy
     (at ``temperature``, over the whole vocabulary) summed over the tokens the loss reads.
+    ``loss_fn(mb, logp)`` takes the micro-batch's log-probs laid out as its labels [B, L]; with
+    ``entropy_grad``, ``loss_fn(mb, logp, entropy)``, the entropy laid out alike (0 outside the
+    loss span) with gradients to the logits (an entropy bonus).
     ``recompute``: activation recomputation per layer (:meth:`PolicyModel.stage_forward`);
     ``logprob_chunk`` > 0: the log-probs in pieces of that many positions (:func:`stage_logprobs`).
     Micro-batches that carry routing route by it, in their forward and in their backward's
@@ -306,9 +327,13 @@ def forward_backward(policy: PolicyModel, micro_batches: list[MicroBatch], loss_
             return out if not last else out[0].sum() * 0.0
         if not last:
             return out
-        logp, entropy = stage_logprobs(policy, out, mb, temperature, logprob_chunk)
-        loss, m = loss_fn(mb, logp)
-        m["entropy_sum"] = float((entropy * mb.loss_mask[:, mb.loss_span]).sum())
+        logp, entropy = stage_logprobs(policy, out, mb, temperature, logprob_chunk, entropy_grad=entropy_grad)
+        if entropy_grad:
+            span = mb.loss_span
+            loss, m = loss_fn(mb, logp, torch.nn.functional.pad(entropy, (span.start, logp.shape[1] - span.stop)))
+        else:
+            loss, m = loss_fn(mb, logp)
+        m["entropy_sum"] = float((entropy.detach() * mb.loss_mask[:, mb.loss_span]).sum())
         metrics.append(m)
         return loss
 

@@ -437,12 +437,12 @@ class GRPOTrainer:
             self.state["skipped_steps"] += 1
             return None
 
-        def loss_fn(mb: MicroBatch, logp: torch.Tensor):
+        def loss_fn(mb: MicroBatch, logp: torch.Tensor, entropy: Optional[torch.Tensor] = None):
             out = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, cfg.clip_low, cfg.clip_high,
                               normalization=cfg.loss_normalization, ref_logp=mb.ref_logp, kl_beta=cfg.kl_beta,
                               total_tokens=float(total_tokens), total_sequences=float(total_seqs),
                               max_tokens=cfg.sampling.max_new_tokens, ratio_level=cfg.ratio_level,
-                              clip_ratio_c=cfg.clip_ratio_c)
+                              clip_ratio_c=cfg.clip_ratio_c, entropy=entropy, entropy_coeff=cfg.entropy_coeff)
             m = {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction, "ratio": out.ratio_mean,
                  "kl": out.kl, "tokens": float(mb.loss_mask.sum())}
             if gap:  # the rollout's log-probs against this forward's, same weights: numerics alone
@@ -457,7 +457,7 @@ class GRPOTrainer:
             set_moe_aux_loss_scale(total_mbs)
         with routers_training(policy) if balanced else contextlib.nullcontext():
             parts = forward_backward(policy, mbs, loss_fn, cfg.sampling.temperature, cfg.recompute_activations,
-                                     cfg.logprob_chunk)
+                                     cfg.logprob_chunk, entropy_grad=cfg.entropy_coeff > 0)
         extra = {"moe_aux_loss": moe_aux_loss(policy, total_mbs, cfg.recompute_activations)} if balanced else {}
         finalize_grads(policy)
         norm = float(global_grad_norm(policy))

@@ -41,25 +41,32 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     rank's heads give only part of their gradient; without the TP sum the two ranks' copies would
     take different updates (2 x lr apart after one step). TP=2 and PP=2 take their log-probs in pieces
     of 5 positions (TrainConfig.logprob_chunk; the vocab-parallel reductions rerun in the backward),
-    TP=1 over the whole span."""
+    TP=1 over the whole span. Two layouts add an entropy bonus (its gradient through each TP shard's
+    part of the vocabulary), against a TP=1 run with it."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, arch="qwen3")
     # each stage and shard swaps its reference weights in for the KL term's forward; two optimizer steps
     # (the second against the rollout's log-probs, after the first moved the weights)
     kl = ("--set=kl_beta=0.1", "--set=mini_batches=2")
-    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1, *kl)
+    bonus = ("--set=entropy_coeff=0.05",)
+    refs = {(): run(ckpt, tmp_path / "tp1", 1, 1, 1, *kl),
+            bonus: run(ckpt, tmp_path / "tp1-bonus", 1, 1, 1, *kl, *bonus)}
     kl = (*kl, "--set=logprob_chunk=5")
-    ref_w = load_full_state_dict(tmp_path / "tp1")
+    ref_ws = {(): load_full_state_dict(tmp_path / "tp1"), bonus: load_full_state_dict(tmp_path / "tp1-bonus")}
+    ref_w = ref_ws[()]
     norms = [k for k in ref_w if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
     assert len(norms) == 4 and all((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in norms)  # they moved
-    assert ref[0]["optimizer_steps"] == 2
+    assert refs[()][0]["optimizer_steps"] == 2
+    assert max((ref_ws[bonus][k] - ref_w[k]).abs().max().item() for k in ref_w) > 1e-4  # the bonus moves the step
     # PP=2 with one sequence per micro-batch (6 micro-batches of different lengths through 1F1B, in the
     # token budget's order: longest first, where TP=1 runs 2 of 3 in the rollout's order) and activation
     # recomputation (PP=2 with several padded sequences a micro-batch: the uneven-split test)
     pp2 = ("--set=micro_batch_size=1", "--set=micro_batch_tokens=524", "--set=recompute_activations=true")
     # sequence parallelism, with recomputation (the layers' inputs kept split) and without (megatron's block)
     sp = ("--set=parallel.sequence_parallel=true",)
-    for tp, pp, extra in [(2, 1, ()), (2, 1, (*sp, "--set=recompute_activations=true")), (2, 1, sp), (1, 2, pp2)]:
-        got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, *kl, *extra)
+    for tp, pp, extra, added in [(2, 1, (), ()), (2, 1, (*sp, "--set=recompute_activations=true"), bonus),
+                                 (2, 1, sp, ()), (1, 2, pp2, bonus)]:
+        got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, *kl, *extra, *added)
+        ref, ref_w = refs[added], ref_ws[added]
         for k in ("reward_mean", "response_len"):
             assert got[0][k] == ref[0][k], (tp, pp, k)
         for k in ("loss", "grad_norm", "entropy"):  # (the entropy: over TP's vocabulary shards)
@@ -67,7 +74,7 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
         w = load_full_state_dict(tmp_path / f"tp{tp}pp{pp}")
         shutil.rmtree(tmp_path / f"tp{tp}pp{pp}")
         diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
-        print(f"TP={tp} PP={pp} {extra}: max |weight diff| after two optimizer steps = {diff:.2e}")
+        print(f"TP={tp} PP={pp} {extra + added}: max |weight diff| after two optimizer steps = {diff:.2e}")
         assert diff < 1e-4
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
 

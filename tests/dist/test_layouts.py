@@ -59,6 +59,12 @@ def test_layout_matches_single_process(tmp_path, reference, tp, pp, last_stage_l
         assert torch.allclose(got[name]["heads_lse"].double(), torch.logsumexp(full.double(), -1), atol=1e-5)
         entropy = torch.distributions.Categorical(logits=full.double() / 0.7).entropy()
         assert torch.allclose(got[name]["heads_entropy"].double(), entropy, atol=1e-5)
+        x = full.double().requires_grad_()
+        h = torch.distributions.Categorical(logits=x / 0.7).entropy()
+        (grad,) = torch.autograd.grad((h * torch.linspace(-1, 1, 15, dtype=torch.float64)).sum(), x)
+        got_h, got_grad = got[name]["heads_entropy_grad"]
+        assert torch.allclose(got_h.double(), entropy, atol=1e-5)
+        assert torch.allclose(got_grad.double(), grad, atol=1e-6), (got_grad.double() - grad).abs().max()
         assert (got[name]["heads_full"] - ref["heads_full"]).abs().max() < tol
         keys = SampleKeys(3, 1, torch.arange(15), torch.zeros(15, dtype=torch.long), torch.arange(15) + 4)
         coupled = filter_logits(full, 1.0, 0.9, 20) + gumbel_noise(keys, full.shape[-1], full.dtype)

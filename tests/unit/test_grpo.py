@@ -80,6 +80,26 @@ def test_dual_clip_by_hand():
         policy_loss(new, old, adv, mask, clip_ratio_c=1.0)
 
 
+def test_entropy_bonus_by_hand():
+    """entropy_coeff: - c x entropy per token, masked and normalised as the policy loss (token and
+    sequence level), with gradient -c / n to each counted entropy; refused without the entropy."""
+    logp = torch.zeros(2, 3)
+    entropy = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.5, 0.5]]).requires_grad_()
+    adv, mask = torch.zeros(2), torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    out = policy_loss(logp, logp, adv, mask, entropy=entropy, entropy_coeff=0.1)
+    assert out.loss.item() == pytest.approx(-0.1 * (1 + 2 + 3 + 0.5 + 0.5) / 5)
+    out.loss.backward()
+    torch.testing.assert_close(entropy.grad, -0.1 * mask / 5)
+    seq = policy_loss(logp, logp, adv, mask, normalization="sequence", entropy=entropy, entropy_coeff=0.1)
+    assert seq.loss.item() == pytest.approx(-0.1 * ((1 + 2) / 2 + (3 + 0.5 + 0.5) / 3) / 2)
+    assert policy_loss(logp, logp, adv, mask, entropy=entropy).loss.item() == 0.0  # coefficient 0: off
+    with pytest.raises(ValueError, match="an entropy bonus \\(entropy_coeff 0.1\\) needs the entropy at every "
+                                         "position, shaped as logp \\(2, 3\\); got None"):
+        policy_loss(logp, logp, adv, mask, entropy_coeff=0.1)
+    with pytest.raises(ValueError, match="entropy_coeff must be a finite number >= 0, got -0.1"):
+        policy_loss(logp, logp, adv, mask, entropy=entropy, entropy_coeff=-0.1)
+
+
 def test_k3_and_kl_penalty():
     logp = torch.log(torch.tensor([[0.5, 0.25]]))
     ref = torch.log(torch.tensor([[0.25, 0.25]]))

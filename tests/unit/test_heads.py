@@ -202,3 +202,29 @@ def test_vocab_parallel_entropy_equals_the_categorical_entropy(ctx):
     assert got.shape == (5, 4) and torch.allclose(got.double(), ref, atol=1e-5)
     assert got[1, 2].item() == pytest.approx(math.log(60), abs=1e-5) and got[2, 0].item() == pytest.approx(0, abs=1e-5)
     assert torch.equal(vocab_parallel_entropy(logits.bfloat16(), 0, 60, ctx).isfinite(), torch.ones(5, 4).bool())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_differentiable_entropy_gives_torchs_entropy_and_gradient(ctx, temperature):
+    """The entropy bonus's entropy: values and gradients of torch.distributions' entropy on the same
+    float64 logits (autograd through the softmax), padding ids past the vocabulary taking neither
+    probability nor gradient; gradcheck on its hand-written backward; the metric's values."""
+    from specroll_mcore.heads import differentiable_vocab_parallel_entropy, vocab_parallel_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(5, 4, 64, generator=g, dtype=torch.float64))
+    logits[2, 0, 7] = 80.0  # one id holds all the mass
+    logits.requires_grad_()
+    weights = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    got = differentiable_vocab_parallel_entropy(logits, 0, 60, ctx, temperature)
+    ref = torch.distributions.Categorical(logits=logits[..., :60] / temperature).entropy()
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(got.detach(), vocab_parallel_entropy(logits.detach(), 0, 60, ctx, temperature))
+    (grad,) = torch.autograd.grad((got * weights).sum(), logits)
+    (expected,) = torch.autograd.grad((ref * weights).sum(), logits)
+    torch.testing.assert_close(grad, expected)
+    assert grad[..., 60:].abs().max() == 0
+    small = logits.detach()[:2, :2, :9].clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: differentiable_vocab_parallel_entropy(x, 0, 8, ctx, temperature),
+                                    (small,))
+    assert differentiable_vocab_parallel_entropy(logits.detach().float(), 0, 60, ctx).dtype == torch.float32

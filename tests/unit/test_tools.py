@@ -290,16 +290,19 @@ def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     code, err = refused(capsys, "bench_update.py", "--compare-attention", "--replicas", "2")
     assert code != 0 and "time one update, not replicas' shares: leave --replicas at 1" in err
     code, err = refused(capsys, "bench_update.py", "--compare-attention", "--compare-logprob-chunk", "4")
-    assert code != 0 and "--compare-logprob-chunk and --compare-sequence-parallel: one comparison a run" in err
+    assert code != 0 and "--compare-entropy-bonus and --compare-sequence-parallel: one comparison a run" in err
     code, err = refused(capsys, "bench_update.py", "--compare-sequence-parallel")
     assert code != 0 and "launch with torchrun and --set parallel.tensor_model_parallel_size=N (N > 1)" in err
     code, err = refused(capsys, "bench_update.py", "--compare-logprob-chunk", "-2")
     assert code != 0 and "--compare-logprob-chunk must be >= 1 positions, got -2" in err
+    code, err = refused(capsys, "bench_update.py", "--compare-entropy-bonus", "-0.1")
+    assert code != 0 and "--compare-entropy-bonus must be a coefficient > 0, got -0.1" in err
 
 
 @pytest.mark.parametrize("compare, key, names", [
     (["--compare-attention"], "attention", {"causal", "explicit_mask"}),
     (["--compare-logprob-chunk", "4"], "logprob_chunk", {"whole_span", "chunk_4"}),
+    (["--compare-entropy-bonus", "0.5"], "entropy_bonus", {"no_bonus", "entropy_coeff_0.5"}),
 ])
 def test_bench_update_comparisons_smoke(tiny_ckpt, tmp_path, compare, key, names):
     out = tmp_path / "a.json"
@@ -311,7 +314,10 @@ def test_bench_update_comparisons_smoke(tiny_ckpt, tmp_path, compare, key, names
     assert set(forms) == names and report["response_tokens"] == 4 * 6
     assert all(len(v["runs_s"]) == 1 and v["grad_norm"] > 0 and v["peak_memory_gib"] > 0
                and v["saved_for_backward_gib"] > 0 for v in forms.values())
-    assert report["grad_norm_rel_diff"] < 1e-5  # the same update either way
+    if key == "entropy_bonus":  # the bonus changes the gradient
+        assert "grad_norm_rel_diff" not in report and len({v["grad_norm"] for v in forms.values()}) == 2
+    else:
+        assert report["grad_norm_rel_diff"] < 1e-5  # the same update either way
 
 
 def test_bench_update_replicas_smoke(tiny_ckpt, tmp_path):

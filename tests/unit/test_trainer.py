@@ -495,6 +495,9 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
                           (["sampling.num_samples=1"], r"sampling.num_samples must be >= 2 \(a response alone"),
                           (["ratio_level=group"], "TrainConfig.ratio_level must be 'token' or 'sequence', got 'group'"),
                           (["clip_ratio_c=0.5"], r"clip_ratio_c \(dual clip\) must be > 1 \(or unset: off\), got 0.5"),
+                          (["entropy_coeff=-0.01"], r"TrainConfig.entropy_coeff must be a finite number >= 0 "
+                                                    r"\(0: no entropy bonus\), got -0.01"),
+                          (["entropy_coeff=inf"], "TrainConfig.entropy_coeff must be a finite number >= 0"),
                           (["sampling.temperature=0"], r"sampling.temperature 0 \(greedy\) makes a prompt's")]:
         with pytest.raises(ValueError, match=match):
             load_config(TrainConfig, None, fields)
@@ -756,6 +759,62 @@ def test_the_update_computes_logits_over_the_responses_alone(tiny_ckpt, tmp_path
     with torch.no_grad():
         for mb, lp in zip(mbs, forward_logprobs(policy, mbs, 1.0)):
             torch.testing.assert_close(lp * mb.loss_mask, full_logprobs(mb), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature, chunk", [(1.0, 0), (0.8, 3)])  # (at 1 the cross entropy works in place)
+def test_the_entropy_bonus_gives_the_gradient_of_the_entropy_of_full_logits(tiny_ckpt, tmp_path, ctx, temperature,
+                                                                            chunk):
+    """TrainConfig.entropy_coeff: forward_backward's differentiable entropy (over the loss span, in
+    pieces with logprob_chunk) gives the gradients that autograd gives through torch's entropy of
+    logits over every position, in the same clipped loss, on ragged sequences."""
+    from specroll_mcore.model import causal_mask
+    from specroll_mcore.rl.schedule import token_logprobs
+
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
+    policy = trainer.policy
+    mbs = trainer._micro_batches(step_sequences(trainer, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], cut=(12, 2, 7, 1, 12, 5)))
+
+    def loss(mb, lp, entropy):
+        return policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask, total_tokens=12.0, entropy=entropy,
+                           entropy_coeff=0.5).loss
+
+    def reference(mb):  # logits at every position: log-probs and entropy, both through autograd
+        b, L = mb.input_ids.shape
+        meta = policy.metadata(torch.arange(L)[None].expand(b, L), causal_mask(b, L, ctx.device, mb.lengths))
+        logits = policy.stage_forward(mb.input_ids, meta)[0]
+        entropy = torch.distributions.Categorical(logits=logits.float() / temperature).entropy()
+        return token_logprobs(policy, logits, mb.labels, temperature) * mb.loss_mask, entropy * mb.loss_mask
+
+    trainer.optimizer.zero_grad()
+    for mb in mbs:
+        loss(mb, *reference(mb)).backward()
+    expected = [p.grad.clone() for p in policy.gpt.parameters()]
+    trainer.optimizer.zero_grad()
+    parts = forward_backward(policy, mbs, lambda mb, lp, entropy: (loss(mb, lp, entropy), {}), temperature,
+                             logprob_chunk=chunk, entropy_grad=True)
+    for a, b in zip(expected, [p.grad for p in policy.gpt.parameters()]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        logged = sum(float(reference(mb)[1].sum()) for mb in mbs)
+    assert sum(p["entropy_sum"] for p in parts) == pytest.approx(logged, rel=1e-5)
+
+
+def test_an_entropy_bonus_raises_the_policys_entropy(tiny_ckpt, tmp_path, ctx):
+    """A trainer step with entropy_coeff > 0 and no advantage (equal rewards) moves the policy
+    towards higher entropy on its batch; with entropy_coeff 0 the same step changes nothing."""
+    entropies = {}
+    for coeff in ("0", "1.0"):
+        trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(
+            tiny_ckpt, tmp_path / coeff, "engine=vanilla", f"entropy_coeff={coeff}", "lr=1e-2", "grad_clip=0")))
+        mbs = trainer._micro_batches(step_sequences(trainer, [0.0] * 6))
+        first = trainer._update([mbs])[4]["entropy"]
+        before = [p.detach().clone() for p in trainer.policy.gpt.parameters()]
+        second = trainer._update([mbs])[4]["entropy"]
+        entropies[coeff] = (first, second)
+        moved = max(float((p - q).abs().max()) for p, q in zip(trainer.policy.gpt.parameters(), before))
+        assert (moved > 0) == (coeff != "0"), (coeff, moved)
+    assert entropies["0"][1] == pytest.approx(entropies["0"][0], rel=1e-6)
+    assert entropies["1.0"][1] > entropies["1.0"][0] + 1e-3, entropies
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.8])  # (at 1 the log-probs' cross entropy could clobber the logits)
