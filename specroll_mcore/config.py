@@ -929,7 +929,13 @@ class TrainConfig:
     adv_eps: float = 1e-6
     """Added to a group's reward std before dividing by it."""
     kl_beta: float = 0.0
-    """KL to the frozen initial policy (k3 estimator); 0 disables it (and the reference model)."""
+    """KL to the frozen initial policy (``kl_estimator``); 0 disables it (and the reference model)."""
+
+    kl_estimator: str = "k3"
+    """The KL penalty's per-token estimator: ``k3``, exp(d) - d - 1 with d = log pi_ref - log pi (the
+    GRPO paper's; verl's ``low_var_kl``), or ``k2``, (log pi - log pi_ref)^2 / 2 (verl's ``mse``),
+    whose gradient on the policy's own samples is that of KL(pi || pi_ref) in expectation (k3's is
+    KL(pi_ref || pi)'s). The logged ``kl`` is k3's value either way."""
 
     entropy_coeff: float = 0.0
     """An entropy bonus (verl's ``entropy_coeff``): the loss takes ``- entropy_coeff x`` the policy's
@@ -1026,6 +1032,8 @@ class TrainConfig:
                f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         _check(self.adv_eps >= 0, f"TrainConfig.adv_eps must be >= 0, got {self.adv_eps}")
         _check(self.kl_beta >= 0, f"TrainConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        _check(self.kl_estimator in ("k2", "k3"),
+               f"TrainConfig.kl_estimator must be 'k2' or 'k3', got {self.kl_estimator!r}")
         _check(math.isfinite(self.entropy_coeff) and self.entropy_coeff >= 0,
                f"TrainConfig.entropy_coeff must be a finite number >= 0 (0: no entropy bonus), "
                f"got {self.entropy_coeff}")

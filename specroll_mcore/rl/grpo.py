@@ -66,6 +66,18 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+def k2_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k2 estimator per token: (logp - ref_logp)^2 / 2 (verl's ``mse``). A biased estimate
+    of KL(pi || pi_ref)'s value, but as a loss on the policy's own samples its gradient is that KL's
+    in expectation (k3's is KL(pi_ref || pi)'s). [B, T] -> [B, T]."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+KL_ESTIMATORS = {"k2": k2_kl, "k3": k3_kl}
+"""The KL penalty's per-token estimators (TrainConfig.kl_estimator). k1 (logp - ref_logp) is not one: as
+a loss on the policy's own samples its gradient is 0 in expectation."""
+
+
 @dataclass
 class LossOutput:
     loss: torch.Tensor
@@ -81,12 +93,14 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 total_tokens: Optional[float] = None, total_sequences: Optional[float] = None,
                 max_tokens: Optional[int] = None, ratio_level: str = "token",
                 clip_ratio_c: Optional[float] = None, entropy: Optional[torch.Tensor] = None,
-                entropy_coeff: float = 0.0) -> LossOutput:
+                entropy_coeff: float = 0.0, kl_estimator: str = "k3") -> LossOutput:
     """Clipped-ratio GRPO loss.
 
     logp, old_logp, mask: [B, T] (log-probs of the sampled tokens under the current policy and under
     the rollout policy; mask 1 on response tokens). advantages: [B].
-    Per token: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) (+ kl_beta * k3).
+    Per token: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) (+ kl_beta * k3, or the
+    ``kl_estimator`` of :data:`KL_ESTIMATORS`; the ``kl`` reported is k3's mean, an unbiased estimate
+    of KL(pi || pi_ref), whichever the loss takes).
     ratio_level: ``token``, each token's own ratio pi / pi_old; ``sequence``, every token of a
     response takes the response's ratio, the geometric mean of its tokens' (GSPO; TRL's
     ``importance_sampling_level="sequence"``), whose gradient spreads evenly over the tokens.
@@ -108,6 +122,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     if clip_ratio_c is not None and not clip_ratio_c > 1:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {sorted(KL_ESTIMATORS)}, got {kl_estimator!r}")
     if not (math.isfinite(entropy_coeff) and entropy_coeff >= 0):
         raise ValueError(f"entropy_coeff must be a finite number >= 0, got {entropy_coeff}")
     if entropy_coeff > 0 and (entropy is None or entropy.shape != logp.shape):
@@ -133,8 +149,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     kl_value = torch.zeros((), dtype=logp.dtype)
     if ref_logp is not None and kl_beta > 0:
         kl_tok = k3_kl(logp, ref_logp)
-        per_token = per_token + kl_beta * kl_tok
-        kl_value = (kl_tok * mask).sum() / mask.sum().clamp(min=1)
+        penalty = kl_tok if kl_estimator == "k3" else KL_ESTIMATORS[kl_estimator](logp, ref_logp)
+        per_token = per_token + kl_beta * penalty
+        kl_value = (kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1)
     if normalization == "token":
         loss = (per_token * mask).sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
     else:

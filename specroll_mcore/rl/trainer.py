@@ -442,7 +442,8 @@ class GRPOTrainer:
                               normalization=cfg.loss_normalization, ref_logp=mb.ref_logp, kl_beta=cfg.kl_beta,
                               total_tokens=float(total_tokens), total_sequences=float(total_seqs),
                               max_tokens=cfg.sampling.max_new_tokens, ratio_level=cfg.ratio_level,
-                              clip_ratio_c=cfg.clip_ratio_c, entropy=entropy, entropy_coeff=cfg.entropy_coeff)
+                              clip_ratio_c=cfg.clip_ratio_c, entropy=entropy, entropy_coeff=cfg.entropy_coeff,
+                              kl_estimator=cfg.kl_estimator)
             m = {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction, "ratio": out.ratio_mean,
                  "kl": out.kl, "tokens": float(mb.loss_mask.sum())}
             if gap:  # the rollout's log-probs against this forward's, same weights: numerics alone

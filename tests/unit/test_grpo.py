@@ -112,6 +112,22 @@ def test_k3_and_kl_penalty():
     assert base.loss.item() == 0.0
 
 
+def test_k2_penalty_by_hand():
+    """kl_estimator k2: 0.1 x (logp - ref)^2 / 2 per token, gradient 0.1 x (logp - ref) / n; the kl
+    reported stays k3's; an unknown estimator is refused."""
+    logp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
+    ref = torch.log(torch.tensor([[0.25, 0.5]]))
+    d = (logp - ref).detach()
+    out = policy_loss(logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 2), ref_logp=ref, kl_beta=0.1,
+                      kl_estimator="k2")
+    assert out.loss.item() == pytest.approx(0.1 * (0.5 * d ** 2).mean().item())
+    assert out.kl == pytest.approx(k3_kl(logp, ref).mean().item())
+    out.loss.backward()
+    torch.testing.assert_close(logp.grad, 0.1 * d / 2)
+    with pytest.raises(ValueError, match="kl_estimator must be one of \\['k2', 'k3'\\], got 'k1'"):
+        policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), ref_logp=ref, kl_beta=0.1, kl_estimator="k1")
+
+
 def test_micro_batches_add_up():
     g = torch.Generator().manual_seed(0)
     logp, old = torch.randn(4, 6, generator=g) - 2, torch.randn(4, 6, generator=g) - 2

@@ -498,6 +498,7 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
                           (["entropy_coeff=-0.01"], r"TrainConfig.entropy_coeff must be a finite number >= 0 "
                                                     r"\(0: no entropy bonus\), got -0.01"),
                           (["entropy_coeff=inf"], "TrainConfig.entropy_coeff must be a finite number >= 0"),
+                          (["kl_estimator=k1"], "TrainConfig.kl_estimator must be 'k2' or 'k3', got 'k1'"),
                           (["sampling.temperature=0"], r"sampling.temperature 0 \(greedy\) makes a prompt's")]:
         with pytest.raises(ValueError, match=match):
             load_config(TrainConfig, None, fields)
@@ -909,15 +910,30 @@ def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_c
         torch.testing.assert_close(again * mb.loss_mask, o * mb.loss_mask, rtol=1e-6, atol=1e-7)
 
 
+def test_the_kl_estimator_reaches_the_loss(tiny_ckpt, tmp_path, ctx):
+    """kl_estimator k2 against k3 over two optimizer steps (the second's policy has moved from the
+    reference, so the penalties differ there): the same rollout, different weights after."""
+    weights, rows = {}, {}
+    for est in ("k2", "k3"):
+        trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(
+            tiny_ckpt, tmp_path / est, "engine=vanilla", "steps=1", "kl_beta=1.0", "mini_batches=2",
+            f"kl_estimator={est}")))
+        (rows[est],) = trainer.run()
+        weights[est] = [p.detach().clone() for p in trainer.policy.gpt.parameters()]
+    assert rows["k2"]["reward_mean"] == rows["k3"]["reward_mean"] and rows["k3"]["kl"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(weights["k2"], weights["k3"]))
+
+
 @pytest.mark.parametrize("normalization, ratio_level", [("sequence", "sequence"), ("constant", "token")])
 def test_sequence_normalisation_mean_only_advantages_plain_prompts_and_tensorboard(tiny_ckpt, tmp_path, ctx,
                                                                                  normalization, ratio_level):
     """The run options no other test takes: the GRPO paper's per-sequence normalisation with GSPO's
-    sequence-level ratio, Dr. GRPO's constant normalisation, the dual clip, advantages centred without
-    scaling, prompts without the chat template, TensorBoard events."""
+    sequence-level ratio, Dr. GRPO's constant normalisation, the dual clip, the k2 KL penalty,
+    advantages centred without scaling, prompts without the chat template, TensorBoard events."""
     cfg = load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1",
                                                    f"loss_normalization={normalization}", "adv_mean_only=true",
                                                    f"ratio_level={ratio_level}", "clip_ratio_c=3.0",
+                                                   "kl_beta=0.1", "kl_estimator=k2",
                                                    "data.chat=false", "tensorboard=true"))
     trainer = GRPOTrainer(cfg)
     start = trainer.tokenizer.convert_tokens_to_ids("<|im_start|>")
