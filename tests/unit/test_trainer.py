@@ -812,7 +812,7 @@ def test_an_entropy_bonus_raises_the_policys_entropy(tiny_ckpt, tmp_path, ctx):
         before = [p.detach().clone() for p in trainer.policy.gpt.parameters()]
         second = trainer._update([mbs])[4]["entropy"]
         entropies[coeff] = (first, second)
-        moved = max(float((p - q).abs().max()) for p, q in zip(trainer.policy.gpt.parameters(), before))
+        moved = max(float((p.detach() - q).abs().max()) for p, q in zip(trainer.policy.gpt.parameters(), before))
         assert (moved > 0) == (coeff != "0"), (coeff, moved)
     assert entropies["0"][1] == pytest.approx(entropies["0"][0], rel=1e-6)
     assert entropies["1.0"][1] > entropies["1.0"][0] + 1e-3, entropies
