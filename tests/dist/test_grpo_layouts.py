@@ -198,6 +198,11 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
                   "--set=resume=true")
     assert proc.returncode != 0 and "optim_dp1.pt is missing: resume with the TrainConfig.shard_optimizer" in (
         proc.stdout + proc.stderr)
+    # nor a sharded one replicated
+    proc = launch(ckpt, tmp_path / "sharded", 1, 1, 2, "--set=steps=3", "--set=weight_decay=0.1", "--set=resume=true")
+    assert proc.returncode != 0 and ("the checkpoint's optimizer state is shard 0 of 2 data-parallel replicas, this "
+                                     "run's is unsharded: resume with the TrainConfig.shard_optimizer") in (
+        proc.stdout + proc.stderr)
 
 
 def test_bfloat16_policy_pp2_equals_pp1(tmp_path):

@@ -46,6 +46,11 @@ def test_duplicate_prompt_ids(engine):
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(top_k=-1), r"top_k must be >= 0"),
     (dict(max_new_tokens=0), r"max_new_tokens must be >= 1"),
+    (dict(num_samples=0), r"SamplingConfig.num_samples must be >= 1, got 0"),
+    (dict(seed=-1), r"SamplingConfig.seed must be in \[0, 2\*\*32\), got -1"),
+    (dict(seed=2**32), r"SamplingConfig.seed must be in \[0, 2\*\*32\), got 4294967296"),
+    (dict(stop=["\n", ""]), r"SamplingConfig.stop must be non-empty strings, got \('\\n', ''\)"),
+    (dict(temperature=float("nan")), r"temperature must be >= 0, got nan"),
 ])
 def test_sampling_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -137,6 +142,11 @@ def test_model_config_errors():
         tiny_llama(num_attention_heads=6, num_query_groups=4)
     with pytest.raises(ValueError, match="params_dtype must be one of"):
         tiny_llama(params_dtype="float8")
+    with pytest.raises(ValueError, match="ModelConfig.kv_channels must be even for RoPE, got 7"):
+        tiny_llama(kv_channels=7)
+    with pytest.raises(ValueError, match=r"hidden_size \(66\) is not divisible by num_attention_heads \(4\); set "
+                                         r"ModelConfig.kv_channels explicitly"):
+        tiny_llama(hidden_size=66, num_attention_heads=4, num_query_groups=2)
     with pytest.raises(ValueError, match=r"rope_type'\] must be one of \['linear', 'llama3', 'yarn'\], got 'dynamic'"):
         tiny_llama(rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     with pytest.raises(ValueError, match=r"of type 'yarn' lacks \['original_max_position_embeddings'\]"):
