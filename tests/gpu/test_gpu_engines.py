@@ -138,11 +138,13 @@ def test_routing_replay_on_gpu(gpu_ctx):
     assert torch.equal(replayed[taken_in], routed_by_itself[taken_in])
 
 
-def test_update_attention_and_log_probs_in_pieces_on_gpu(gpu_ctx):
+@pytest.mark.parametrize("bonus", [False, True])
+def test_update_attention_and_log_probs_in_pieces_on_gpu(gpu_ctx, bonus):
     """The policy update's forward-backward on ragged, right-padded sequences, as the trainer runs it
     (causal attention without a mask: on CUDA in bfloat16, FlashAttention's kernel) and with log-probs
     in pieces of 5 positions, against an explicit causal mask over the whole span: the same loss and
-    gradients (to bfloat16's rounding on the device; float32 elsewhere)."""
+    gradients (to bfloat16's rounding on the device; float32 elsewhere). ``bonus``: with an entropy
+    bonus in the loss (its gradient through the vocabulary-parallel entropy, rebuilt with each piece)."""
     from specroll_mcore.model import causal_mask
     from specroll_mcore.rl.schedule import forward_backward, pack_micro_batch
 
@@ -162,9 +164,9 @@ def test_update_attention_and_log_probs_in_pieces_on_gpu(gpu_ctx):
         model.zero_grad()
         model.metadata = metadata
         try:
-            parts = forward_backward(model, mbs, lambda mb, lp: ((out := (lp * mb.loss_mask).sum()),
-                                                                 {"loss": float(out.detach())}),
-                                     1.0, logprob_chunk=chunk)
+            parts = forward_backward(model, mbs, lambda mb, lp, *entropy: (
+                (out := (lp * mb.loss_mask).sum() + sum(0.5 * (e * mb.loss_mask).sum() for e in entropy)),
+                {"loss": float(out.detach())}), 1.0, logprob_chunk=chunk, entropy_grad=bonus)
         finally:
             model.metadata = causal
         return parts[0]["loss"], [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
