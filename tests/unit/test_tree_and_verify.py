@@ -411,8 +411,12 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
     assert profile.ensure_capacity(model, None, "fp") == cap  # cached
     assert profile.ensure_capacity(model, 24, "fp") == (24, cap.latency)  # configured C_hw, the cached curve
-    # C_hw comes from the cached curve by the rule in force
-    assert profile.ensure_capacity(model, None, "fp", tolerance=0.5).c_hw == 1  # (nothing within 0.5x: the least)
+    # C_hw comes from the cached curve by the rule in force (by the measured seconds at 0.5x; at 0x no
+    # size is within it, whatever the timings: the least)
+    seconds = tree_row_seconds(record["curve"])
+    assert profile.ensure_capacity(model, None, "fp", tolerance=0.5).c_hw == capacity_from_latency(tokens, seconds,
+                                                                                                   0.5)
+    assert profile.ensure_capacity(model, None, "fp", tolerance=0.0).c_hw == 1
 
 
 @pytest.mark.parametrize("knee, c_hw, measured", [(None, 2048, 12), (700, 512, 11), (100, 64, 8)])
