@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from specroll_mcore.rl.grpo import KL_ESTIMATORS, NORMALIZATIONS, RATIO_LEVELS
+
 
 def cache_dir(override: Optional[Path] = None) -> Path:
     """Where converted models and measured profiles are kept: ``override``, else ``$SPECROLL_CACHE``, else
@@ -687,6 +689,12 @@ class GenerateConfig:
         _check_template_kwargs(self.chat_template_kwargs, "GenerateConfig")
 
 
+def _one_of(names: Sequence[str]) -> str:
+    """'a', 'b' or 'c'."""
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
 _TEMPLATE_ARGUMENTS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "tools", "documents")
 
 
@@ -1021,19 +1029,18 @@ class TrainConfig:
         _check(self.lr_decay in ("constant", "cosine"),
                f"TrainConfig.lr_decay must be 'constant' or 'cosine', got {self.lr_decay!r}")
         _check(0 <= self.min_lr <= self.lr, f"TrainConfig.min_lr must be in [0, lr = {self.lr}], got {self.min_lr}")
-        _check(self.loss_normalization in ("token", "sequence", "constant"),
-               f"TrainConfig.loss_normalization must be 'token', 'sequence' or 'constant', "
-               f"got {self.loss_normalization!r}")
+        _check(self.loss_normalization in NORMALIZATIONS,
+               f"TrainConfig.loss_normalization must be {_one_of(NORMALIZATIONS)}, got {self.loss_normalization!r}")
         _check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
                f"TrainConfig.clip_ratio_c (dual clip) must be > 1 (or unset: off), got {self.clip_ratio_c}")
-        _check(self.ratio_level in ("token", "sequence"),
-               f"TrainConfig.ratio_level must be 'token' or 'sequence', got {self.ratio_level!r}")
+        _check(self.ratio_level in RATIO_LEVELS,
+               f"TrainConfig.ratio_level must be {_one_of(RATIO_LEVELS)}, got {self.ratio_level!r}")
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0,
                f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         _check(self.adv_eps >= 0, f"TrainConfig.adv_eps must be >= 0, got {self.adv_eps}")
         _check(self.kl_beta >= 0, f"TrainConfig.kl_beta must be >= 0, got {self.kl_beta}")
-        _check(self.kl_estimator in ("k2", "k3"),
-               f"TrainConfig.kl_estimator must be 'k2' or 'k3', got {self.kl_estimator!r}")
+        _check(self.kl_estimator in KL_ESTIMATORS,
+               f"TrainConfig.kl_estimator must be {_one_of(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         _check(math.isfinite(self.entropy_coeff) and self.entropy_coeff >= 0,
                f"TrainConfig.entropy_coeff must be a finite number >= 0 (0: no entropy bonus), "
                f"got {self.entropy_coeff}")

@@ -205,80 +205,68 @@ def vocab_parallel_logsumexp(logits: torch.Tensor, vocab_start: int, vocab_size:
     return m + torch.log(_reduce_tp(torch.exp(lse - m)))
 
 
-@torch.no_grad()
-def vocab_parallel_entropy(logits: torch.Tensor, vocab_start: int, vocab_size: int, ctx: Any,
-                           temperature: float = 1.0, rows_per_chunk: int = 1) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) over the full vocabulary of vocab-parallel logits
-    [B, ..., V/tp] -> [B, ...] (float32, or float64 for float64 logits; no gradients: a metric, see
-    :func:`differentiable_vocab_parallel_entropy` for a loss):
-    log Z - E_p[(x - max) / T] from each shard's sums, combined over TP, never gathering the vocabulary.
-    ``rows_per_chunk`` rows of the first dimension at a time, so that the temporaries stay small next
-    to the logits."""
-    local = logits.shape[-1]
-    padding = torch.arange(vocab_start, vocab_start + local, device=logits.device) >= vocab_size
-    out = []
-    for x in logits.split(rows_per_chunk):
-        x = upcast(x)
-        if vocab_start + local > vocab_size:  # TP's padding ids: no probability (finite, so 0 x it is 0)
-            x = x.masked_fill(padding, -1e30)
-        d = x - ctx.all_reduce_tp(x.amax(-1, keepdim=True), "max")
-        if temperature != 1.0:
-            d.div_(temperature)
-        e = torch.exp(d)
-        sums = ctx.all_reduce_tp(torch.stack([e.sum(-1), e.mul_(d).sum(-1)]))
-        out.append(torch.log(sums[0]) - sums[1] / sums[0])
-    return torch.cat(out)
-
-
 class _VocabParallelEntropy(torch.autograd.Function):
     """H = log S - A / S with S = sum exp(d), A = sum d exp(d), d = (x - max) / T, each sum taken per
     shard and all-reduced over TP. The backward is local: dH/dx = -p (log p + H) / T, from the
-    shifted logits d (the one [.., V/tp] tensor kept) and the global log S and H. Both passes work
-    ``ROWS`` rows at a time, so that their temporaries stay in cache and no other tensor of the
-    logits' size is allocated."""
+    shifted logits d (kept only where the logits need a gradient: the one [.., V/tp] tensor kept) and
+    the global log S and H. Both passes work ``ROWS`` rows at a time, so that their temporaries stay
+    in cache and no other tensor of the logits' size is allocated."""
 
     ROWS = 8
 
     @staticmethod
     def forward(fctx: Any, x: torch.Tensor, temperature: float, ctx: Any) -> torch.Tensor:
+        R = _VocabParallelEntropy.ROWS
         flat = x.detach().reshape(-1, x.shape[-1])
-        d = flat - ctx.all_reduce_tp(flat.amax(-1, keepdim=True), "max")
-        if temperature != 1.0:
-            d.div_(temperature)
-        sums = d.new_empty(2, d.shape[0])
-        for r in range(0, d.shape[0], _VocabParallelEntropy.ROWS):
-            rows = d[r:r + _VocabParallelEntropy.ROWS]
+        top = ctx.all_reduce_tp(flat.amax(-1, keepdim=True), "max")
+        d = None
+        if fctx.needs_input_grad[0]:
+            d = flat - top
+            if temperature != 1.0:
+                d.div_(temperature)
+        sums = flat.new_empty(2, flat.shape[0])
+        for r in range(0, flat.shape[0], R):
+            if d is not None:
+                rows = d[r:r + R]
+            else:
+                rows = flat[r:r + R] - top[r:r + R]
+                if temperature != 1.0:
+                    rows.div_(temperature)
             e = torch.exp(rows)
             sums[0, r:r + rows.shape[0]] = e.sum(-1)
             sums[1, r:r + rows.shape[0]] = e.mul_(rows).sum(-1)
         ctx.all_reduce_tp(sums)
         log_s = torch.log(sums[0])
         entropy = log_s - sums[1] / sums[0]
-        fctx.save_for_backward(d, log_s, entropy)
-        fctx.temperature = temperature
+        if d is not None:
+            fctx.save_for_backward(d, log_s, entropy)
+            fctx.temperature = temperature
         return entropy.reshape(x.shape[:-1])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(fctx: Any, grad: torch.Tensor):
+        R = _VocabParallelEntropy.ROWS
         d, log_s, entropy = fctx.saved_tensors
         scale = grad.reshape(-1) / -fctx.temperature
         out = torch.empty_like(d)
-        for r in range(0, d.shape[0], _VocabParallelEntropy.ROWS):
-            n = min(_VocabParallelEntropy.ROWS, d.shape[0] - r)
+        for r in range(0, d.shape[0], R):
+            n = min(R, d.shape[0] - r)
             log_p = d[r:r + n] - log_s[r:r + n, None]
             p = torch.exp(log_p, out=out[r:r + n])
             p.mul_(log_p.add_(entropy[r:r + n, None])).mul_(scale[r:r + n, None])
         return out.reshape(grad.shape + d.shape[-1:]), None, None
 
 
-def differentiable_vocab_parallel_entropy(logits: torch.Tensor, vocab_start: int, vocab_size: int, ctx: Any,
-                                          temperature: float = 1.0) -> torch.Tensor:
-    """:func:`vocab_parallel_entropy` with gradients to the logits (an entropy bonus in a loss):
-    [B, ..., V/tp] -> [B, ...] (float32, or float64 for float64 logits). Never gathers the vocabulary;
-    its backward communicates nothing (every TP rank holds the same entropy, so each shard's
-    gradient is its own part). Keeps one float32 copy of the logits for the backward; TP padding ids
-    get no probability and no gradient."""
+def vocab_parallel_entropy(logits: torch.Tensor, vocab_start: int, vocab_size: int, ctx: Any,
+                           temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) over the full vocabulary of vocab-parallel logits
+    [B, ..., V/tp] -> [B, ...] (float32, or float64 for float64 logits): log Z - E_p[(x - max) / T]
+    from each shard's sums, combined over TP, never gathering the vocabulary. With gradients to
+    logits that require them (an entropy bonus in a loss): the backward communicates nothing (every
+    TP rank holds the same entropy, so each shard's gradient is its own part) and keeps one float32
+    copy of the logits; without (a metric), nothing of the logits' size is made. TP padding ids get
+    no probability and no gradient."""
     x = upcast(logits)
     local = x.shape[-1]
     if vocab_start + local > vocab_size:  # finite, so that 0 x it stays 0

@@ -73,6 +73,12 @@ def k2_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp - ref_logp) ** 2
 
 
+NORMALIZATIONS = ("token", "sequence", "constant")
+"""The loss normalisations (TrainConfig.loss_normalization; see :func:`policy_loss`)."""
+
+RATIO_LEVELS = ("token", "sequence")
+"""The importance ratio's levels (TrainConfig.ratio_level; see :func:`policy_loss`)."""
+
 KL_ESTIMATORS = {"k2": k2_kl, "k3": k3_kl}
 """The KL penalty's per-token estimators (TrainConfig.kl_estimator). k1 (logp - ref_logp) is not one: as
 a loss on the policy's own samples its gradient is 0 in expectation."""
@@ -116,9 +122,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ``dr_grpo``). ``total_tokens`` / ``total_sequences`` override the denominators so that
     micro-batches of a gradient-accumulation step add up to the loss of the whole batch.
     """
-    if normalization not in ("token", "sequence", "constant"):
+    if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization must be 'token', 'sequence' or 'constant', got {normalization!r}")
-    if ratio_level not in ("token", "sequence"):
+    if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     if clip_ratio_c is not None and not clip_ratio_c > 1:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")

@@ -21,7 +21,7 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear
                                                      get_moe_layer_wise_logging_tracker)
 from torch.utils.checkpoint import checkpoint
 
-from specroll_mcore.heads import differentiable_vocab_parallel_entropy, vocab_parallel_entropy
+from specroll_mcore.heads import vocab_parallel_entropy
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.model.routing import fill_routing, replay_routing
 from specroll_mcore.parallel import ParallelContext, expert_parallel, grad_of, grad_sq_norm
@@ -219,40 +219,28 @@ def stage_logprobs(policy: PolicyModel, out: tuple, mb: MicroBatch, temperature:
     entropy_grad = entropy and entropy_grad and torch.is_grad_enabled()
 
     def entropy_of(logits: torch.Tensor) -> torch.Tensor:
-        if entropy_grad:
-            return differentiable_vocab_parallel_entropy(logits, policy.vocab_start, policy.config.vocab_size,
-                                                         policy.ctx, temperature)
-        return vocab_parallel_entropy(logits.detach(), policy.vocab_start, policy.config.vocab_size, policy.ctx,
-                                      temperature)
+        return vocab_parallel_entropy(logits if entropy_grad else logits.detach(), policy.vocab_start,
+                                      policy.config.vocab_size, policy.ctx, temperature)
 
     if logits is not None:
         ent = entropy_of(logits) if entropy else None  # (before the log-probs, which may overwrite the logits)
         logp = token_logprobs(policy, logits, labels, temperature)
-    elif entropy_grad:  # each piece's entropy is an output of its checkpointed function, rebuilt with it
-
-        def piece_with_entropy(h: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = policy.vocab_projection(h).transpose(0, 1)  # [B, c, V/tp]
-            ent = entropy_of(logits)
-            return token_logprobs(policy, logits, lab, temperature), ent
-
-        pieces = [checkpoint(piece_with_entropy, hidden[start:start + chunk], labels[:, start:start + chunk],
-                             use_reentrant=False) for start in range(0, hidden.shape[0], chunk)]
-        logp, ent = (torch.cat(parts, 1) for parts in zip(*pieces))
     else:
-        entropies: dict[int, torch.Tensor] = {}  # by the piece's first position
+        seen: set[int] = set()  # pieces by their first position: the backward's recomputation comes again
 
-        def piece(h: torch.Tensor, lab: torch.Tensor, start: int) -> torch.Tensor:
+        def piece(h: torch.Tensor, lab: torch.Tensor, start: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
             logits = policy.vocab_projection(h).transpose(0, 1)  # [B, c, V/tp]
-            if entropy and start not in entropies:  # (not again in the backward's recomputation)
-                entropies[start] = entropy_of(logits)
-            return token_logprobs(policy, logits, lab, temperature)
+            # the metric's entropy once; the bonus's again in the recomputation, which its backward reads
+            ent = entropy_of(logits) if entropy_grad or entropy and start not in seen else None
+            seen.add(start)
+            return token_logprobs(policy, logits, lab, temperature), ent
 
         pieces = []
         for start in range(0, hidden.shape[0], chunk):
             args = (hidden[start:start + chunk], labels[:, start:start + chunk], start)
             pieces.append(checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args))
-        logp = torch.cat(pieces, 1)
-        ent = torch.cat(list(entropies.values()), 1) if entropy else None
+        logp = torch.cat([lp for lp, _ in pieces], 1)
+        ent = torch.cat([e for _, e in pieces], 1) if entropy else None
     # 0 outside the span, where no loss reads them
     return torch.nn.functional.pad(logp, (span.start, mb.labels.shape[1] - span.stop)), ent
 

@@ -14,9 +14,8 @@ from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
 from specroll_mcore.config import (ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig,  # noqa: E402
                                    SpecConfig, tiny_llama, tiny_qwen2)
-from specroll_mcore.heads import (coupled_scores, differentiable_vocab_parallel_entropy,  # noqa: E402
-                                  vocab_parallel_entropy, vocab_parallel_filter, vocab_parallel_logsumexp,
-                                  vocab_parallel_topk)
+from specroll_mcore.heads import (coupled_scores, vocab_parallel_entropy, vocab_parallel_filter,  # noqa: E402
+                                  vocab_parallel_logsumexp, vocab_parallel_topk)
 from specroll_mcore.model import PolicyModel, causal_mask  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.base import prefill  # noqa: E402
@@ -91,10 +90,10 @@ def run(arch: str, dtype: str, ctx) -> dict:
             values, ids = vocab_parallel_topk(flat, 6, model.vocab_start, cfg.vocab_size, ctx)
             out["heads_topk"] = (values, ids)
             out["heads_lse"] = vocab_parallel_logsumexp(flat, model.vocab_start, cfg.vocab_size, ctx)
-            out["heads_entropy"] = vocab_parallel_entropy(flat, model.vocab_start, cfg.vocab_size, ctx, 0.7, 4)
+            out["heads_entropy"] = vocab_parallel_entropy(flat, model.vocab_start, cfg.vocab_size, ctx, 0.7)
             with torch.enable_grad():  # the entropy bonus's: values and each shard's gradient, gathered
                 x = flat.float().requires_grad_()
-                h = differentiable_vocab_parallel_entropy(x, model.vocab_start, cfg.vocab_size, ctx, 0.7)
+                h = vocab_parallel_entropy(x, model.vocab_start, cfg.vocab_size, ctx, 0.7)
                 (grad,) = torch.autograd.grad((h * torch.linspace(-1, 1, 15)).sum(), x)
             out["heads_entropy_grad"] = (h, model.full_logits(grad))
             out["heads_full"] = model.full_logits(head_logits)

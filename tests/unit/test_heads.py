@@ -190,14 +190,14 @@ def test_head_loss_equals_full_vocabulary_reference_and_trains_every_head_weight
 
 def test_vocab_parallel_entropy_equals_the_categorical_entropy(ctx):
     """The update's entropy metric against torch.distributions on the same logits: padding ids past
-    the vocabulary (a TP shard's tail) take no probability, temperature and chunking apply."""
+    the vocabulary (a TP shard's tail) take no probability, temperature applies."""
     from specroll_mcore.heads import vocab_parallel_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(5, 4, 64, generator=g)
     logits[1, 2] = 0.0  # uniform over the 60 real ids
     logits[2, 0, 7] = 80.0  # one id holds all the mass
-    got = vocab_parallel_entropy(logits, 0, 60, ctx, temperature=0.7, rows_per_chunk=2)
+    got = vocab_parallel_entropy(logits, 0, 60, ctx, temperature=0.7)
     ref = torch.distributions.Categorical(logits=logits[..., :60].double() / 0.7).entropy()
     assert got.shape == (5, 4) and torch.allclose(got.double(), ref, atol=1e-5)
     assert got[1, 2].item() == pytest.approx(math.log(60), abs=1e-5) and got[2, 0].item() == pytest.approx(0, abs=1e-5)
@@ -208,15 +208,16 @@ def test_vocab_parallel_entropy_equals_the_categorical_entropy(ctx):
 def test_the_differentiable_entropy_gives_torchs_entropy_and_gradient(ctx, temperature):
     """The entropy bonus's entropy: values and gradients of torch.distributions' entropy on the same
     float64 logits (autograd through the softmax), padding ids past the vocabulary taking neither
-    probability nor gradient; gradcheck on its hand-written backward; the metric's values."""
-    from specroll_mcore.heads import differentiable_vocab_parallel_entropy, vocab_parallel_entropy
+    probability nor gradient; gradcheck on its hand-written backward; the metric's values (logits
+    without gradients: nothing kept for a backward) the same."""
+    from specroll_mcore.heads import vocab_parallel_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(5, 4, 64, generator=g, dtype=torch.float64))
     logits[2, 0, 7] = 80.0  # one id holds all the mass
     logits.requires_grad_()
     weights = torch.randn(5, 4, generator=g, dtype=torch.float64)
-    got = differentiable_vocab_parallel_entropy(logits, 0, 60, ctx, temperature)
+    got = vocab_parallel_entropy(logits, 0, 60, ctx, temperature)
     ref = torch.distributions.Categorical(logits=logits[..., :60] / temperature).entropy()
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(got.detach(), vocab_parallel_entropy(logits.detach(), 0, 60, ctx, temperature))
@@ -225,6 +226,6 @@ def test_the_differentiable_entropy_gives_torchs_entropy_and_gradient(ctx, tempe
     torch.testing.assert_close(grad, expected)
     assert grad[..., 60:].abs().max() == 0
     small = logits.detach()[:2, :2, :9].clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda x: differentiable_vocab_parallel_entropy(x, 0, 8, ctx, temperature),
+    assert torch.autograd.gradcheck(lambda x: vocab_parallel_entropy(x, 0, 8, ctx, temperature),
                                     (small,))
-    assert differentiable_vocab_parallel_entropy(logits.detach().float(), 0, 60, ctx).dtype == torch.float32
+    assert vocab_parallel_entropy(logits.detach().float(), 0, 60, ctx).dtype == torch.float32
