@@ -416,6 +416,10 @@ class SamplingConfig:
     top_k: int = 0
     """Keep the k most likely tokens; 0 disables the filter."""
 
+    min_p: float = 0.0
+    """Keep the tokens at least min_p times as likely as the most likely one (vLLM's and
+    ``transformers``' min_p; after temperature, top-k and top-p); 0 disables the filter; in [0, 1]."""
+
     max_new_tokens: int = 256
     """Response length limit (also stopped by the context length)."""
 
@@ -435,6 +439,7 @@ class SamplingConfig:
         _check(self.temperature >= 0, f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"SamplingConfig.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _check(0 <= self.min_p <= 1, f"SamplingConfig.min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         _check(self.max_new_tokens >= 1, f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.num_samples >= 1, f"SamplingConfig.num_samples must be >= 1, got {self.num_samples}")
         _check(0 <= self.seed < 2**32, f"SamplingConfig.seed must be in [0, 2**32), got {self.seed}")

@@ -24,6 +24,7 @@ all-gather; a global log-sum-exp by all-reduce).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -315,14 +316,14 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_si
 
 
 def vocab_parallel_filter(logits: torch.Tensor, top_p: float, top_k: int, vocab_start: int, vocab_size: int,
-                          ctx: Any, window: int = 256) -> torch.Tensor:
-    """The sampler's top-k / top-p filter (:func:`specroll_mcore.sampling.filter_logits`, temperature
-    already applied) on vocab-parallel logits [n, V/tp], for drafting: removed ids get -inf.
+                          ctx: Any, window: int = 256, min_p: float = 0.0) -> torch.Tensor:
+    """The sampler's top-k / top-p / min-p filter (:func:`specroll_mcore.sampling.filter_logits`,
+    temperature already applied) on vocab-parallel logits [n, V/tp], for drafting: removed ids get -inf.
 
-    Top-k is exact (the global k-th value). Top-p reads the global top-``window`` ids: when the
-    kept set lies within them (mass of better ids reaches top_p) the cut equals the sampler's up to
-    ties; otherwise nothing beyond top-k is removed. Drafts only decide speed, so this never changes
-    a token; it never gathers the vocabulary."""
+    Top-k and min-p are exact (the global k-th value; the global best one's + log(min_p)). Top-p
+    reads the global top-``window`` ids: when the kept set lies within them (mass of better ids
+    reaches top_p) the cut equals the sampler's up to ties; otherwise nothing beyond top-k is
+    removed. Drafts only decide speed, so this never changes a token; it never gathers the vocabulary."""
     x = _mask_padding(logits, vocab_start, vocab_size)
     if 0 < top_k < vocab_size:
         kth = vocab_parallel_topk(x, top_k, vocab_start, vocab_size, ctx)[0][:, -1:]
@@ -334,11 +335,15 @@ def vocab_parallel_filter(logits: torch.Tensor, top_p: float, top_k: int, vocab_
         cut = values.gather(-1, (kept - 1).clamp(max=values.shape[-1] - 1))
         cut = cut.masked_fill(kept >= values.shape[-1], float("-inf"))
         x = x.masked_fill(x < cut, float("-inf"))
+    if min_p > 0:
+        best = vocab_parallel_topk(x, 1, vocab_start, vocab_size, ctx)[0]
+        x = x.masked_fill(x < best + math.log(min_p), float("-inf"))
     return x
 
 
 def coupled_scores(logits: torch.Tensor, keys: SampleKeys, top_p: float, top_k: int, vocab_start: int,
-                   vocab_size: int, ctx: Any, column_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   vocab_size: int, ctx: Any, column_ids: Optional[torch.Tensor] = None,
+                   min_p: float = 0.0) -> torch.Tensor:
     """Vocab-parallel logits [n, V/tp] (temperature applied) -> the sampler's own scores for them:
     filtered logits plus this shard's slice of the Gumbel noise of ``keys`` [n / P]: key r scores
     rows r*P .. r*P + P - 1 (P drafts of the same position, under different draft paths: the
@@ -347,7 +352,7 @@ def coupled_scores(logits: torch.Tensor, keys: SampleKeys, top_p: float, top_k: 
     approximation of :func:`vocab_parallel_filter`), so a draft ranked by them is the policy's sample
     wherever draft and policy agree. ``column_ids`` [V/tp]: the global token id of each column when
     the logits cover a :class:`DraftVocab` (default: ids ``vocab_start ..``)."""
-    x = vocab_parallel_filter(logits, top_p, top_k, vocab_start, vocab_size, ctx)
+    x = vocab_parallel_filter(logits, top_p, top_k, vocab_start, vocab_size, ctx, min_p=min_p)
     n, v = x.shape
     noise = (gumbel_noise(keys, v, x.dtype, vocab_start) if column_ids is None else
              gumbel_noise_at(keys, column_ids[None], x.dtype))  # [n / P, V/tp]

@@ -14,6 +14,7 @@ Pure tensor functions; no torch.distributed.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -189,11 +190,15 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """Temperature, then top-k, then top-p; removed tokens get -inf. logits [n, V] -> [n, V].
+def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                  min_p: float = 0.0) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then min-p; removed tokens get -inf. logits [n, V] -> [n, V].
 
-    Temperature 0 leaves the logits unscaled (greedy sampling takes the argmax). Without top-k and
-    top-p, temperature 1 returns ``logits`` itself (dividing by 1 changes no value)."""
+    Min-p keeps the ids whose probability is at least ``min_p`` times the best one's, i.e. whose
+    scaled logit is at least the best one's + log(min_p) (the best token always stays, so it does not
+    matter whether the probabilities are those before or after top-k and top-p).
+    Temperature 0 leaves the logits unscaled (greedy sampling takes the argmax). Without filters,
+    temperature 1 returns ``logits`` itself (dividing by 1 changes no value)."""
     x = logits.clone() if temperature == 0 else logits if temperature == 1 else logits / temperature
     vocab = x.shape[-1]
     if 0 < top_k < vocab:
@@ -206,22 +211,24 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k:
         drop_sorted = mass_before >= top_p  # never drops the best token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
+    if min_p > 0:
+        x = x.masked_fill(x < x.amax(-1, keepdim=True) + math.log(min_p), float("-inf"))
     return x
 
 
 def sample(logits: torch.Tensor, keys: SampleKeys, temperature: float, top_p: float = 1.0,
-           top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           top_k: int = 0, min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. logits [n, V] (true vocabulary).
 
     Returns tokens [n] and their log-probs [n] under the sampling distribution (after temperature,
-    top-k and top-p). At T = 0 the token is the argmax and the log-prob is that of the unscaled,
-    unfiltered softmax.
+    top-k, top-p and min-p: :func:`filter_logits`). At T = 0 the token is the argmax and the log-prob
+    is that of the unscaled, unfiltered softmax.
     """
     if temperature == 0:
         tokens = first_argmax(logits)
         logp = torch.log_softmax(upcast(logits), dim=-1)
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
-    x = filter_logits(logits, temperature, top_p, top_k)
+    x = filter_logits(logits, temperature, top_p, top_k, min_p)
     # the argmax of x + g (the first maximal index), summed into the noise's own buffer
     tokens = first_argmax(gumbel_noise(keys, x.shape[-1], x.dtype).add_(x))
     logp = torch.log_softmax(upcast(x), dim=-1)

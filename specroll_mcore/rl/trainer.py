@@ -382,7 +382,7 @@ class GRPOTrainer:
         mean over the optimizer steps) and, where there are several, ``optimizer_steps``."""
         cfg, ctx, policy = self.cfg, self.ctx, self.policy
         every = [mb for mbs in minis for mb in mbs]
-        recomputed = cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0
+        recomputed = cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.min_p > 0
         if recomputed:
             # the rollout's log-probs are of the filtered distribution: recompute unfiltered ones
             for mb, lp in zip(every, forward_logprobs(policy, every, cfg.sampling.temperature,

@@ -145,7 +145,7 @@ def sample_rows(model: PolicyModel, logits: Optional[torch.Tensor], keys: Sample
     """Sample on the last stage (logits [n, V]) and share tokens and log-probs with all stages."""
     n = keys.prompt.shape[0]
     if logits is not None:
-        tokens, logp = sample(logits, keys, sampling.temperature, sampling.top_p, sampling.top_k)
+        tokens, logp = sample(logits, keys, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
         logp = logp.float()
     else:
         tokens = torch.empty(n, dtype=torch.long, device=keys.prompt.device)

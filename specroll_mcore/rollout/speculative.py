@@ -192,7 +192,7 @@ class SpeculativeEngine:
             logits = logits / T
         flat = logits.reshape(D * b, -1)
         ranked = (coupled_scores(flat, keys.rows(0, D * b), sampling.top_p, sampling.top_k, start, vocab, ctx,
-                                 columns) if coupled else flat)
+                                 columns, sampling.min_p) if coupled else flat)
         # head 1, exactly
         if coupled:
             values, cand = vocab_parallel_topk(ranked[:b], k, start, vocab, ctx)
@@ -238,7 +238,8 @@ class SpeculativeEngine:
             lg = lg.float().masked_fill(padding[d - 1][:, None], float("-inf"))
             ids = shortlist[d - 1][:, None].expand(b, P, S)
             if coupled:
-                rk = filter_logits(lg.reshape(b * P, S), T, sampling.top_p, sampling.top_k).reshape(b, P, S)
+                rk = filter_logits(lg.reshape(b * P, S), T, sampling.top_p, sampling.top_k,
+                                   sampling.min_p).reshape(b, P, S)
                 rk = rk + noise[d - 1][:, None]
             else:
                 rk = lg / T if T > 0 else lg
@@ -627,7 +628,8 @@ class _Rollout:
             keys = self.state.keys(slots[rows], positions)
         else:
             keys = keys.select((positions - position[rows]) * slots.numel() + rows)
-        tok, lp = sample(logits, keys, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        tok, lp = sample(logits, keys, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k,
+                         self.sampling.min_p)
         return tok, lp.float()
 
     def stats(self) -> dict[str, Any]:

@@ -97,10 +97,10 @@ def run(arch: str, dtype: str, ctx) -> dict:
                 (grad,) = torch.autograd.grad((h * torch.linspace(-1, 1, 15)).sum(), x)
             out["heads_entropy_grad"] = (h, model.full_logits(grad))
             out["heads_full"] = model.full_logits(head_logits)
-            # coupled drafting: the sampler's scores, top-p / top-k filtered without gathering
+            # coupled drafting: the sampler's scores, top-p / top-k / min-p filtered without gathering
             keys = SampleKeys(3, 1, torch.arange(15), torch.zeros(15, dtype=torch.long), torch.arange(15) + 4)
-            scores = coupled_scores(flat, keys, 0.9, 20, model.vocab_start, cfg.vocab_size, ctx)
-            out["heads_coupled"] = vocab_parallel_topk(scores, 4, model.vocab_start, cfg.vocab_size, ctx)[1]
+            scores = coupled_scores(flat, keys, 0.9, 20, model.vocab_start, cfg.vocab_size, ctx, min_p=0.6)
+            out["heads_coupled"] = vocab_parallel_topk(scores, 4, model.vocab_start, cfg.vocab_size, ctx)
             kept = torch.isfinite(vocab_parallel_filter(flat, 0.9, 0, model.vocab_start, cfg.vocab_size, ctx,
                                                         window=16))
             out["heads_filter_kept"] = ctx.all_reduce_tp(kept.sum(-1), "sum")

@@ -11,20 +11,21 @@ from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
 from specroll_mcore.sampling import SampleKeys, filter_logits, sample
 
-FILTERS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 12), (1.0, 0.8, 40)]  # (T, top_p, top_k)
+FILTERS = [(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 1.0, 12, 0.0), (1.0, 0.8, 40, 0.0), (1.0, 1.0, 0, 0.05),
+           (0.7, 0.9, 30, 0.1)]  # (T, top_p, top_k, min_p)
 
 
 def keys(n, seed=4):
     return SampleKeys(seed, 3, torch.arange(n) % 5, torch.arange(n) % 2, torch.arange(n) + 10)
 
 
-@pytest.mark.parametrize("temperature, top_p, top_k", FILTERS)
-def test_filter_equals_the_samplers_when_the_cut_is_inside_the_window(ctx, temperature, top_p, top_k):
+@pytest.mark.parametrize("temperature, top_p, top_k, min_p", FILTERS)
+def test_filter_equals_the_samplers_when_the_cut_is_inside_the_window(ctx, temperature, top_p, top_k, min_p):
     g = torch.Generator().manual_seed(1)
     logits = 3.0 * torch.randn(32, 500, generator=g, dtype=torch.float64)  # peaked: top-p keeps a few ids
     x = logits / temperature
-    ours = vocab_parallel_filter(x, top_p, top_k, 0, 500, ctx)
-    assert torch.equal(torch.isfinite(ours), torch.isfinite(filter_logits(logits, temperature, top_p, top_k)))
+    ours = vocab_parallel_filter(x, top_p, top_k, 0, 500, ctx, min_p=min_p)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(filter_logits(logits, temperature, top_p, top_k, min_p)))
 
 
 def test_filter_keeps_everything_when_the_cut_lies_beyond_the_window(ctx):
@@ -35,17 +36,18 @@ def test_filter_keeps_everything_when_the_cut_lies_beyond_the_window(ctx):
     assert (kept > 64).all() and (kept < 400).all()  # the sampler's cut: past the window, short of all
 
 
-@pytest.mark.parametrize("temperature, top_p, top_k", FILTERS)
-def test_a_draft_equal_to_the_policy_is_its_sample(ctx, temperature, top_p, top_k):
+@pytest.mark.parametrize("temperature, top_p, top_k, min_p", FILTERS)
+def test_a_draft_equal_to_the_policy_is_its_sample(ctx, temperature, top_p, top_k, min_p):
     g = torch.Generator().manual_seed(2)
     logits = 2.0 * torch.randn(64, 300, generator=g, dtype=torch.float64)
     k = keys(64)
-    tokens, _ = sample(logits, k, temperature, top_p, top_k)
-    scores = coupled_scores(logits / temperature, k, top_p, top_k, 0, 300, ctx)
+    tokens, _ = sample(logits, k, temperature, top_p, top_k, min_p)
+    scores = coupled_scores(logits / temperature, k, top_p, top_k, 0, 300, ctx, min_p=min_p)
     assert torch.equal(scores.argmax(-1), tokens)
     # another position's noise gives other tokens: the scores read the drafted position's noise
     other = SampleKeys(k.seed, k.step, k.prompt, k.sample, k.position + 1)
-    assert not torch.equal(coupled_scores(logits / temperature, other, top_p, top_k, 0, 300, ctx).argmax(-1), tokens)
+    assert not torch.equal(coupled_scores(logits / temperature, other, top_p, top_k, 0, 300, ctx, min_p=min_p).argmax(-1),
+                           tokens)
 
 
 def test_drafts_under_several_paths_share_their_positions_noise(ctx):

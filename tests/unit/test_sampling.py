@@ -44,6 +44,45 @@ def test_temperature_top_k_top_p_distribution():
     assert torch.allclose(logp, torch.log(target[tokens]))
 
 
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 0), (1.3, 40)])
+def test_min_p_equals_transformers_warpers(temperature, top_k):
+    """Min-p after temperature and top-k against transformers' logits warpers in generate's order."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper
+
+    logits = 2.5 * torch.randn(64, 300, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for min_p in (0.02, 0.1, 0.5, 1.0):
+        ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            ref = TopKLogitsWarper(top_k)(None, ref)
+        ref = MinPLogitsWarper(min_p)(None, ref)
+        ours = filter_logits(logits, temperature, 1.0, top_k, min_p)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(ref)), min_p
+        assert torch.equal(ours[torch.isfinite(ours)], ref[torch.isfinite(ref)])
+        kept = torch.isfinite(ours).sum(-1)
+        assert (kept >= 1).all() and (min_p == 1.0 or (kept > 1).any()) and (kept < (top_k or 300)).any()
+
+
+def test_min_p_after_top_p_keeps_the_ids_both_keep():
+    """The best id survives top-p, so min-p's threshold is the same before or after it: the kept set
+    is the intersection of the two filters' kept sets."""
+    logits = 2.0 * torch.randn(32, 200, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    both = torch.isfinite(filter_logits(logits, 0.8, 0.9, 0, 0.05))
+    alone = torch.isfinite(filter_logits(logits, 0.8, 0.9, 0)) & torch.isfinite(filter_logits(logits, 0.8, 1.0, 0, 0.05))
+    assert torch.equal(both, alone)
+    assert not torch.equal(both, torch.isfinite(filter_logits(logits, 0.8, 0.9, 0)))  # min-p cuts more
+
+
+def test_min_p_distribution():
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0])
+    n = 40000
+    # min-p 0.2 at T=1: ids with p >= 0.2 p_max, i.e. logit >= 3 + log(0.2) = 1.39: the first three
+    tokens, logp = sample(logits.expand(n, -1), keys_for(n, seed=3), 1.0, min_p=0.2)
+    assert set(tokens.unique().tolist()) == {0, 1, 2}
+    target = torch.softmax(filter_logits(logits[None], 1.0, 1.0, 0, 0.2)[0], -1)
+    assert chi_square_p(tokens, target) > 1e-3
+    assert torch.allclose(logp, torch.log(target[tokens]))
+
+
 def test_greedy():
     logits = torch.randn(5, 50)
     tokens, logp = sample(logits, keys_for(5), temperature=0.0)

@@ -3,6 +3,7 @@ random tiny models, at T=0 and at T=1 with top-p, on ragged batches with early E
 divergence rate in float32 is measured and reported."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -51,6 +52,20 @@ def test_identical_to_vanilla_float64(ctx, make_cfg, mode):
         assert out.finish_reason == ref.finish_reason
         assert lp < 1e-9
     assert "eos" in ref.finish_reason and len({len(t) for t in ref.tokens}) > 1  # ragged, early EOS
+
+
+def test_min_p_and_top_k_identical_to_vanilla_float64(ctx):
+    """vLLM's min-p, with top-k and top-p, in the sampler and the coupled drafts alike."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, seed=4)
+    sp = SamplingConfig(temperature=0.8, top_p=0.95, top_k=40, min_p=0.3, max_new_tokens=40, num_samples=3, seed=9)
+    ref = VanillaEngine(model).generate(PROMPTS, sp, step=1)
+    unfiltered = VanillaEngine(model).generate(PROMPTS, dataclasses.replace(sp, min_p=0.0), step=1)
+    assert ref.tokens != unfiltered.tokens  # min-p removes ids some response would have sampled
+    for c_hw, coupled in ((64, True), (64, False)):
+        out = SpeculativeEngine(model, SpecConfig(c_hw=c_hw, coupled=coupled)).generate(PROMPTS, sp, step=1)
+        same, lp = compare(ref, out)
+        assert all(same) and lp < 1e-9, (c_hw, coupled)
+        assert out.stats["tau"] > 1.0  # trees of several nodes a row, some drafts accepted
 
 
 def test_float32_near_tie_rate(ctx):

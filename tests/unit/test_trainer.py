@@ -103,8 +103,9 @@ def test_the_gap_between_rollout_and_update_log_probs_is_logged(tiny_ckpt, tmp_p
     row = run_rows(tiny_ckpt, tmp_path / "b", "engine=vanilla", "steps=1")[0]
     assert row["rollout_logp_gap_mean"] == pytest.approx(0.25, abs=1e-4)
     assert row["rollout_logp_gap_max"] == pytest.approx(0.25, abs=1e-4)
-    row = run_rows(tiny_ckpt, tmp_path / "c", "engine=vanilla", "steps=1", "sampling.top_p=0.9")[0]
-    assert "rollout_logp_gap_mean" not in row  # old log-probs recomputed by the update's forward: no gap to see
+    for name, option in (("c", "sampling.top_p=0.9"), ("d", "sampling.min_p=0.1")):
+        row = run_rows(tiny_ckpt, tmp_path / name, "engine=vanilla", "steps=1", option)[0]
+        assert "rollout_logp_gap_mean" not in row, option  # old log-probs recomputed by the update's forward
 
 
 def test_routing_replay_routes_the_update_as_the_rollout(tmp_path, ctx, monkeypatch, engine="specroll"):
