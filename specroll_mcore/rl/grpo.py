@@ -91,6 +91,9 @@ class LossOutput:
     clip_fraction: float
     ratio_mean: float
     kl: float
+    pg_loss: float
+    """The clipped-ratio term alone, normalised as the loss (without the KL penalty and the entropy
+    bonus: verl's ``pg_loss``)."""
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -150,6 +153,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     per_token = -torch.minimum(unclipped, clipped)
     if clip_ratio_c is not None:  # (-c * A > 0 where A < 0)
         per_token = torch.where(adv < 0, torch.minimum(per_token, -clip_ratio_c * adv), per_token)
+
+    def normalised(per_token: torch.Tensor) -> torch.Tensor:
+        if normalization == "token":
+            return (per_token * mask).sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
+        per_seq = (per_token * mask).sum(1)
+        per_seq = per_seq / (max_tokens if normalization == "constant" else mask.sum(1).clamp(min=1))
+        return per_seq.sum() / (total_sequences if total_sequences is not None else per_seq.numel())
+
+    extra_terms = entropy_coeff > 0 or (ref_logp is not None and kl_beta > 0)
+    pg_loss = float(normalised(per_token.detach())) if extra_terms else None
     if entropy_coeff > 0:
         per_token = per_token - entropy_coeff * entropy.to(logp.dtype)
     kl_value = torch.zeros((), dtype=logp.dtype)
@@ -158,12 +171,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         penalty = kl_tok if kl_estimator == "k3" else KL_ESTIMATORS[kl_estimator](logp, ref_logp)
         per_token = per_token + kl_beta * penalty
         kl_value = (kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1)
-    if normalization == "token":
-        loss = (per_token * mask).sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1))
-    else:
-        per_seq = (per_token * mask).sum(1)
-        per_seq = per_seq / (max_tokens if normalization == "constant" else mask.sum(1).clamp(min=1))
-        loss = per_seq.sum() / (total_sequences if total_sequences is not None else per_seq.numel())
+    loss = normalised(per_token)
     with torch.no_grad():
         is_clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))
         if clip_ratio_c is not None:
@@ -171,4 +179,5 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         n = mask.sum().clamp(min=1)
         clip_fraction = float((is_clipped.to(mask.dtype) * mask).sum() / n)
         ratio_mean = float((ratio * mask).sum() / n)
-    return LossOutput(loss, clip_fraction, ratio_mean, float(kl_value.detach()))
+    return LossOutput(loss, clip_fraction, ratio_mean, float(kl_value.detach()),
+                      float(loss.detach()) if pg_loss is None else pg_loss)

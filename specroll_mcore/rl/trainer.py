@@ -394,7 +394,7 @@ class GRPOTrainer:
                 for mb, lp in zip(every, forward_logprobs(policy, every, cfg.sampling.temperature, replay=False,
                                                           logprob_chunk=cfg.logprob_chunk)):
                     mb.ref_logp = lp
-        norms, losses, parts, aux, skipped, taken = [], [], [], [], False, 0
+        norms, losses, pg_losses, parts, aux, skipped, taken = [], [], [], [], [], False, 0
         entropy, tokens = 0.0, 0.0
         extra: dict[str, Any] = {}
         for epoch in range(cfg.ppo_epochs):
@@ -412,12 +412,14 @@ class GRPOTrainer:
                 parts += step_parts
                 entropy += step_extra.pop("entropy_sum")
                 tokens += step_extra.pop("tokens")
+                pg_losses.append(step_extra.pop("pg_loss"))
                 if "moe_aux_loss" in step_extra:
                     aux.append(step_extra.pop("moe_aux_loss"))
                 extra.update(step_extra)
         if not norms:
             return 0.0, 0.0, [], True, {}
         extra["entropy"] = entropy / tokens
+        extra["pg_loss"] = sum(pg_losses) / len(pg_losses)
         if aux:
             extra["moe_aux_loss"] = sum(aux) / len(aux)
         if cfg.mini_batches * cfg.ppo_epochs > 1:
@@ -444,8 +446,8 @@ class GRPOTrainer:
                               max_tokens=cfg.sampling.max_new_tokens, ratio_level=cfg.ratio_level,
                               clip_ratio_c=cfg.clip_ratio_c, entropy=entropy, entropy_coeff=cfg.entropy_coeff,
                               kl_estimator=cfg.kl_estimator)
-            m = {"loss": float(out.loss.detach()), "clip_fraction": out.clip_fraction, "ratio": out.ratio_mean,
-                 "kl": out.kl, "tokens": float(mb.loss_mask.sum())}
+            m = {"loss": float(out.loss.detach()), "pg_loss": out.pg_loss, "clip_fraction": out.clip_fraction,
+                 "ratio": out.ratio_mean, "kl": out.kl, "tokens": float(mb.loss_mask.sum())}
             if gap:  # the rollout's log-probs against this forward's, same weights: numerics alone
                 diff = torch.where(mb.loss_mask > 0, (logp.detach() - mb.old_logp).abs(), 0.0)
                 m["logp_gap_sum"], m["logp_gap_max"] = torch.stack([diff.sum(), diff.max()]).tolist()
@@ -462,9 +464,9 @@ class GRPOTrainer:
         extra = {"moe_aux_loss": moe_aux_loss(policy, total_mbs, cfg.recompute_activations)} if balanced else {}
         finalize_grads(policy)
         norm = float(global_grad_norm(policy))
-        loss, entropy = ctx.all_reduce_dp(torch.tensor([sum(p[k] for p in parts) for k in ("loss", "entropy_sum")],
-                                                       dtype=torch.float64)).tolist()
-        extra.update(entropy_sum=entropy, tokens=float(total_tokens))
+        loss, pg_loss, entropy = ctx.all_reduce_dp(torch.tensor(
+            [sum(p[k] for p in parts) for k in ("loss", "pg_loss", "entropy_sum")], dtype=torch.float64)).tolist()
+        extra.update(pg_loss=pg_loss, entropy_sum=entropy, tokens=float(total_tokens))
         if gap:
             gap_sum = ctx.all_reduce_dp(torch.tensor(sum(p["logp_gap_sum"] for p in parts)))
             gap_max = ctx.all_reduce_max(torch.tensor(max((p["logp_gap_max"] for p in parts), default=0.0)))

@@ -80,6 +80,21 @@ def test_dual_clip_by_hand():
         policy_loss(new, old, adv, mask, clip_ratio_c=1.0)
 
 
+@pytest.mark.parametrize("normalization", ["token", "sequence", "constant"])
+def test_pg_loss_is_the_clipped_ratio_term_alone(normalization):
+    """LossOutput.pg_loss: the loss without its KL penalty and entropy bonus (verl's pg_loss)."""
+    g = torch.Generator().manual_seed(3)
+    logp, old, ref = (-torch.rand(3, 5, generator=g) * 3 for _ in range(3))
+    adv, mask = torch.tensor([1.0, -0.5, 2.0]), (torch.rand(3, 5, generator=g) > 0.3).float()
+    entropy = torch.rand(3, 5, generator=g)
+    plain = policy_loss(logp, old, adv, mask, normalization=normalization, max_tokens=5)
+    assert plain.pg_loss == plain.loss.item()
+    full = policy_loss(logp, old, adv, mask, normalization=normalization, max_tokens=5, ref_logp=ref, kl_beta=0.3,
+                       entropy=entropy, entropy_coeff=0.1)
+    assert full.pg_loss == pytest.approx(plain.loss.item(), rel=1e-6)
+    assert full.loss.item() != pytest.approx(full.pg_loss)
+
+
 def test_entropy_bonus_by_hand():
     """entropy_coeff: - c x entropy per token, masked and normalised as the policy loss (token and
     sequence level), with gradient -c / n to each counted entropy; refused without the entropy."""

@@ -809,7 +809,9 @@ def test_an_entropy_bonus_raises_the_policys_entropy(tiny_ckpt, tmp_path, ctx):
         trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(
             tiny_ckpt, tmp_path / coeff, "engine=vanilla", f"entropy_coeff={coeff}", "lr=1e-2", "grad_clip=0")))
         mbs = trainer._micro_batches(step_sequences(trainer, [0.0] * 6))
-        first = trainer._update([mbs])[4]["entropy"]
+        _, loss, _, _, extra = trainer._update([mbs])
+        first = extra["entropy"]
+        assert extra["pg_loss"] == 0.0 and loss == pytest.approx(-float(coeff) * first, rel=1e-5)  # token mean
         before = [p.detach().clone() for p in trainer.policy.gpt.parameters()]
         second = trainer._update([mbs])[4]["entropy"]
         entropies[coeff] = (first, second)
