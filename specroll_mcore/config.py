@@ -557,13 +557,16 @@ class SlowPathConfig:
             _check(getattr(self, name) >= 1, f"SlowPathConfig.{name} must be >= 1, got {getattr(self, name)}")
         _check(self.cooldown_batches >= 0, f"SlowPathConfig.cooldown_batches must be >= 0, got {self.cooldown_batches}")
         _check(0 < self.tolerance < 1, f"SlowPathConfig.tolerance must be in (0, 1), got {self.tolerance}")
-        _check(0 <= self.time_cap <= 1, f"SlowPathConfig.time_cap must be in [0, 1], got {self.time_cap}")
+        _check(0 < self.time_cap <= 1, f"SlowPathConfig.time_cap must be in (0, 1], got {self.time_cap} (a cap of 0 "
+                                       f"would never let an event run: switch the slow path off with enabled: false)")
         _check(0 < self.holdout_fraction < 1,
                f"SlowPathConfig.holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
         _check(self.max_records <= self.buffer_size,
                f"SlowPathConfig.max_records ({self.max_records}) must be <= buffer_size ({self.buffer_size})")
-        for name in ("corrected_weight", "rank_weight", "rank_margin", "proximal", "lr"):
+        for name in ("corrected_weight", "rank_weight", "rank_margin", "proximal"):
             _check(getattr(self, name) >= 0, f"SlowPathConfig.{name} must be >= 0, got {getattr(self, name)}")
+        _check(self.lr > 0, f"SlowPathConfig.lr must be > 0, got {self.lr} (a rate of 0 would run events that change "
+                            f"nothing: switch the slow path off with enabled: false)")
 
 
 @dataclass

@@ -414,7 +414,11 @@ def test_state_dict_round_trip(ctx):
 
 @pytest.mark.parametrize("bad, field", [(dict(max_records=4096), "max_records"), (dict(tolerance=1.5), "tolerance"),
                                         (dict(time_cap=2.0), "time_cap"), (dict(window=0), "window"),
-                                        (dict(scored_per_batch=0), "scored_per_batch")])
+                                        (dict(scored_per_batch=0), "scored_per_batch"),
+                                        (dict(time_cap=0.0), r"time_cap must be in \(0, 1\], got 0.0 \(a cap of 0"),
+                                        (dict(lr=0.0), r"lr must be > 0, got 0.0 \(a rate of 0"),
+                                        (dict(lr=float("nan")), "lr must be > 0, got nan"),
+                                        (dict(proximal=-1.0), "proximal must be >= 0, got -1.0")])
 def test_config_errors_name_the_field(bad, field):
     with pytest.raises(ValueError, match=f"SlowPathConfig.{field}"):
         SlowPathConfig(**bad)
