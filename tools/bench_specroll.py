@@ -4,8 +4,9 @@
     python tools/bench_specroll.py --prompts 32 --samples 8 --max-new-tokens 256 --reps 3 --out bench_specroll.json
 
 SmolLM2-135M-Instruct with the heads saved by tools/train_heads.py; GSM8K-style prompts from the
-offline generator in the chat template; T=1, EOS honoured (a real rollout: responses finish at
-different times). Two scenarios, each alternating vanilla and SpecRoll for --reps repetitions:
+offline generator in the chat template; T=1 unless --temperature, --top-p, --top-k and --min-p say
+otherwise (the same filters in every engine, transformers' included); EOS honoured (a real rollout:
+responses finish at different times). Two scenarios, each alternating vanilla and SpecRoll for --reps repetitions:
   * batch 1: --batch1-prompts prompts, one response at a time;
   * the full batch: P prompts x G samples at once.
 Every repetition checks that both engines emitted identical tokens. Reported: the median of paired
@@ -77,11 +78,19 @@ def time_hf(hf, prompts, sp, tok, prompt_lookup: int = 0) -> float:
     with torch.inference_mode():
         for p in prompts:  # batch 1: what prompt lookup decoding supports
             kw = dict(prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else {}
-            hf.generate(torch.tensor([p], device=hf.device), do_sample=sp.temperature > 0,
-                        temperature=sp.temperature or None, top_p=1.0, top_k=0,
+            hf.generate(torch.tensor([p], device=hf.device), **hf_sampling(sp),
                         max_new_tokens=sp.max_new_tokens, pad_token_id=pad_id(tok), **kw)
     wait(hf.device)
     return time.perf_counter() - t0
+
+
+def hf_sampling(sp: SamplingConfig) -> dict:
+    """``generate``'s arguments for the same sampling filters (its own defaults for top-k and top-p
+    would otherwise apply)."""
+    if sp.temperature == 0:
+        return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return dict(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                min_p=sp.min_p or None)
 
 
 def pad_id(tok) -> int:
@@ -100,8 +109,7 @@ def time_hf_batch(hf, prompts, sp, tok) -> float:
     wait(hf.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        hf.generate(input_ids=ids, attention_mask=mask, do_sample=sp.temperature > 0,
-                    temperature=sp.temperature or None, top_p=1.0, top_k=0,
+        hf.generate(input_ids=ids, attention_mask=mask, **hf_sampling(sp),
                     max_new_tokens=sp.max_new_tokens, pad_token_id=pad_id(tok),
                     num_return_sequences=sp.num_samples)
     wait(hf.device)
@@ -217,6 +225,9 @@ def main() -> int:
     ap.add_argument("--n-max", type=int, default=16)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="SamplingConfig.top_p (also transformers')")
+    ap.add_argument("--top-k", type=int, default=0, help="SamplingConfig.top_k, 0: off (also transformers')")
+    ap.add_argument("--min-p", type=float, default=0.0, help="SamplingConfig.min_p, 0: off (also transformers')")
     ap.add_argument("--draft-vocab", type=int, default=SpecConfig.draft_vocab,
                     help="ids the heads draft from (SpecConfig.draft_vocab; 0: the whole vocabulary)")
     ap.add_argument("--coupled", action=argparse.BooleanOptionalAction, default=True,
@@ -271,10 +282,11 @@ def main() -> int:
                           if cap.latency is not None else None),
               "step_overhead": (dataclasses.asdict(latency.overhead) if isinstance(latency, StepCost) else None),
               "threads": torch.get_num_threads(),
-              "temperature": args.temperature,
+              "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
               "reps": args.reps, "max_new_tokens": args.max_new_tokens}
     print(f"c_hw={c_hw} heads={policy.num_heads} topk={args.topk} n_max={args.n_max} threads={torch.get_num_threads()}")
-    sp1 = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=1, seed=1)
+    filters = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    sp1 = SamplingConfig(**filters, max_new_tokens=args.max_new_tokens, num_samples=1, seed=1)
     p1 = synthetic_chat_prompts(tok, args.batch1_prompts, seed=777)
     run(vanilla, p1[:1], SamplingConfig(max_new_tokens=4))  # warm-up
 
@@ -319,8 +331,7 @@ def main() -> int:
         print(f"batch 1: SpecRoll vs transformers generate {report['batch1']['specroll_over_hf_generate']:.2f}x"
               + (f", vs prompt lookup {report['batch1'].get('specroll_over_hf_prompt_lookup', 0):.2f}x"), flush=True)
     if not args.skip_full:
-        spf = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
-                             seed=2)
+        spf = SamplingConfig(**filters, max_new_tokens=args.max_new_tokens, num_samples=args.samples, seed=2)
         pf = synthetic_chat_prompts(tok, args.prompts, seed=4242)
         report["full"] = scenario(f"{args.prompts} prompts x {args.samples} samples", vanilla, spec, pf, spf, args.reps,
                                   third)

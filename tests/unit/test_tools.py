@@ -43,9 +43,13 @@ def run_tool(name, *args, **env_extra):
 def test_bench_specroll_smoke(tiny_ckpt, tmp_path):
     out = tmp_path / "b.json"
     run_tool("bench_specroll.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 8,
-             "--batch1-prompts", 1, "--reps", 1, "--c-hw", 16, "--skip-hf", "--out", out, "--plot", tmp_path / "b.png")
+             "--batch1-prompts", 1, "--reps", 1, "--c-hw", 16, "--top-k", 50, "--min-p", 0.05, "--out", out,
+             "--plot", tmp_path / "b.png")
     report = json.loads(out.read_text())
     assert report["spec"]["reflex"]["enabled"] and report["spec"]["slow_path"]["enabled"]
+    assert (report["top_k"], report["min_p"]) == (50, 0.05)
+    for scenario in ("batch1", "full"):  # the filters in both engines and in transformers' generate
+        assert report[scenario]["identical_tokens"] and report[scenario]["specroll_over_hf_generate"] > 0, scenario
 
 
 def test_bench_sampling_smoke(tiny_ckpt, tmp_path):
