@@ -205,15 +205,46 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
-        drop_sorted = mass_before >= top_p  # never drops the best token
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = _nucleus(x.reshape(-1, vocab), top_p).view(x.shape)
     if min_p > 0:
         x = x.masked_fill(x < x.amax(-1, keepdim=True) + math.log(min_p), float("-inf"))
     return x
+
+
+NUCLEUS_WINDOW = 256
+"""Ids a row's top-p cut is first looked for among on CPU (its most likely ones, by a top-k):
+sorting a row of SmolLM2's 49152 ids takes ~3 ms on a 2-core CPU, a top-256 a fraction of it
+(16-response rollouts at top-p 0.95: 1.3x faster, docs/results/README.md)."""
+
+
+def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p on scaled logits [n, V]: ids whose better ids' probability reaches top_p get -inf (never
+    the best one). On CPU each row's cut is looked for among its :data:`NUCLEUS_WINDOW` most likely
+    ids, with the row's own log-sum-exp; a row whose cut lies beyond them (its window's last id is
+    kept) is sorted whole. Which way a row goes depends on its values alone, so the kept ids do not
+    depend on the other rows of the call (the exactness contract: a tree's rows sample as one-token
+    ones). On a GPU every row is sorted whole: a sort is cheap there, and choosing would wait for
+    the device."""
+
+    def cut(sorted_x: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:  # drop mask, in sorted order
+        probs = torch.exp(sorted_x - log_z)
+        return torch.cumsum(probs, dim=-1) - probs >= top_p  # mass of strictly better ids
+
+    def sorted_whole(rows: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:  # drop mask of whole rows
+        sorted_x, order = torch.sort(rows, dim=-1, descending=True)
+        return torch.zeros_like(rows, dtype=torch.bool).scatter_(-1, order, cut(sorted_x, log_z))
+
+    log_z = torch.logsumexp(x, dim=-1, keepdim=True)
+    if not (NUCLEUS_WINDOW < x.shape[-1] and x.device.type == "cpu"):
+        return x.masked_fill(sorted_whole(x, log_z), float("-inf"))
+    values, order = torch.topk(x, NUCLEUS_WINDOW, dim=-1)  # descending
+    drop_sorted = cut(values, log_z)
+    drop = torch.ones_like(x, dtype=torch.bool).scatter_(-1, order, drop_sorted)
+    beyond = ~drop_sorted[:, -1]  # rows whose window's last id is kept: their cut lies past it
+    if bool(beyond.any()):
+        rows = beyond.nonzero()[:, 0]
+        drop.index_copy_(0, rows, sorted_whole(x.index_select(0, rows), log_z.index_select(0, rows)))
+    return x.masked_fill(drop, float("-inf"))
 
 
 def sample(logits: torch.Tensor, keys: SampleKeys, temperature: float, top_p: float = 1.0,

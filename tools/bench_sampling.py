@@ -10,6 +10,9 @@ in one process, ABBA, for --reps rounds:
     of 7 calls per turn); the noise alone too;
   * rollouts of SmolLM2 with both engines for P x G prompt shapes (``4x4``: 4 prompts x 4 samples),
     T=1, EOS honoured, tokens checked identical on and off.
+With ``--top-p`` < 1 the rollouts sample with that nucleus, and a third part runs them (kernel on)
+with each row's top-p cut looked for among its ``sampling.NUCLEUS_WINDOW`` most likely ids first
+("on") against every row sorted whole ("off").
 Reported: medians of the paired ratios (off / on); absolute times on shared machines are noisy.
 """
 
@@ -52,15 +55,21 @@ def call_ms(fn, calls: int = 7) -> float:
     return 1e3 * statistics.median(times)
 
 
-def paired(measure, reps: int) -> dict:
-    """``measure()`` -> (time, result to compare), taken with the kernel on and off in ABBA order for
-    ``reps`` rounds: both times, the median of the ratios off / on, and whether the results agreed."""
+def nucleus_window(on: bool, window: int = sampling.NUCLEUS_WINDOW) -> None:
+    """Top-p's cut looked for in each row's top ids first (on), or every row sorted whole (off)."""
+    sampling.NUCLEUS_WINDOW = window if on else sys.maxsize
+
+
+def paired(measure, reps: int, switch=kernel) -> dict:
+    """``measure()`` -> (time, result to compare), taken with ``switch`` on and off (the noise kernel
+    by default) in ABBA order for ``reps`` rounds: both times, the median of the ratios off / on, and
+    whether the results agreed."""
     on_t, off_t, same = [], [], True
     for r in range(reps):
         order = (True, False) if r % 2 == 0 else (False, True)
         got = {}
         for on in order:
-            kernel(on)
+            switch(on)
             got[on] = measure()
         (t_on, res_on), (t_off, res_off) = got[True], got[False]
         on_t.append(t_on)
@@ -77,13 +86,20 @@ def main() -> int:
     ap.add_argument("--shapes", default="1x1,4x4", help="rollouts: PROMPTSxSAMPLES, comma-separated ('' for none)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="the rollouts' nucleus; < 1 adds the rollouts with top-p's cut looked for among each row's "
+                         "most likely ids against every row sorted whole")
     ap.add_argument("--out", default="bench_sampling.json")
     args = ap.parse_args()
     if sampling.noise_kernel() is None:
         print("the noise kernel is not built on this machine (see the warning above): nothing to compare")
         return 1
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
     report = {"hardware": hardware_name(), "threads": torch.get_num_threads(), "reps": args.reps,
-              "vocab": VOCAB, "sample_ms": {}, "noise_ms": {}, "rollouts": {}}
+              "vocab": VOCAB, "top_p": args.top_p, "sample_ms": {}, "noise_ms": {}, "rollouts": {}}
+    if args.top_p < 1:
+        report.update(nucleus_window=sampling.NUCLEUS_WINDOW, nucleus_rollouts={})
     gen = torch.Generator().manual_seed(0)
     for n in (int(r) for r in args.rows.split(",") if r):
         logits = torch.randn(n, VOCAB, generator=gen) * 3
@@ -107,18 +123,25 @@ def main() -> int:
         report["c_hw"] = cap.c_hw
         for P, G in shapes:
             prompts = synthetic_chat_prompts(tok, P, seed=777)
-            sp = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, num_samples=G, seed=1)
+            sp = SamplingConfig(temperature=1.0, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                num_samples=G, seed=1)
             for name, engine in engines.items():
                 def rollout():
                     t0 = time.perf_counter()
                     out = engine.generate(prompts, sp, prompt_ids=list(range(P)))
                     return time.perf_counter() - t0, out.tokens
                 engine.generate(prompts[:1], SamplingConfig(max_new_tokens=4))  # warm-up
-                res = paired(rollout, args.reps)
-                report["rollouts"][f"{name} {P}x{G}"] = res
-                print(f"{name} {P}x{G}: {res['speedup_median']:.2f}x ({statistics.median(res['off']):.1f} -> "
-                      f"{statistics.median(res['on']):.1f} s), tokens identical on and off: {res['identical']}",
-                      flush=True)
+                parts = [("rollouts", kernel, "noise kernel")]
+                if args.top_p < 1:
+                    parts.append(("nucleus_rollouts", nucleus_window, "top-p window"))
+                for part, switch, what in parts:
+                    res = paired(rollout, args.reps, switch)
+                    kernel(True)
+                    nucleus_window(True)
+                    report[part][f"{name} {P}x{G}"] = res
+                    print(f"{what}, {name} {P}x{G}: {res['speedup_median']:.2f}x ({statistics.median(res['off']):.1f} "
+                          f"-> {statistics.median(res['on']):.1f} s), tokens identical on and off: {res['identical']}",
+                          flush=True)
     write_json_atomic(Path(args.out), report)
     print(f"wrote {args.out}")
     return 0

@@ -62,6 +62,31 @@ def test_min_p_equals_transformers_warpers(temperature, top_k):
         assert (kept >= 1).all() and (min_p == 1.0 or (kept > 1).any()) and (kept < (top_k or 300)).any()
 
 
+@pytest.mark.parametrize("window", [16, 10_000])  # the cut looked for among 16 ids first; the whole row sorted
+def test_top_p_equals_transformers_warper_and_each_row_alone(monkeypatch, window):
+    """Top-p against transformers' TopPLogitsWarper, on rows from peaked (a few ids kept: the cut
+    inside the window) to flat (hundreds kept: past it, the row sorted whole), mixed in one call; and
+    each row filtered alone as in the batch (which way a row goes is its own)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from specroll_mcore import sampling
+
+    monkeypatch.setattr(sampling, "NUCLEUS_WINDOW", window)
+    scale = torch.linspace(0.05, 6.0, 24, dtype=torch.float64)[:, None]
+    logits = scale * torch.randn(24, 500, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    for top_p in (0.5, 0.9, 0.95):
+        ours = filter_logits(logits, 1.0, top_p, 0)
+        kept = torch.isfinite(ours).sum(-1)
+        assert (kept <= 16).any() and (kept > 16).any(), kept  # both ways in one call
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone())))
+        alone = torch.cat([filter_logits(logits[i:i + 1], 1.0, top_p, 0) for i in range(24)])
+        assert torch.equal(alone, ours)
+    # with top-k first: ids past the k-th are out before the nucleus is taken
+    both = filter_logits(logits, 1.0, 0.95, 10)
+    ref = TopPLogitsWarper(0.95)(None, filter_logits(logits, 1.0, 1.0, 10))
+    assert torch.equal(torch.isfinite(both), torch.isfinite(ref)) and (torch.isfinite(both).sum(-1) <= 10).all()
+
+
 def test_min_p_after_top_p_keeps_the_ids_both_keep():
     """The best id survives top-p, so min-p's threshold is the same before or after it: the kept set
     is the intersection of the two filters' kept sets."""

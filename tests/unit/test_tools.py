@@ -52,17 +52,20 @@ def test_bench_specroll_smoke(tiny_ckpt, tmp_path):
         assert report[scenario]["identical_tokens"] and report[scenario]["specroll_over_hf_generate"] > 0, scenario
 
 
-def test_bench_sampling_smoke(tiny_ckpt, tmp_path):
+def test_bench_sampling_smoke(tiny_ckpt, tmp_path, capsys):
     from specroll_mcore import sampling
 
     if sampling.noise_kernel() is None:
         pytest.skip("the noise kernel is not built on this machine")
     out = tmp_path / "s.json"
     run_tool("bench_sampling.py", "--checkpoint", tiny_ckpt, "--rows", "1,3", "--shapes", "1x2", "--max-new-tokens", 6,
-             "--reps", 1, "--out", out, SPECROLL_CACHE=str(tmp_path / "cache"))
+             "--reps", 1, "--top-p", 0.9, "--out", out, SPECROLL_CACHE=str(tmp_path / "cache"))
     report = json.loads(out.read_text())
     assert set(report["sample_ms"]) == {"1", "3"} and report["sample_ms"]["1"]["identical"]
-    assert all(r["identical"] for r in report["rollouts"].values()) and len(report["rollouts"]) == 2
+    for part in ("rollouts", "nucleus_rollouts"):  # the noise kernel, then top-p's window, on and off
+        assert all(r["identical"] for r in report[part].values()) and len(report[part]) == 2, part
+    code, err = refused(capsys, "bench_sampling.py", "--top-p", 0)
+    assert code != 0 and "--top-p must be in (0, 1], got 0.0" in err
 
 
 def test_plot_metrics_plots_a_run_and_names_what_a_file_lacks(tmp_path):
