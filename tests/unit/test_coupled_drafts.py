@@ -46,8 +46,8 @@ def test_a_draft_equal_to_the_policy_is_its_sample(ctx, temperature, top_p, top_
     assert torch.equal(scores.argmax(-1), tokens)
     # another position's noise gives other tokens: the scores read the drafted position's noise
     other = SampleKeys(k.seed, k.step, k.prompt, k.sample, k.position + 1)
-    assert not torch.equal(coupled_scores(logits / temperature, other, top_p, top_k, 0, 300, ctx, min_p=min_p).argmax(-1),
-                           tokens)
+    elsewhere = coupled_scores(logits / temperature, other, top_p, top_k, 0, 300, ctx, min_p=min_p)
+    assert not torch.equal(elsewhere.argmax(-1), tokens)
 
 
 def test_drafts_under_several_paths_share_their_positions_noise(ctx):

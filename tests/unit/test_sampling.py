@@ -92,9 +92,9 @@ def test_min_p_after_top_p_keeps_the_ids_both_keep():
     is the intersection of the two filters' kept sets."""
     logits = 2.0 * torch.randn(32, 200, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     both = torch.isfinite(filter_logits(logits, 0.8, 0.9, 0, 0.05))
-    alone = torch.isfinite(filter_logits(logits, 0.8, 0.9, 0)) & torch.isfinite(filter_logits(logits, 0.8, 1.0, 0, 0.05))
-    assert torch.equal(both, alone)
-    assert not torch.equal(both, torch.isfinite(filter_logits(logits, 0.8, 0.9, 0)))  # min-p cuts more
+    top_p = torch.isfinite(filter_logits(logits, 0.8, 0.9, 0))
+    assert torch.equal(both, top_p & torch.isfinite(filter_logits(logits, 0.8, 1.0, 0, 0.05)))
+    assert not torch.equal(both, top_p)  # min-p cuts more
 
 
 def test_min_p_distribution():
