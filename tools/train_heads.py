@@ -47,6 +47,24 @@ from specroll_mcore.rl.synthetic import problems  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
 
 
+def heldout_prompts(prompts: int) -> int:
+    """Prompts held out beside ``prompts`` training ones, for the heads' accuracy."""
+    return max(4, prompts // 10)
+
+
+def check_data_parallel_split(batch: int, prompts: int, dp_size: int) -> None:
+    """Refuse, before any work, a batch of positions or a prompt count that the data-parallel
+    replicas cannot share: each takes batch / DP positions a step, and training and held-out prompts."""
+    if batch % dp_size:
+        raise SystemExit(f"--batch {batch} is not divisible by the {dp_size} data-parallel replicas "
+                         f"(world size / (tp x pp)); pass a multiple of {dp_size}")
+    held = heldout_prompts(prompts)
+    if min(prompts, held) < dp_size:  # every replica needs training and held-out prompts
+        need = dp_size if dp_size <= 4 else 10 * dp_size  # held out: max(4, prompts // 10)
+        raise SystemExit(f"--prompts {prompts} ({held} more held out) cannot give each of the {dp_size} "
+                         f"data-parallel replicas a training and a held-out prompt: pass --prompts >= {need}")
+
+
 def replica_path(path: Path, ctx: parallel.ParallelContext) -> Path:
     """The records file of this data-parallel replica (each replica keeps the records it sampled)."""
     return path if ctx.dp_size == 1 else path.with_name(f"{path.stem}.dp{ctx.dp_rank}of{ctx.dp_size}{path.suffix}")
@@ -108,9 +126,7 @@ def main() -> int:
     ckpt = resolve_checkpoint(args.checkpoint)
     ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                                              expert_model_parallel_size=args.ep))
-    if args.batch % ctx.dp_size:
-        raise SystemExit(f"--batch {args.batch} is not divisible by the {ctx.dp_size} data-parallel replicas "
-                         f"(world size / (tp x pp)); pass a multiple of {ctx.dp_size}")
+    check_data_parallel_split(args.batch, args.prompts, ctx.dp_size)
     policy = load_policy(ckpt, ctx, params_dtype=args.dtype, num_heads=args.num_heads,
                          with_heads=args.init_from_saved)
     last = ctx.is_last_stage
@@ -119,13 +135,9 @@ def main() -> int:
 
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     t0 = time.perf_counter()
-    held = max(4, args.prompts // 10)
+    held = heldout_prompts(args.prompts)
     probs = problems(args.prompts + held, seed=10_000 + args.seed)
     prompts = [chat_prompt_ids(tok, p.question) for p in probs]
-    if min(args.prompts, held) < ctx.dp_size:  # every replica needs training and held-out prompts
-        need = ctx.dp_size if ctx.dp_size <= 4 else 10 * ctx.dp_size  # held out: max(4, prompts // 10)
-        raise SystemExit(f"--prompts {args.prompts} ({held} more held out) cannot give each of the {ctx.dp_size} "
-                         f"data-parallel replicas a training and a held-out prompt: pass --prompts >= {need}")
 
     cache = replica_path(Path(args.records_cache), ctx) if args.records_cache else None
     # every rank takes the same branch: sampling is collective over TP and PP

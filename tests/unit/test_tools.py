@@ -52,6 +52,22 @@ def test_bench_specroll_smoke(tiny_ckpt, tmp_path):
         assert report[scenario]["identical_tokens"] and report[scenario]["specroll_over_hf_generate"] > 0, scenario
 
 
+@pytest.mark.parametrize("batch, prompts, dp, message", [
+    (7, 320, 2, "--batch 7 is not divisible by the 2 data-parallel replicas (world size / (tp x pp)); pass a "
+                "multiple of 2"),
+    (8, 1, 2, "--prompts 1 (4 more held out) cannot give each of the 2 data-parallel replicas a training and a "
+              "held-out prompt: pass --prompts >= 2"),
+    (16, 40, 8, "--prompts 40 (4 more held out) cannot give each of the 8 data-parallel replicas a training and a "
+                "held-out prompt: pass --prompts >= 80"),
+])
+def test_train_heads_checks_the_data_parallel_split(batch, prompts, dp, message):
+    check = import_tool("train_heads").check_data_parallel_split
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        check(batch, prompts, dp)
+    check(batch * dp, 10 * dp, dp)  # what the message asks for passes (the --prompts it names, here 10 x DP)
+    check(16, 2, 2)  # (at DP <= 4 the 4 held-out prompts suffice)
+
+
 def test_bench_sampling_smoke(tiny_ckpt, tmp_path, capsys):
     from specroll_mcore import sampling
 
