@@ -320,10 +320,11 @@ def vocab_parallel_filter(logits: torch.Tensor, top_p: float, top_k: int, vocab_
     """The sampler's top-k / top-p / min-p filter (:func:`specroll_mcore.sampling.filter_logits`,
     temperature already applied) on vocab-parallel logits [n, V/tp], for drafting: removed ids get -inf.
 
-    Top-k and min-p are exact (the global k-th value; the global best one's + log(min_p)). Top-p
-    reads the global top-``window`` ids: when the kept set lies within them (mass of better ids
-    reaches top_p) the cut equals the sampler's up to ties; otherwise nothing beyond top-k is
-    removed. Drafts only decide speed, so this never changes a token; it never gathers the vocabulary."""
+    Top-k and min-p are exact (the global k-th value; the best one's + log(min_p), the best by an
+    all-reduced max). Top-p reads the global top-``window`` ids: when the kept set lies within them
+    (mass of better ids reaches top_p) the cut equals the sampler's up to ties; otherwise nothing
+    beyond top-k is removed. Drafts only decide speed, so this never changes a token; it never
+    gathers the vocabulary."""
     x = _mask_padding(logits, vocab_start, vocab_size)
     if 0 < top_k < vocab_size:
         kth = vocab_parallel_topk(x, top_k, vocab_start, vocab_size, ctx)[0][:, -1:]
@@ -336,7 +337,7 @@ def vocab_parallel_filter(logits: torch.Tensor, top_p: float, top_k: int, vocab_
         cut = cut.masked_fill(kept >= values.shape[-1], float("-inf"))
         x = x.masked_fill(x < cut, float("-inf"))
     if min_p > 0:
-        best = vocab_parallel_topk(x, 1, vocab_start, vocab_size, ctx)[0]
+        best = ctx.all_reduce_tp(x.amax(-1, keepdim=True).float(), "max")
         x = x.masked_fill(x < best + math.log(min_p), float("-inf"))
     return x
 

@@ -6,7 +6,8 @@
 SmolLM2-135M-Instruct with the heads saved by tools/train_heads.py; GSM8K-style prompts from the
 offline generator in the chat template; T=1 unless --temperature, --top-p, --top-k and --min-p say
 otherwise (the same filters in every engine, transformers' included); EOS honoured (a real rollout:
-responses finish at different times). Two scenarios, each alternating vanilla and SpecRoll for --reps repetitions:
+responses finish at different times). Two scenarios, each alternating vanilla and SpecRoll for
+--reps repetitions:
   * batch 1: --batch1-prompts prompts, one response at a time;
   * the full batch: P prompts x G samples at once.
 Every repetition checks that both engines emitted identical tokens. Reported: the median of paired

@@ -231,7 +231,7 @@ def stage_logprobs(policy: PolicyModel, out: tuple, mb: MicroBatch, temperature:
         def piece(h: torch.Tensor, lab: torch.Tensor, start: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
             logits = policy.vocab_projection(h).transpose(0, 1)  # [B, c, V/tp]
             # the metric's entropy once; the bonus's again in the recomputation, which its backward reads
-            ent = entropy_of(logits) if entropy_grad or entropy and start not in seen else None
+            ent = entropy_of(logits) if entropy_grad or (entropy and start not in seen) else None
             seen.add(start)
             return token_logprobs(policy, logits, lab, temperature), ent
 
