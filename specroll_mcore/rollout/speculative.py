@@ -155,8 +155,8 @@ class SpeculativeEngine:
         Head 1 drafts under the root over the whole vocabulary (or the draft vocabulary,
         ``SpecConfig.draft_vocab``, see :meth:`draft_vocab`). Every head is also evaluated
         without a path in the same vocabulary projection; for head d+1 (d >= 1) that gives the
-        ``SpecConfig.shortlist`` ids it may draft, and its logits conditioned on each expanded
-        depth-d node's path are taken on them. The expanded nodes are the trunk and the best
+        ``SpecConfig.shortlist`` ids it may draft (ranked before the sampling filters), and its
+        logits conditioned on each expanded depth-d node's path are taken and filtered on them. The expanded nodes are the trunk and the best
         cumulative scores, as many as trees of ``budget`` nodes can extend.
 
         ``keys`` [H * b], head-major: the sampling keys of the positions the heads draft (those of
@@ -191,24 +191,30 @@ class SpeculativeEngine:
         if T > 0 and T != 1:  # (dividing by 1 changes no value: no copy)
             logits = logits / T
         flat = logits.reshape(D * b, -1)
-        ranked = (coupled_scores(flat, keys.rows(0, D * b), sampling.top_p, sampling.top_k, start, vocab, ctx,
-                                 columns, sampling.min_p) if coupled else flat)
         # head 1, exactly
         if coupled:
-            values, cand = vocab_parallel_topk(ranked[:b], k, start, vocab, ctx)
+            ranked = coupled_scores(flat[:b], keys.rows(0, b), sampling.top_p, sampling.top_k, start, vocab, ctx,
+                                    columns, sampling.min_p)
+            values, cand = vocab_parallel_topk(ranked, k, start, vocab, ctx)
             q_top = vocab_parallel_topk(flat[:b], kq, start, vocab, ctx)[1] if self.reflex_cfg else cand
         else:
-            values, q_top = vocab_parallel_topk(flat[:b], kq, start, vocab, ctx)
+            ranked = flat[:b]
+            values, q_top = vocab_parallel_topk(ranked, kq, start, vocab, ctx)
             values, cand = values[:, :k], q_top[:, :k]
-        logq = values.float() - vocab_parallel_logsumexp(ranked[:b], start, vocab, ctx)[:, None]
+        logq = values.float() - vocab_parallel_logsumexp(ranked, start, vocab, ctx)[:, None]
         cand, q_top = to_ids(cand), to_ids(q_top)
         levels = [DraftLevel(torch.full((b, 1), ROOT, dtype=torch.long, device=hidden.device), cand[:, None],
                              logq[:, None])]
         q_tops, zs = [q_top[:, None]], [z[0][:, None]]
         if D == 1:
             return Proposal(levels, q_tops, zs)
-        # heads 2..D on their shortlists, under the expanded nodes of the level above
-        short_index = vocab_parallel_topk(ranked[b:], S, start, vocab, ctx)[1].reshape(D - 1, b, S)
+        # heads 2..D on their shortlists, under the expanded nodes of the level above. A shortlist ranks
+        # the path-free logits (/ T, + the noise where coupled) unfiltered: top-k, top-p and min-p cut
+        # relative to a distribution, which moves with the path; the path's own filter comes below
+        # (filtering the path-free ranking instead, SmolLM2 at min-p 0.1: depth-2 acceptance 0.38, not 0.65)
+        deeper = (coupled_scores(flat[b:], keys.rows(b, D * b), 1.0, 0, start, vocab, ctx, columns)
+                  if coupled else flat[b:])
+        short_index = vocab_parallel_topk(deeper, S, start, vocab, ctx)[1].reshape(D - 1, b, S)
         padding = short_index >= vocab  # (dead candidates, see to_ids)
         shortlist = to_ids(short_index)
         # the shortlists' rows of the vocab projection, from the draft vocabulary's own compact copy where

@@ -12,6 +12,7 @@ from specroll_mcore.checkpoint import random_full_state_dict
 from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, make_engine
+from specroll_mcore.sampling import SampleKeys
 from specroll_mcore.tree import DepthCalibration, LatencyCurve, LatencySurface, StepCost, StepOverhead
 
 PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37], [41, 42]]
@@ -101,6 +102,36 @@ def test_any_shortlist_gives_the_same_tokens(ctx, shortlist):
         ref = VanillaEngine(model).generate(PROMPTS, sp)
         out = SpeculativeEngine(model, SpecConfig(c_hw=64, shortlist=shortlist)).generate(PROMPTS, sp)
         assert out.tokens == ref.tokens
+
+
+def test_deeper_heads_shortlists_ignore_the_sampling_filters(ctx):
+    """A shortlist is ranked by the path-free logits and noise before any filter: top-k, top-p and
+    min-p cut relative to one distribution, and the path moves it. With as many candidates as
+    shortlisted ids, each depth-2 node drafts exactly its row's shortlist, so the drafted sets must
+    not change with the filters; only the path-conditioned filter then leaves fewer finite scores."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, seed=3)
+    S, b = 8, 3
+    engine = SpeculativeEngine(model, SpecConfig(c_hw=64, topk=S, shortlist=S, draft_vocab=0))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(b, model.config.hidden_size, generator=g, dtype=torch.float64)
+    roots = torch.randint(0, model.config.vocab_size, (b,), generator=g)
+    H = model.num_heads
+    keys = SampleKeys(5, 0, torch.arange(b).repeat(H), torch.zeros(H * b, dtype=torch.long),
+                      torch.arange(1, H + 1).repeat_interleave(b))
+
+    def depth2(**filters):
+        level = engine.propose(hidden, roots, SamplingConfig(**filters), 16, keys).levels[1]
+        return [[set(node.tolist()) for node in row] for row in level.tokens], level.score
+
+    for T in [1.0, 0.7]:
+        plain, plain_score = depth2(temperature=T)
+        assert all(len(row[0]) == S and all(node == row[0] for node in row) for row in plain)
+        assert torch.isfinite(plain_score).all()
+        for filters in [dict(top_k=1), dict(min_p=0.5), dict(top_p=0.1), dict(top_k=2, top_p=0.5, min_p=0.2)]:
+            drafted, score = depth2(temperature=T, **filters)
+            assert [row[0] for row in drafted] == [row[0] for row in plain], (T, filters)
+            kept = torch.isfinite(score[:, 0]).sum(-1)  # under each row's best depth-1 node
+            assert (kept >= 1).all() and (kept < S).any(), (T, filters)  # the path's own filter still applies
 
 
 def test_draft_vocab_gives_the_same_tokens_and_drafts_only_its_ids(ctx, monkeypatch):
