@@ -278,6 +278,7 @@ class GRPOTrainer:
             row["overlong_filtered"] = int(ctx.all_reduce_dp(torch.tensor(float(sum(not s[4] for s in seqs)))))
         if "tau" in stats:
             row["tau"] = stats["tau"]
+            row["nodes_per_row"] = stats["nodes_per_row"]
             row["acceptance_per_head"] = stats["acceptance_per_depth"]
             row["reflex_gate_open"] = stats.get("reflex_gate_open", 0.0)
         if stats.get("slow_path"):
@@ -625,11 +626,13 @@ def chosen_groups(varied: list[torch.Tensor], count: int, dp_size: int, dp_rank:
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
+    """The run's rows as a table: one line a step, '-' where a step lacks the figure."""
     cols = [("step", "{:>4}"), ("reward_mean", "{:>7.3f}"), ("accuracy", "{:>6.3f}"), ("response_len", "{:>6.1f}"),
-            ("entropy", "{:>6.3f}"), ("tau", "{:>5.2f}"), ("generation_s", "{:>7.1f}"), ("vanilla_gen_s", "{:>7.1f}"),
-            ("training_s", "{:>7.1f}"), ("gen_share", "{:>5.2f}"), ("eval_accuracy", "{:>6.3f}")]
-    head = " ".join(f"{c[:12]:>12}" for c, _ in cols)
+            ("entropy", "{:>6.3f}"), ("tau", "{:>5.2f}"), ("nodes_per_row", "{:>5.2f}", "nodes/row"),
+            ("generation_s", "{:>7.1f}"), ("vanilla_gen_s", "{:>7.1f}"), ("training_s", "{:>7.1f}"),
+            ("gen_share", "{:>5.2f}"), ("eval_accuracy", "{:>6.3f}")]
+    head = " ".join(f"{(c[2] if len(c) > 2 else c[0])[:12]:>12}" for c in cols)
     lines = [head]
     for r in rows:
-        lines.append(" ".join(f"{(fmt.format(r[c]) if c in r else '-'):>12}" for c, fmt in cols))
+        lines.append(" ".join(f"{(c[1].format(r[c[0]]) if c[0] in r else '-'):>12}" for c in cols))
     return "\n".join(lines)

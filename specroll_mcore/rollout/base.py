@@ -295,8 +295,14 @@ class RolloutState:
         )
 
 
+def nodes_per_row(per_step: list[dict[str, Any]]) -> float:
+    """The tree size a response had per verification step, on average over the steps' rows (root
+    included: 1 means nothing was drafted; the budget C_hw / B_t, or what weighing kept of it)."""
+    return sum(p["nodes_per_row"] * p["active"] for p in per_step) / max(1, sum(p["active"] for p in per_step))
+
+
 def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """The rollout statistics of a step's rounds as one: tau and acceptance over all their verification
+    """The rollout statistics of a step's rounds as one: tau, tree size and acceptance over all their verification
     steps, the Reflex gate's share averaged, the slow path's counters as after the last round (they are
     cumulative) with the last event any round had."""
     if len(stats) == 1:
@@ -305,6 +311,7 @@ def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     if "tau" in out:
         steps = [p for s in stats for p in s["per_step"]]
         out["tau"] = sum(p["emitted"] for p in steps) / max(1, sum(p["active"] for p in steps))
+        out["nodes_per_row"] = nodes_per_row(steps)
         tried, accepted = ([sum(d) for d in zip(*(s[key] for s in stats))] for key in ("tried_per_depth",
                                                                                       "accepted_per_depth"))
         out.update(tried_per_depth=tried, accepted_per_depth=accepted,

@@ -39,8 +39,8 @@ from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vo
                                   vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         in_cache_order, keep_rows, num_groups, run_groups, split_groups,
-                                         validate_prompts)
+                                         in_cache_order, keep_rows, nodes_per_row, num_groups, run_groups,
+                                         split_groups, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens,
@@ -648,6 +648,7 @@ class _Rollout:
             # tau: tokens one verification step confirms per response (before EOS / length truncation)
             "tau": sum(p["emitted"] for p in per_step) / max(1, sum(p["active"] for p in per_step)),
             "tau_per_row": (self.row_emitted.double() / self.row_steps.clamp(min=1).double()).tolist(),
+            "nodes_per_row": nodes_per_row(per_step),
             "acceptance_per_depth": (self.accepted.double() / self.tried.clamp(min=1).double()).tolist(),
             "tried_per_depth": self.tried.tolist(), "accepted_per_depth": self.accepted.tolist(),
             "c_hw": self.engine.c_hw, "time_split_s": self.timers,

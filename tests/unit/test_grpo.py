@@ -241,14 +241,17 @@ def test_overlong_penalty_by_hand():
 def test_rounds_statistics_combine_over_their_steps():
     from specroll_mcore.rollout.base import combined_stats
 
-    a = {"tau": 2.0, "per_step": [{"emitted": 4, "active": 2}], "tried_per_depth": [2, 1],
+    a = {"tau": 2.0, "per_step": [{"emitted": 4, "active": 2, "nodes_per_row": 4}], "tried_per_depth": [2, 1],
          "accepted_per_depth": [1, 1],
          "acceptance_per_depth": [0.5, 1.0], "reflex_gate_open": 0.0, "slow_path": {"events": 1, "event": {"head": 0}}}
-    b = {"tau": 1.0, "per_step": [{"emitted": 2, "active": 2}, {"emitted": 1, "active": 1}], "tried_per_depth": [2, 0],
+    b = {"tau": 1.0, "per_step": [{"emitted": 2, "active": 2, "nodes_per_row": 1}, {"emitted": 1, "active": 1,
+                                                                                    "nodes_per_row": 2}],
+         "tried_per_depth": [2, 0],
          "accepted_per_depth": [0, 0], "acceptance_per_depth": [0.0, 0.0], "reflex_gate_open": 0.5,
          "slow_path": {"events": 1, "event": None}}
     c = combined_stats([a, b])
     assert c["tau"] == 7 / 5 and c["tried_per_depth"] == [4, 1] and c["accepted_per_depth"] == [1, 1]
+    assert c["nodes_per_row"] == (4 * 2 + 1 * 2 + 2 * 1) / 5  # per row and step
     assert c["acceptance_per_depth"] == [0.25, 1.0]
     assert c["reflex_gate_open"] == 0.25 and c["slow_path"] == {"events": 1, "event": {"head": 0}}
     assert combined_stats([a]) is a

@@ -375,10 +375,21 @@ def test_engine_flag_and_config_errors(ctx):
         SpecConfig(n_min=4, n_max=2)
 
 
-def test_stats(ctx):
+def test_stats(ctx, monkeypatch):
     model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
-    out = SpeculativeEngine(model, SpecConfig(c_hw=64)).generate(PROMPTS, SAMPLINGS["greedy"])
+    engine = SpeculativeEngine(model, SpecConfig(c_hw=64))
+    shapes, verify = [], engine.verify
+
+    def spy(state, slots, tree):  # the trees' [rows, nodes] of every verification forward
+        shapes.append(tree.shape[:2])
+        return verify(state, slots, tree)
+
+    monkeypatch.setattr(engine, "verify", spy)
+    out = engine.generate(PROMPTS, SAMPLINGS["greedy"])
     s = out.stats
     assert s["tau"] >= 1 and len(s["acceptance_per_depth"]) == 3
+    # the tree size per row and step: the verification forwards' tokens over the rows they served
+    assert s["nodes_per_row"] == pytest.approx(sum(b * n for b, n in shapes) / sum(b for b, _ in shapes))
+    assert s["nodes_per_row"] > 1
     assert set(s["time_split_s"]) == {"prefill", "propose", "build", "verify", "accept", "commit", "feedback"}
     assert sum(p["tokens"] for p in s["per_step"]) + len(out.tokens) == out.num_tokens

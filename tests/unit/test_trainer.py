@@ -199,8 +199,8 @@ def test_evaluation_scores_the_policy_on_held_out_prompts_and_changes_nothing_in
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["step"] for r in rows if "eval_accuracy" in r] == [0, 2, 3]
     for a, b in zip(plain, rows[1:]):
-        for k in ("reward_mean", "accuracy", "response_len", "tau", "acceptance_per_head", "slow_path_records",
-                  "slow_path_events"):
+        for k in ("reward_mean", "accuracy", "response_len", "tau", "nodes_per_row", "acceptance_per_head",
+                  "slow_path_records", "slow_path_events"):
             assert a[k] == b[k], (k, a[k], b[k])
         for k in ("loss", "grad_norm", "entropy"):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a[k], b[k])
@@ -846,13 +846,13 @@ def test_the_logged_entropy_is_the_policys_over_the_response_tokens(tiny_ckpt, t
 
 def test_the_summary_table_shows_each_steps_entropy_and_a_dash_for_what_a_step_lacks():
     rows = [{"step": 1, "reward_mean": 0.25, "accuracy": 0.125, "response_len": 80.0, "entropy": 1.8234, "tau": 2.1,
-             "generation_s": 12.0, "vanilla_gen_s": 18.0, "training_s": 30.0, "gen_share": 0.29},
+             "nodes_per_row": 3.25, "generation_s": 12.0, "vanilla_gen_s": 18.0, "training_s": 30.0, "gen_share": 0.29},
             {"step": 2, "reward_mean": 0.5, "accuracy": 0.25, "response_len": 70.0, "generation_s": 11.0,
              "training_s": 29.0, "gen_share": 0.28}]  # a skipped update logs no entropy; vanilla not timed
     head, first, second = (line.split() for line in summary_table(rows).splitlines())
-    assert head[:6] == ["step", "reward_mean", "accuracy", "response_len", "entropy", "tau"]
-    assert first[4] == "1.823" and first[6:8] == ["12.0", "18.0"]
-    assert second[4] == "-" and second[7] == "-"
+    assert head[:7] == ["step", "reward_mean", "accuracy", "response_len", "entropy", "tau", "nodes/row"]
+    assert first[4] == "1.823" and first[6:9] == ["3.25", "12.0", "18.0"]
+    assert second[4] == "-" and second[6] == "-" and second[8] == "-"
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])  # the rollout's log-probs, or recomputed before the first step
