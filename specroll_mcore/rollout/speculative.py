@@ -156,8 +156,9 @@ class SpeculativeEngine:
         ``SpecConfig.draft_vocab``, see :meth:`draft_vocab`). Every head is also evaluated
         without a path in the same vocabulary projection; for head d+1 (d >= 1) that gives the
         ``SpecConfig.shortlist`` ids it may draft (ranked before the sampling filters), and its
-        logits conditioned on each expanded depth-d node's path are taken and filtered on them. The expanded nodes are the trunk and the best
-        cumulative scores, as many as trees of ``budget`` nodes can extend.
+        logits conditioned on each expanded depth-d node's path are taken and filtered on them.
+        The expanded nodes are the trunk and the best cumulative scores, as many as trees of
+        ``budget`` nodes can extend.
 
         ``keys`` [H * b], head-major: the sampling keys of the positions the heads draft (those of
         the heads a tree of ``budget`` nodes reaches are used); with ``SpecConfig.coupled`` (and
