@@ -628,11 +628,12 @@ def chosen_groups(varied: list[torch.Tensor], count: int, dp_size: int, dp_rank:
 def summary_table(rows: list[dict[str, Any]]) -> str:
     """The run's rows as a table: one line a step, '-' where a step lacks the figure."""
     cols = [("step", "{:>4}"), ("reward_mean", "{:>7.3f}"), ("accuracy", "{:>6.3f}"), ("response_len", "{:>6.1f}"),
-            ("entropy", "{:>6.3f}"), ("tau", "{:>5.2f}"), ("nodes_per_row", "{:>5.2f}", "nodes/row"),
-            ("generation_s", "{:>7.1f}"), ("vanilla_gen_s", "{:>7.1f}"), ("training_s", "{:>7.1f}"),
-            ("gen_share", "{:>5.2f}"), ("eval_accuracy", "{:>6.3f}")]
-    head = " ".join(f"{(c[2] if len(c) > 2 else c[0])[:12]:>12}" for c in cols)
+            ("entropy", "{:>6.3f}"), ("tau", "{:>5.2f}"), ("nodes_per_row", "{:>5.2f}"), ("generation_s", "{:>7.1f}"),
+            ("vanilla_gen_s", "{:>7.1f}"), ("training_s", "{:>7.1f}"), ("gen_share", "{:>5.2f}"),
+            ("eval_accuracy", "{:>6.3f}")]
+    labels = {"nodes_per_row": "nodes/row"}  # (headers are cut at 12 characters)
+    head = " ".join(f"{labels.get(c, c)[:12]:>12}" for c, _ in cols)
     lines = [head]
     for r in rows:
-        lines.append(" ".join(f"{(c[1].format(r[c[0]]) if c[0] in r else '-'):>12}" for c in cols))
+        lines.append(" ".join(f"{(fmt.format(r[c]) if c in r else '-'):>12}" for c, fmt in cols))
     return "\n".join(lines)
