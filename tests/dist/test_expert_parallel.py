@@ -19,7 +19,7 @@ import torch
 
 from grpo_fixtures import tiny_policy_checkpoint
 from specroll_mcore.checkpoint.megatron import load_full_state_dict
-from test_grpo_layouts import launch, run
+from test_grpo_layouts import launch, run, run_jobs
 from test_train_heads_layouts import train
 
 HERE = Path(__file__).parent
@@ -87,8 +87,9 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
               "--set=engine=specroll", "--set=steps=2", "--set=save_every=1", "--set=keep_last=2",
               "--set=spec.step_overhead=false")  # (its measurement at EP=2: test_rollouts_and_logprobs_at_ep2_...)
     ep2 = "--set=parallel.expert_model_parallel_size=2"
-    ref = run(ckpt, tmp_path / "ep1", 1, 1, 2, *common)
-    got = run(ckpt, tmp_path / "ep2", 1, 1, 2, *common, ep2)
+    sharded = ("--set=shard_optimizer=true",)
+    ref, got, _ = run_jobs(ckpt, 2, (tmp_path / "ep1", 1, 1, *common), (tmp_path / "ep2", 1, 1, *common, ep2),
+                           (tmp_path / "ep2_sharded", 1, 1, *common, ep2, *sharded))
     assert ref[0]["dp_sequences_moved"] > 0
     for a, b in zip(ref, got):
         for k in ("reward_mean", "response_len", "dp_sequences_moved"):
@@ -105,22 +106,23 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
 
     # and with AdamW's state sharded (ZeRO-1): the experts' over the replicas holding the same experts (here
     # one each), the rest over both replicas, each of which saves its part
-    sharded = ("--set=shard_optimizer=true",)
-    run(ckpt, tmp_path / "ep2_sharded", 1, 1, 2, *common, ep2, *sharded)
     w = load_full_state_dict(tmp_path / "ep2_sharded")
     assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
     parts = torch.load(tmp_path / "ep2_sharded" / "iter_0000002" / "mp_rank_00" / "optim_dp1.pt",
                        weights_only=False)["optimizer"]
     assert parts["dense"]["zero_shard"] == [1, 2] and "zero_shard" not in parts["experts"]
 
-    for name, extra in (("ep2", ()), ("ep2_sharded", sharded)):  # each run as it stood after step 1, resumed
+    resumes = (("ep2", ()), ("ep2_sharded", sharded))  # each run as it stood after step 1, resumed
+    for name, _ in resumes:
         resumed = tmp_path / f"{name}_resumed"
         shutil.copytree(tmp_path / name, resumed)
         shutil.rmtree(resumed / "iter_0000002")
         (resumed / "latest_checkpointed_iteration.txt").write_text("1")
-        rows = run(ckpt, resumed, 1, 1, 2, *common, ep2, *extra, "--set=resume=true")
+    runs = run_jobs(ckpt, 2, *[(tmp_path / f"{name}_resumed", 1, 1, *common, ep2, *extra, "--set=resume=true")
+                               for name, extra in resumes])
+    for (name, _), rows in zip(resumes, runs):
         assert rows[-1]["step"] == 2 and rows[-1]["grad_norm"] == pytest.approx(got[1]["grad_norm"], rel=1e-4)
-        w = load_full_state_dict(resumed)
+        w = load_full_state_dict(tmp_path / f"{name}_resumed")
         assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4, name
 
     proc = launch(ckpt, tmp_path / "ep2_resumed", 1, 1, 2, *common, "--set=steps=3", "--set=resume=true")

@@ -4,11 +4,16 @@ rewards, the same loss and gradient norm (rel 1e-4), and the same updated weight
 Weight tolerance 1e-4 = 0.1 x lr: TP reductions reorder float sums, so gradients differ by a few
 ulps; Adam's first step is lr * g / (|g| + eps), which turns an ulp-level gradient difference into a
 visible update difference only where |g| is near eps. A wrong shard or a missing gradient reduction
-changes updates by O(lr) = 1e-3 on many weights."""
+changes updates by O(lr) = 1e-3 on many weights.
+
+The one-process references run in the test's own process (run_here); the layouts under torchrun,
+those of one test with the same process count in one launch (run_jobs): a launch's start and
+imports cost ~8 s on 2 cores, a run of these tests ~2 s. Resumes the tests compare run in fresh
+processes at least once (a resumed run in the process that saved could lean on what it left in
+memory)."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import grpo_worker
 from grpo_fixtures import tiny_policy_checkpoint
 from specroll_mcore.checkpoint.megatron import load_full_state_dict
 
@@ -23,17 +29,48 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.dist
 
 
-def launch(ckpt, out, tp, pp, nproc, *extra):
+def torchrun(nproc, *args):
     env = dict(os.environ, PYTHONPATH=f"{HERE.parent.parent}{os.pathsep}{HERE.parent}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(HERE / "grpo_worker.py"), f"--ckpt={ckpt}", f"--out={out}", f"--tp={tp}", f"--pp={pp}", *extra]
+           str(HERE / "grpo_worker.py"), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def launch(ckpt, out, tp, pp, nproc, *extra):
+    return torchrun(nproc, f"--ckpt={ckpt}", f"--out={out}", f"--tp={tp}", f"--pp={pp}", *extra)
+
+
+def metrics(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def run(ckpt, out, tp, pp, nproc, *extra):
     proc = launch(ckpt, out, tp, pp, nproc, *extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return metrics(out)
+
+
+def run_here(ckpt, out, *extra):
+    """:func:`run`'s run at TP=1, PP=1 in one process: in this one (the tests' TP=1 parallel state), on
+    one thread as in a launch; the reference the launched layouts are compared with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grpo_worker.run(grpo_worker.parser().parse_args([f"--ckpt={ckpt}", f"--out={out}", *extra]))
+    finally:
+        torch.set_num_threads(threads)
+    return metrics(out)
+
+
+def run_jobs(ckpt, nproc, *jobs):
+    """Runs ``(out, tp, pp, *extra)`` one after the other in one launch of ``nproc`` processes (each
+    run as :func:`run`'s, a launch's start paid once); their metrics, in order."""
+    args = [[f"--ckpt={ckpt}", f"--out={out}", f"--tp={tp}", f"--pp={pp}", *extra] for out, tp, pp, *extra in jobs]
+    listing = Path(jobs[0][0]).parent / f"{Path(jobs[0][0]).name}.jobs.json"
+    listing.write_text(json.dumps(args))
+    proc = torchrun(nproc, f"--jobs={listing}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return [metrics(out) for out, *_ in jobs]
 
 
 def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
@@ -48,8 +85,7 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     # (the second against the rollout's log-probs, after the first moved the weights)
     kl = ("--set=kl_beta=0.1", "--set=mini_batches=2")
     bonus = ("--set=entropy_coeff=0.05",)
-    refs = {(): run(ckpt, tmp_path / "tp1", 1, 1, 1, *kl),
-            bonus: run(ckpt, tmp_path / "tp1-bonus", 1, 1, 1, *kl, *bonus)}
+    refs = {(): run_here(ckpt, tmp_path / "tp1", *kl), bonus: run_here(ckpt, tmp_path / "tp1-bonus", *kl, *bonus)}
     kl = (*kl, "--set=logprob_chunk=5")
     ref_ws = {(): load_full_state_dict(tmp_path / "tp1"), bonus: load_full_state_dict(tmp_path / "tp1-bonus")}
     ref_w = ref_ws[()]
@@ -63,16 +99,17 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     pp2 = ("--set=micro_batch_size=1", "--set=micro_batch_tokens=524", "--set=recompute_activations=true")
     # sequence parallelism, with recomputation (the layers' inputs kept split) and without (megatron's block)
     sp = ("--set=parallel.sequence_parallel=true",)
-    for tp, pp, extra, added in [(2, 1, (), ()), (2, 1, (*sp, "--set=recompute_activations=true"), bonus),
-                                 (2, 1, sp, ()), (1, 2, pp2, bonus)]:
-        got = run(ckpt, tmp_path / f"tp{tp}pp{pp}", tp, pp, 2, *kl, *extra, *added)
+    layouts = [(2, 1, (), ()), (2, 1, (*sp, "--set=recompute_activations=true"), bonus), (2, 1, sp, ()),
+               (1, 2, pp2, bonus)]
+    runs = run_jobs(ckpt, 2, *[(tmp_path / f"layout{i}", tp, pp, *kl, *extra, *added)
+                               for i, (tp, pp, extra, added) in enumerate(layouts)])
+    for i, ((tp, pp, extra, added), got) in enumerate(zip(layouts, runs)):
         ref, ref_w = refs[added], ref_ws[added]
         for k in ("reward_mean", "response_len"):
             assert got[0][k] == ref[0][k], (tp, pp, k)
         for k in ("loss", "grad_norm", "entropy"):  # (the entropy: over TP's vocabulary shards)
             assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), (tp, pp, k)
-        w = load_full_state_dict(tmp_path / f"tp{tp}pp{pp}")
-        shutil.rmtree(tmp_path / f"tp{tp}pp{pp}")
+        w = load_full_state_dict(tmp_path / f"layout{i}")
         diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
         print(f"TP={tp} PP={pp} {extra + added}: max |weight diff| after two optimizer steps = {diff:.2e}")
         assert diff < 1e-4
@@ -84,7 +121,7 @@ def test_grpo_step_with_sequence_parallelism_over_tp2_pp2_equals_tp1(tmp_path):
     """TP=2 x PP=2 with sequence parallelism: the stages send each other the TP ranks' parts of the
     sequence (half the positions), through 1F1B with one sequence a micro-batch, with recomputation."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
-    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1)
+    ref = run_here(ckpt, tmp_path / "tp1")
     got = run(ckpt, tmp_path / "tp2pp2", 2, 2, 4, "--set=parallel.sequence_parallel=true", "--set=micro_batch_size=1",
               "--set=recompute_activations=true")
     for k in ("reward_mean", "response_len"):
@@ -103,7 +140,7 @@ def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
     forwards have run (1F1B, 2 sequences a micro-batch)."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, num_layers=3, arch="qwen3_moe")
     common = ("--set=moe_aux_loss_coeff=0.01", "--set=routing_replay=true", "--set=micro_batch_size=2")
-    ref = run(ckpt, tmp_path / "tp1", 1, 1, 1, *common)
+    ref = run_here(ckpt, tmp_path / "tp1", *common)
     got = run(ckpt, tmp_path / "pp2", 1, 2, 2, "--set=parallel.num_layers_in_last_pipeline_stage=1",
               "--set=recompute_activations=true", *common)
     assert got[0]["moe_aux_loss"] == pytest.approx(ref[0]["moe_aux_loss"], rel=1e-6) and ref[0]["moe_aux_loss"] > 1
@@ -136,7 +173,7 @@ def test_dynamic_sampling_at_dp2_equals_dp1(tmp_path):
     # held-out evaluation before training and after each step: 6 prompts, 2 a rollout per replica
     evaluation = ["--set=eval.every=1", "--set=eval.before_training=true", "--set=eval.data.limit=6",
                   "--set=eval.batch_prompts=2", "--set=eval.sampling.max_new_tokens=8"]
-    ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *dyn, *evaluation)
+    ref = run_here(ckpt, tmp_path / "dp1", *dyn, *evaluation)
     got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *dyn, *evaluation)
     assert [r["step"] for r in got] == [0, 1, 2]
     for a, b in zip(ref, got):
@@ -175,11 +212,10 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
     decay: AdamW's two parameter groups (matrices, and the 1-D parameters that take none) sharded."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     two = ["--set=steps=2", "--set=weight_decay=0.1"]
-    run(ckpt, tmp_path / "replicated", 1, 1, 2, *two)
     sharded = ["--set=shard_optimizer=true", "--set=save_every=1", "--set=keep_last=2"]
-    run(ckpt, tmp_path / "sharded", 1, 1, 2, *two, *sharded)
-    run(ckpt, tmp_path / "resumed", 1, 1, 2, "--set=steps=1", "--set=weight_decay=0.1", *sharded)
-    run(ckpt, tmp_path / "resumed", 1, 1, 2, *two, *sharded, "--set=resume=true")
+    run_jobs(ckpt, 2, (tmp_path / "replicated", 1, 1, *two), (tmp_path / "sharded", 1, 1, *two, *sharded),
+             (tmp_path / "resumed", 1, 1, "--set=steps=1", "--set=weight_decay=0.1", *sharded))
+    run(ckpt, tmp_path / "resumed", 1, 1, 2, *two, *sharded, "--set=resume=true")  # (in fresh processes)
     ref = load_full_state_dict(tmp_path / "replicated")
     start = load_full_state_dict(ckpt)
     assert any((ref[k] != start[k]).any() for k in ref)
@@ -216,7 +252,7 @@ def test_bfloat16_policy_pp2_equals_pp1(tmp_path):
     tiny_policy_checkpoint(tmp_path, with_heads=False)
     ckpt = convert_hf_to_mcore(tmp_path / "hf", tmp_path / "bf16", params_dtype="bfloat16")
     extra = ("--set=steps=1", "--set=micro_batch_size=1")
-    ref = run(ckpt, tmp_path / "pp1", 1, 1, 1, *extra)
+    ref = run_here(ckpt, tmp_path / "pp1", *extra)
     got = run(ckpt, tmp_path / "pp2", 1, 2, 2, *extra)
     assert len(ref) == len(got) == 1
     for ra, rb in zip(ref, got):
@@ -241,7 +277,7 @@ def test_balanced_replicas_equal_dp1(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = (f"--set=data.source={data}", "--set=data.limit=4", "--set=prompts_per_step=4",
               "--set=routing_replay=true")
-    ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *common)
+    ref = run_here(ckpt, tmp_path / "dp1", *common)
     got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *common)
     assert got[0]["dp_sequences_moved"] > 0, got[0]
     assert got[0]["dp_tokens_max_over_mean"] < got[0]["dp_tokens_max_over_mean_rollout"], got[0]
@@ -260,7 +296,7 @@ def test_mini_batches_at_dp2_equal_dp1(tmp_path):
     mini-batch of DP=1 (prompts are dealt out in turn), each normalised over both replicas."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     common = ("--set=prompts_per_step=4", "--set=mini_batches=2", "--set=ppo_epochs=2", "--set=balance_batch=false")
-    ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *common)
+    ref = run_here(ckpt, tmp_path / "dp1", *common)
     got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *common)
     assert ref[0]["optimizer_steps"] == got[0]["optimizer_steps"] == 4
     for k in ("reward_mean", "response_len"):
@@ -278,10 +314,11 @@ def test_a_replica_whose_responses_are_all_overlong_filtered_equals_dp1(tmp_path
     nothing to balance: one reference for both)."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     common = ("--cut-odd-prompts", "--set=prompts_per_step=4", "--set=overlong_filter=true")
-    ref = run(ckpt, tmp_path / "dp1", 1, 1, 1, *common)
+    ref = run_here(ckpt, tmp_path / "dp1", *common)
     ref_w = load_full_state_dict(tmp_path / "dp1")
-    for balance in ("true", "false"):
-        got = run(ckpt, tmp_path / f"dp2-{balance}", 1, 1, 2, *common, f"--set=balance_batch={balance}")
+    runs = run_jobs(ckpt, 2, *[(tmp_path / f"dp2-{balance}", 1, 1, *common, f"--set=balance_batch={balance}")
+                               for balance in ("true", "false")])
+    for balance, got in zip(("true", "false"), runs):
         assert ref[0]["overlong_filtered"] == got[0]["overlong_filtered"] == 6 and not got[0]["skipped"]
         if balance == "true":
             assert got[0]["dp_sequences_moved"] > 0 and got[0]["dp_tokens_max_over_mean_rollout"] == 2.0
