@@ -1,10 +1,12 @@
 """Run under torchrun: build the policy at a TP/PP layout from seeded full weights, compute causal
-logits, tree logits and a vanilla rollout, and save them from the last stage's first TP rank."""
+logits, tree logits and a vanilla rollout, and save them from the last stage's first TP rank; for
+several layouts one after the other in the same processes (a launch's start paid once)."""
 
 import argparse
 import os
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -169,19 +171,27 @@ def adapt(model, ctx) -> dict:
     return res
 
 
+def layout_name(tp: int, pp: int, last_stage_layers: Optional[int] = None) -> str:
+    return f"tp{tp}pp{pp}" + (f"-last{last_stage_layers}" if last_stage_layers is not None else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--last-stage-layers", type=int, default=None, help="an uneven pipeline split")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--layout", action="append", required=True,
+                    help="TP,PP or TP,PP,LAST (LAST: the last stage's layers, an uneven pipeline split); "
+                         "several run one after the other in these processes")
+    ap.add_argument("--out", required=True, help="a folder: each layout's results in NAME.pt (layout_name)")
     args = ap.parse_args()
-    ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                             num_layers_in_last_pipeline_stage=args.last_stage_layers))
-    results = {f"{arch}-{dtype}": run(arch, dtype, ctx) for arch in models() for dtype in ("float32", "float64")}
-    results["caches"] = caches(ctx, Path(args.out).parent / "caches")
-    if ctx.is_last_stage and ctx.tp_rank == 0:
-        torch.save(results, args.out)
+    for layout in args.layout:
+        tp, pp, *last = (int(x) for x in layout.split(","))
+        last_stage_layers = last[0] if last else None
+        ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 num_layers_in_last_pipeline_stage=last_stage_layers))
+        name = layout_name(tp, pp, last_stage_layers)
+        results = {f"{arch}-{dtype}": run(arch, dtype, ctx) for arch in models() for dtype in ("float32", "float64")}
+        results["caches"] = caches(ctx, Path(args.out) / f"caches-{name}")
+        if ctx.is_last_stage and ctx.tp_rank == 0:
+            torch.save(results, Path(args.out) / f"{name}.pt")
     parallel.destroy()
 
 

@@ -17,13 +17,14 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.dist
 
 
-def run_worker(ckpt: Path, tp: int, pp: int, out: Path) -> torch.Tensor:
+def run_worker(loads: list[tuple[Path, int, int, Path]]) -> list[torch.Tensor]:
+    """The logits of each (checkpoint, TP, PP, output file) loaded at its layout, all in one launch."""
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "checkpoint_worker.py"), f"--ckpt={ckpt}", f"--tp={tp}", f"--pp={pp}", f"--out={out}"]
+           str(HERE / "checkpoint_worker.py"), *[f"--load={ckpt},{tp},{pp},{out}" for ckpt, tp, pp, out in loads]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out)
+    return [torch.load(out) for *_, out in loads]
 
 
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
@@ -40,8 +41,8 @@ def test_converted_checkpoint_at_tp2_and_pp2(tmp_path, arch, tied):
         tp1 = convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "tp1")
         pp2 = convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "pp2", pipeline_parallel_size=2)
         layouts += [(pp2, 1, 2), (tp1, 2, 1)]  # the last one reshards on load
-    for ckpt, tp, pp in layouts:
-        got = run_worker(ckpt, tp, pp, tmp_path / f"{ckpt.name}-{tp}{pp}.pt")
+    loads = [(ckpt, tp, pp, tmp_path / f"{ckpt.name}-{tp}{pp}.pt") for ckpt, tp, pp in layouts]
+    for (ckpt, tp, pp, _), got in zip(loads, run_worker(loads)):
         diff = (got - ref).abs().max().item()
         print(f"{arch} {ckpt.name} loaded at TP={tp} PP={pp}: max |logits diff| = {diff:.2e}")
         assert diff < 1e-4

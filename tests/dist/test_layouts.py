@@ -28,23 +28,28 @@ def reference(ctx):
     return {f"{a}-{d}": layout_worker.run(a, d, ctx) for a in layout_worker.models() for d in ("float32", "float64")}
 
 
-def run_layout(tmp_path, tp, pp, last_stage_layers=None):
-    out = tmp_path / f"tp{tp}pp{pp}.pt"
+LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 1)]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every layout of LAYOUTS in one launch of 2 processes: their results by layout_worker.layout_name."""
+    out = tmp_path_factory.mktemp("layouts")
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "layout_worker.py"), f"--tp={tp}", f"--pp={pp}", f"--out={out}"]
-    if last_stage_layers is not None:
-        cmd.append(f"--last-stage-layers={last_stage_layers}")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+           str(HERE / "layout_worker.py"), f"--out={out}",
+           *[f"--layout={tp},{pp}" + (f",{last}" if last is not None else "") for tp, pp, last in LAYOUTS]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    return {layout_worker.layout_name(*layout): torch.load(out / f"{layout_worker.layout_name(*layout)}.pt",
+                                                           weights_only=False) for layout in LAYOUTS}
 
 
-@pytest.mark.parametrize("tp, pp, last_stage_layers", [(2, 1, None), (1, 2, None), (1, 2, 1)])
-def test_layout_matches_single_process(tmp_path, reference, tp, pp, last_stage_layers):
+@pytest.mark.parametrize("tp, pp, last_stage_layers", LAYOUTS)
+def test_layout_matches_single_process(launched, reference, tp, pp, last_stage_layers):
     """(1, 2, 1): an uneven pipeline split, one layer on the last stage and the rest on the first."""
-    got = run_layout(tmp_path, tp, pp, last_stage_layers)
+    got = launched[layout_worker.layout_name(tp, pp, last_stage_layers)]
     # profiles only rank 0 had cached: not taken alone; measured on every rank (not rank 0's) and cached there
     assert got["caches"] == {"latency": None, "rows": (1, 2, 4), "stale_kept": False, "cached": [1, 2, 4]}
     for name, ref in reference.items():
