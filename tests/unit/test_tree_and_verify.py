@@ -389,6 +389,10 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     from specroll_mcore.rollout import profile
 
     monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
+    # a tiny model's curve may stay flat past 128 tokens: the profile then goes on one size at a time, and its
+    # grid covers shapes up to the C_hw found. One more size at most here, which keeps this test's time
+    # bounded whatever the machine's timings (going on to 2048: test_quick_profile_goes_on_while_the_curve_is_flat)
+    monkeypatch.setattr(profile, "QUICK_MORE_SIZES", profile.QUICK_MORE_SIZES[:1])
     model = make_policy(tiny_llama(), ctx)
     assert profile.ensure_capacity(model, 24, "fp") == (24, None)  # configured wins, nothing measured
     assert not (tmp_path / "capacity_profiles.json").exists()
@@ -396,7 +400,6 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     assert (tmp_path / "capacity_profiles.json").is_file()
     record = json.loads((tmp_path / "capacity_profiles.json").read_text())
     (record,) = record.values()
-    # (a tiny model's curve may stay flat past 128 tokens: then the profile goes on, one size at a time)
     tokens = record["curve"]["tokens"]
     assert tokens[:8] == list(profile.QUICK_SIZES) and len(record["curve"]["tree_row_s"]) == len(tokens)
     assert cap.c_hw in tokens and set(tokens[8:]) <= set(profile.QUICK_MORE_SIZES)
@@ -585,6 +588,8 @@ def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
                 "decode_rows_s": [1.0 + n / 16 for n in sizes]}
 
     monkeypatch.setattr(profile, "forward_latency", fake_latency)
+    monkeypatch.setattr(profile, "forward_grid", lambda policy, c_hw, reps, **kw: {
+        "rows": [1], "nodes": [1, 2], "contexts": [8], "seconds": [[[1.0, 1.1]]]})
     fp32 = profile.ensure_capacity(make_policy(tiny_llama(), ctx), None, "fp")
     bf16 = profile.ensure_capacity(make_policy(tiny_llama(params_dtype="bfloat16"), ctx), None, "fp")
     assert measured == [torch.float32, torch.bfloat16]  # the bfloat16 policy was profiled, not given float32's
