@@ -39,6 +39,7 @@ from specroll_mcore.checkpoint.megatron import (read_checkpoint_config, stop_tok
                                                 write_json_atomic)
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
+from specroll_mcore.rollout.base import tokens_per_step  # noqa: E402
 from specroll_mcore.rollout.profile import cached_profile, open_for_rollout, with_step_overhead  # noqa: E402
 from specroll_mcore.tree.budget import LatencyCurve, StepCost, hardware_name  # noqa: E402
 
@@ -302,7 +303,7 @@ def main() -> int:
                     first.stats[key] = [s for o in outs for s in o.stats[key]]
                 if "tau" in first.stats:
                     steps = first.stats["per_step"]
-                    first.stats["tau"] = sum(s["emitted"] for s in steps) / max(1, sum(s["active"] for s in steps))
+                    first.stats["tau"] = tokens_per_step(steps)
                     acc = [sum(o.stats["accepted_per_depth"][d] for o in outs) /
                            max(1, sum(o.stats["tried_per_depth"][d] for o in outs)) for d in range(policy.num_heads)]
                     first.stats["acceptance_per_depth"] = acc

@@ -295,6 +295,12 @@ class RolloutState:
         )
 
 
+def tokens_per_step(per_step: list[dict[str, Any]]) -> float:
+    """tau: the tokens one verification step confirmed per response, over the steps' rows (before EOS
+    or the length limit cut a response)."""
+    return sum(p["emitted"] for p in per_step) / max(1, sum(p["active"] for p in per_step))
+
+
 def nodes_per_row(per_step: list[dict[str, Any]]) -> float:
     """The tree size a response had per verification step, on average over the steps' rows (root
     included: 1 means nothing was drafted; the budget C_hw / B_t, or what weighing kept of it)."""
@@ -310,7 +316,7 @@ def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(stats[-1])
     if "tau" in out:
         steps = [p for s in stats for p in s["per_step"]]
-        out["tau"] = sum(p["emitted"] for p in steps) / max(1, sum(p["active"] for p in steps))
+        out["tau"] = tokens_per_step(steps)
         out["nodes_per_row"] = nodes_per_row(steps)
         tried, accepted = ([sum(d) for d in zip(*(s[key] for s in stats))] for key in ("tried_per_depth",
                                                                                       "accepted_per_depth"))

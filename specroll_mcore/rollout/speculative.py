@@ -40,7 +40,7 @@ from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vo
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          in_cache_order, keep_rows, nodes_per_row, num_groups, run_groups,
-                                         split_groups, validate_prompts)
+                                         split_groups, tokens_per_step, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens,
@@ -646,8 +646,7 @@ class _Rollout:
         return {
             "engine": "specroll", "forwards": self.steps + 1, "tokens": num_tokens, "steps": self.steps,
             "groups": self.engine.groups, "total_s": elapsed, "tokens_per_s": num_tokens / max(elapsed, 1e-9),
-            # tau: tokens one verification step confirms per response (before EOS / length truncation)
-            "tau": sum(p["emitted"] for p in per_step) / max(1, sum(p["active"] for p in per_step)),
+            "tau": tokens_per_step(per_step),
             "tau_per_row": (self.row_emitted.double() / self.row_steps.clamp(min=1).double()).tolist(),
             "nodes_per_row": nodes_per_row(per_step),
             "acceptance_per_depth": (self.accepted.double() / self.tried.clamp(min=1).double()).tolist(),
