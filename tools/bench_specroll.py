@@ -39,7 +39,7 @@ from specroll_mcore.checkpoint.megatron import (read_checkpoint_config, stop_tok
                                                 write_json_atomic)
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
-from specroll_mcore.rollout.base import tokens_per_step  # noqa: E402
+from specroll_mcore.rollout.base import combined_stats  # noqa: E402
 from specroll_mcore.rollout.profile import cached_profile, open_for_rollout, with_step_overhead  # noqa: E402
 from specroll_mcore.tree.budget import LatencyCurve, StepCost, hardware_name  # noqa: E402
 
@@ -299,14 +299,9 @@ def main() -> int:
                 first = outs[0]
                 first.tokens = [t for o in outs for t in o.tokens]
                 first.finish_reason = [f for o in outs for f in o.finish_reason]
-                for key in ("per_step",):
-                    first.stats[key] = [s for o in outs for s in o.stats[key]]
-                if "tau" in first.stats:
-                    steps = first.stats["per_step"]
-                    first.stats["tau"] = tokens_per_step(steps)
-                    acc = [sum(o.stats["accepted_per_depth"][d] for o in outs) /
-                           max(1, sum(o.stats["tried_per_depth"][d] for o in outs)) for d in range(policy.num_heads)]
-                    first.stats["acceptance_per_depth"] = acc
+                # tau, tree size and acceptance over every prompt's steps; the rest (time split) the last prompt's
+                first.stats = dict(combined_stats([o.stats for o in outs]),
+                                   per_step=[s for o in outs for s in o.stats["per_step"]])
                 return first
         return Seq()
 
