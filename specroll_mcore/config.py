@@ -779,10 +779,18 @@ class DataConfig:
     """Variables the chat template reads (``{enable_thinking: false}``: Qwen3 without its thinking
     block), passed to ``apply_chat_template``."""
 
+    instruction: str = "Think step by step, then give the final answer after '####'."
+    """Appended (on a line of its own) to a question given as plain text: the answer form the rewards
+    look for ('####', ``\\boxed{}`` or an 'Answer:' line); "" appends nothing. Rows whose prompt is
+    already a list of chat messages (verl's parquet, DAPO-Math-17K) carry their own instruction and
+    are rendered as they are."""
+
     def __post_init__(self) -> None:
         _check(self.max_prompt_tokens >= 1, f"DataConfig.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         _check(self.limit is None or self.limit >= 1, f"DataConfig.limit must be >= 1 (or unset), got {self.limit}")
         _check_template_kwargs(self.chat_template_kwargs, "DataConfig")
+        _check(isinstance(self.instruction, str),
+               f"DataConfig.instruction must be a string (\"\" for none), got {self.instruction!r}")
 
 
 @dataclass

@@ -2,8 +2,9 @@
 ``datasets.load_dataset`` (a hub name for users, a local json/jsonl/parquet path for tests), and the
 embedded offline generator of GSM8K-style problems (the default: no hub is needed).
 
-Every source yields :class:`Example` (id, question, reference answer). Rows with a missing or empty
-question or reference are skipped and counted, never a crash.
+Every source yields :class:`Example` (id, question, reference answer, and the row's chat messages
+where its prompt comes as such). Rows with a missing or empty question or reference are skipped and
+counted, never a crash.
 """
 
 from __future__ import annotations
@@ -13,17 +14,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from specroll_mcore.config import DataConfig
 from specroll_mcore.rl.rewards import reference_answer
 from specroll_mcore.rl.synthetic import problems
 
-SYSTEM_SUFFIX = "Think step by step, then give the final answer after '####'."
+Messages = tuple[tuple[str, str], ...]
+"""Chat messages as (role, content) pairs."""
 
 
 @dataclass(frozen=True)
 class Example:
     id: int
     question: str
+    """The question: a plain-text prompt, or the last user turn of the row's messages."""
     reference: str
+    messages: Optional[Messages] = None
+    """The row's own prompt, when the dataset gives it as chat messages (verl's parquet: DAPO-Math-17K,
+    whose user turn asks for an 'Answer:' line): rendered as it is, instruction included."""
 
 
 @dataclass
@@ -35,18 +42,29 @@ class LoadReport:
         self.skipped[why] = self.skipped.get(why, 0) + 1
 
 
-def _question_and_reference(row: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
+def _messages(prompt: list) -> Messages:
+    """A row's chat prompt -> (role, content) pairs; anything but messages with a string role and
+    content makes the row malformed."""
+    out = []
+    for m in prompt:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"a prompt message must have a string role and content, got {m!r}")
+        out.append((m["role"], m["content"]))
+    return tuple(out)
+
+
+def _question_and_reference(row: dict[str, Any]) -> tuple[Optional[str], Optional[str], Optional[Messages]]:
     """Recognise the three formats by their columns."""
     if "prompt" in row and isinstance(row["prompt"], list):  # DAPO / verl parquet: chat messages
-        users = [m.get("content") for m in row["prompt"] if isinstance(m, dict) and m.get("role") == "user"]
-        q = users[-1] if users else None
+        messages = _messages(row["prompt"])
+        users = [content for role, content in messages if role == "user"]
         ref = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
-        return q, ref
+        return (users[-1] if users else None), ref, messages
     q = row.get("question") or row.get("problem") or (row.get("prompt") if isinstance(row.get("prompt"), str) else None)
     ref = row.get("answer") if row.get("answer") not in (None, "") else None  # GSM8K: "... #### 72"
     if ref is None:
         ref = row.get("gt_answer") or row.get("ground_truth") or row.get("solution")  # SimpleRL / MATH
-    return q, ref
+    return q, ref, None
 
 
 _LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
@@ -85,7 +103,7 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
         if limit is not None and len(out) >= limit:
             break
         try:
-            q, ref = _question_and_reference(dict(row))
+            q, ref, messages = _question_and_reference(dict(row))
         except Exception:  # noqa: BLE001  (a malformed row is skipped and counted)
             report.skip("malformed row")
             continue
@@ -95,7 +113,7 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
         if reference_answer(ref) is None:  # (none, blank, or a GSM8K answer with nothing after its '####')
             report.skip("missing reference answer")
             continue
-        out.append(Example(i, q.strip(), str(ref)))
+        out.append(Example(i, q.strip(), str(ref), messages))
     report.kept = len(out)
     return out, report
 
@@ -103,7 +121,12 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
 def chat_prompt_ids(tokenizer: Any, text: str, template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
     """Token ids of one user turn in the tokenizer's chat template, plus the generation prompt;
     ``template_kwargs``: variables the template reads (DataConfig.chat_template_kwargs)."""
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+    return chat_ids(tokenizer, (("user", text),), template_kwargs)
+
+
+def chat_ids(tokenizer: Any, messages: Messages, template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
+    """Token ids of chat messages in the tokenizer's chat template, plus the generation prompt."""
+    enc = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True,
                                         **(template_kwargs or {}))
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)  # transformers 5 returns an encoding
 
@@ -114,10 +137,15 @@ def synthetic_chat_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]
     return [chat_prompt_ids(tokenizer, p.question) for p in problems(n, seed=seed)]
 
 
-def render_prompt(tokenizer: Any, question: str, chat: bool = True,
-                  template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
-    """Token ids of a GRPO prompt: the question with the answer-format instruction, in the chat template."""
-    text = f"{question}\n{SYSTEM_SUFFIX}"
-    if chat and getattr(tokenizer, "chat_template", None):
-        return chat_prompt_ids(tokenizer, text, template_kwargs)
-    return list(tokenizer(text)["input_ids"])
+def render_prompt(tokenizer: Any, example: Example, data: DataConfig = DataConfig()) -> list[int]:
+    """Token ids of a GRPO prompt: the row's own chat messages as they are, or its question with
+    ``data.instruction`` on a line of its own as one user turn; in the chat template (``data.chat``,
+    where the tokenizer has one), else as plain text (the messages' contents one after the other,
+    a blank line apart)."""
+    messages = example.messages
+    if messages is None:
+        text = f"{example.question}\n{data.instruction}" if data.instruction else example.question
+        messages = (("user", text),)
+    if data.chat and getattr(tokenizer, "chat_template", None):
+        return chat_ids(tokenizer, messages, data.chat_template_kwargs)
+    return list(tokenizer("\n\n".join(content for _, content in messages))["input_ids"])

@@ -37,7 +37,7 @@ def usable_prompts(examples: list[Example], data: DataConfig, tokenizer: Any, ma
         if math_verify and not parse_reference(ex.reference):
             report.skip("unparseable reference answer")
             continue
-        ids = render_prompt(tokenizer, ex.question, data.chat, data.chat_template_kwargs)
+        ids = render_prompt(tokenizer, ex, data)
         if len(ids) > limit:
             report.skip("prompt over the context limit")
             continue

@@ -1,9 +1,10 @@
 """Verifiable rewards: answer checking with math-verify (the checker TRL and verl use).
 
 References may be GSM8K-style ("... #### 72"), a \\boxed{} expression, or a bare answer. The
-response's answer is what math-verify extracts from it (\\boxed{...} first, then the last
-expression). An optional format reward pays for giving the answer in the asked form, and DAPO's
-soft overlong punishment (:func:`overlong_penalty`) takes reward from responses near the length limit.
+response's answer is what math-verify extracts from it (\\boxed{...} first, then a stated answer
+such as an 'Answer:' line, then the last expression). An optional format reward pays for giving
+the answer in the asked form, and DAPO's soft overlong punishment (:func:`overlong_penalty`) takes
+reward from responses near the length limit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 _GSM8K = re.compile(r"####\s*(.*?)\s*$", re.S)
+_ANSWER_LINE = re.compile(r"^[ \t*]*answer[ \t*]*:", re.I | re.M)  # DAPO-Math-17K's "Answer: $Answer"
 
 
 def reference_answer(reference: Optional[str]) -> Optional[str]:
@@ -47,7 +49,8 @@ def _parse_answer(ref: str) -> tuple:
 @dataclass(frozen=True)
 class RewardConfig:
     format_reward: float = 0.0
-    """Added when the response states its answer in the requested form (\\boxed{} or '####')."""
+    """Added when the response states its answer in one of the forms the prompts ask for: \\boxed{},
+    '####' (the embedded data's and GSM8K's) or a line starting 'Answer:' (DAPO-Math-17K's)."""
 
 
 def score(response: str, reference: str, cfg: RewardConfig = RewardConfig()) -> tuple[float, bool]:
@@ -64,7 +67,7 @@ def score(response: str, reference: str, cfg: RewardConfig = RewardConfig()) -> 
         text = m.group(1)
     answer = parse(text)
     correct = bool(answer) and bool(verify(gold, answer))
-    formatted = "\\boxed{" in response or "####" in response
+    formatted = "\\boxed{" in response or "####" in response or _ANSWER_LINE.search(response) is not None
     return float(correct) + (cfg.format_reward if formatted else 0.0), correct
 
 

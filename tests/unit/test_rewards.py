@@ -21,6 +21,10 @@ FORMAT = RewardConfig(format_reward=0.1)
     ("so the answer is \\boxed{0.5}", "\\frac{1}{2}", 1.0, 1.1),
     ("\\boxed{72}", "72", 1.0, 1.1),
     ("\\boxed{73}", "72", 0.0, 0.1),
+    # DAPO-Math-17K's prompts ask for a last line "Answer: $Answer"; math-verify reads a stated answer first
+    ("2 + 2 = 4, and twice that is 8.\nAnswer: 4", "4", 1.0, 1.1),
+    ("**Answer:** 20", "#### 24", 0.0, 0.1),
+    ("so the answer: 4", "4", 1.0, 1.0),  # in a sentence: not the asked form
 ])
 def test_score(response, reference, reward, formatted_reward):
     assert score(response, reference) == (reward, reward == 1.0)
@@ -69,3 +73,52 @@ def test_dataset_files_in_their_published_layouts(tmp_path):
     (tmp_path / "simplerl.json").write_text('[{"question": "Simplify 2/4.", "gt_answer": "\\\\frac{1}{2}"}]')
     examples, _ = load_examples(str(tmp_path / "simplerl.json"))
     assert score("It is \\boxed{0.5}", examples[0].reference) == (1.0, True)
+
+
+def test_prompts_are_rendered_as_the_dataset_gives_them(tmp_path):
+    """A row whose prompt is a list of chat messages (verl's parquet: DAPO-Math-17K, whose user turn asks
+    for an 'Answer:' line) is rendered as it is, its system message included and nothing appended; a
+    plain question gets DataConfig.instruction on a line of its own ("" appends nothing). A message
+    without a string role and content makes its row malformed: skipped and counted."""
+    import json
+
+    import transformers
+
+    from grpo_fixtures import _smollm2_tokenizer_files
+    from specroll_mcore.config import DataConfig
+    from specroll_mcore.rl.data import load_examples, render_prompt
+
+    dapo = "Solve step by step. The last line of your response should be of the form Answer: $Answer.\n\nWhat is 2 + 2?"
+    rows = [{"prompt": [{"role": "system", "content": "You are a careful mathematician."},
+                        {"role": "user", "content": dapo}], "reward_model": {"ground_truth": "4"}},
+            {"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "4"}},
+            {"question": "Tom has 3 apples and buys 4. How many?", "answer": "#### 7"}]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    examples, report = load_examples(str(tmp_path / "rows.jsonl"))
+    assert report.skipped == {"malformed row": 1} and report.kept == 2
+    chat, plain = examples
+    assert chat.question == dapo and chat.messages == (("system", "You are a careful mathematician."), ("user", dapo))
+    assert plain.messages is None
+
+    tok = transformers.AutoTokenizer.from_pretrained(_smollm2_tokenizer_files())
+
+    def template(*messages):
+        return tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True,
+                                       tokenize=False)
+
+    def text(ids):
+        return tok.decode(ids)
+
+    assert text(render_prompt(tok, chat)) == template(*chat.messages)  # no '####' instruction against DAPO's
+    question = "Tom has 3 apples and buys 4. How many?"
+    assert text(render_prompt(tok, plain)) == template(("user", f"{question}\n{DataConfig().instruction}"))
+    assert "'####'" in DataConfig().instruction
+    boxed = DataConfig(instruction="Put your final answer within \\boxed{}.")
+    assert text(render_prompt(tok, plain, boxed)) == template(("user", f"{question}\n{boxed.instruction}"))
+    assert text(render_prompt(tok, plain, DataConfig(instruction=""))) == template(("user", question))
+    # without the chat template: the messages' contents a blank line apart
+    raw = DataConfig(chat=False)
+    assert text(render_prompt(tok, chat, raw)) == f"You are a careful mathematician.\n\n{dapo}"
+    assert text(render_prompt(tok, plain, raw)) == f"{question}\n{raw.instruction}"
+    with pytest.raises(ValueError, match=r'DataConfig.instruction must be a string \("" for none\), got 5'):
+        DataConfig(instruction=5)

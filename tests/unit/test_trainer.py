@@ -212,7 +212,7 @@ def test_evaluation_scores_the_policy_on_held_out_prompts_and_changes_nothing_in
     held_out = [e for e in load_examples("synthetic", "test", 6, 0)[0] if e.question not in train_questions]
     assert [e.id for e in trainer.eval_set.examples] == [e.id for e in held_out] and len(held_out) == 6
     policy = load_policy(tiny_ckpt, ctx)
-    prompts = [render_prompt(trainer.tokenizer, e.question) for e in held_out]
+    prompts = [render_prompt(trainer.tokenizer, e) for e in held_out]
     out = VanillaEngine(policy, eos_token_ids=trainer.eos).generate(
         prompts, SamplingConfig(temperature=0.0, max_new_tokens=10))
     scores = [token_parity_reward(None, None, t) for t in out.tokens]
