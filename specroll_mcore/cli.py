@@ -136,7 +136,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
     positions = policy.config.max_position_embeddings
     # the training prompts, left out of the evaluation as in training (the same held-out prompts)
-    examples, report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed, cfg.data.name)
+    examples, report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed, cfg.data.name,
+                                     cfg.data.data_dir)
     math_verify = reward_fn is None
     training = usable_prompts(examples, cfg.data, tokenizer, positions, report, math_verify)[0]
     held_out = HeldOut.load(cfg.eval, cfg.seed, tokenizer, positions, training, ctx.dp_size, math_verify)

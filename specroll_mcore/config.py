@@ -765,6 +765,11 @@ class DataConfig:
     name: Optional[str] = None
     """Hub dataset configuration (``main`` for GSM8K)."""
 
+    data_dir: Optional[str] = None
+    """One folder of a dataset that keeps its subsets in folders (``datasets.load_dataset``'s
+    ``data_dir``: ``simplelr_abel_level3to5`` of ``hkust-nlp/SimpleRL-Zoo-Data``); for a local
+    directory, the folder under it. Unset: every file of the dataset (or of the local directory)."""
+
     split: str = "train"
     limit: Optional[int] = None
     """Use at most this many rows (the synthetic source generates this many; default 1024)."""
@@ -789,6 +794,8 @@ class DataConfig:
         _check(self.max_prompt_tokens >= 1, f"DataConfig.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         _check(self.limit is None or self.limit >= 1, f"DataConfig.limit must be >= 1 (or unset), got {self.limit}")
         _check_template_kwargs(self.chat_template_kwargs, "DataConfig")
+        _check(self.data_dir is None or self.source != "synthetic",
+               f"DataConfig.data_dir ({self.data_dir!r}) names a folder of a dataset; the synthetic source has none")
         _check(isinstance(self.instruction, str),
                f"DataConfig.instruction must be a string (\"\" for none), got {self.instruction!r}")
 

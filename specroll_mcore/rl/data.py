@@ -71,9 +71,14 @@ _LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 
 def load_examples(source: str, split: str = "train", limit: Optional[int] = None, seed: int = 0,
-                  name: Optional[str] = None) -> tuple[list[Example], LoadReport]:
-    """``synthetic`` (the offline generator), a local json/jsonl/parquet file or directory, or a hub
-    dataset name (with ``name`` its configuration, e.g. ``openai/gsm8k`` + ``main``). The synthetic
+                  name: Optional[str] = None, data_dir: Optional[str] = None) -> tuple[list[Example], LoadReport]:
+    """``synthetic`` (the offline generator), a local json/jsonl/parquet file (all of it, whatever
+    ``split``), a local directory (a local copy of a dataset: the files of ``split``, found as
+    ``datasets`` finds them: ``train.parquet`` and ``test.parquet``, ``main/train-*``, folders
+    ``train/``; files named after no split are all ``train``), or a hub dataset name (with ``name``
+    its configuration, e.g. ``openai/gsm8k`` + ``main``). ``data_dir``: one folder of a dataset that
+    keeps its subsets in folders (``datasets.load_dataset``'s: ``simplelr_abel_level3to5`` of
+    ``hkust-nlp/SimpleRL-Zoo-Data``), for a local directory the folder under it. The synthetic
     source's ``train`` split is generated from ``seed``, any other split from a seed of its own (the
     same questions can still come up in both, rarely: the trainer leaves those out of evaluation)."""
     report = LoadReport()
@@ -90,14 +95,25 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
     if not path.exists() and (path.is_absolute() or source.startswith(".") or path.suffix in _LOCAL_SUFFIXES):
         raise FileNotFoundError(f"data.source {source!r}: no such file or directory; give an existing "
                                 f"{'/'.join(_LOCAL_SUFFIXES)} file or directory, a hub dataset name, or 'synthetic'")
-    if path.exists():
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_SUFFIXES)
-        if not files:
-            raise FileNotFoundError(f"no {'/'.join(_LOCAL_SUFFIXES)} files under {path}")
-        kind = "parquet" if files[0].suffix == ".parquet" else "json"
-        ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+    if path.is_file():
+        if data_dir:
+            raise ValueError(f"data.data_dir {data_dir!r} names a folder inside a dataset, but data.source "
+                             f"{source!r} is a file; give the dataset's directory as the source")
+        ds = datasets.load_dataset("parquet" if path.suffix == ".parquet" else "json", data_files=[str(path)],
+                                   split="train")
+    elif path.is_dir():  # its files by split, as `datasets` finds them (train.parquet, test-*.jsonl, train/...)
+        folder = path / data_dir if data_dir else path
+        if data_dir and not folder.is_dir():
+            raise FileNotFoundError(f"data.data_dir {data_dir!r}: no such folder under {source}")
+        if not any(p.suffix in _LOCAL_SUFFIXES for p in folder.rglob("*")):
+            raise FileNotFoundError(f"no {'/'.join(_LOCAL_SUFFIXES)} files under {folder}")
+        splits = datasets.load_dataset(str(path), name, data_dir=data_dir)
+        if split not in splits:
+            raise ValueError(f"data.source {source!r} has no {split!r} split, only {sorted(splits)}: name its files "
+                             f"by split (train.parquet, test.parquet, or folders train/ and test/), or give the file")
+        ds = splits[split]
     else:
-        ds = datasets.load_dataset(source, name, split=split)
+        ds = datasets.load_dataset(source, name, split=split, data_dir=data_dir)
     out: list[Example] = []
     for i, row in enumerate(ds):
         if limit is not None and len(out) >= limit:

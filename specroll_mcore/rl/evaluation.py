@@ -89,7 +89,8 @@ class HeldOut:
         multiple of ``dp_size``, so that every replica rolls out as many of them in as many rollouts
         as the others (expert parallelism runs them in lockstep); ``math_verify`` as
         :func:`usable_prompts`'."""
-        examples, report = load_examples(ev.data.source, ev.data.split, ev.data.limit, seed, ev.data.name)
+        examples, report = load_examples(ev.data.source, ev.data.split, ev.data.limit, seed, ev.data.name,
+                                         ev.data.data_dir)
         trained = {ex.question for ex in training}
         for ex in examples:
             if ex.question in trained:

@@ -84,7 +84,7 @@ class GRPOTrainer:
 
         # Data: prompts that do not fit are skipped and counted (a cut question changes its answer).
         examples, self.data_report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed,
-                                                   cfg.data.name)
+                                                   cfg.data.name, cfg.data.data_dir)
         positions, math_verify = self.policy.config.max_position_embeddings, self.reward_fn is None
         self.examples, self.prompt_ids = usable_prompts(examples, cfg.data, self.tokenizer, positions,
                                                         self.data_report, math_verify)

@@ -122,3 +122,43 @@ def test_prompts_are_rendered_as_the_dataset_gives_them(tmp_path):
     assert text(render_prompt(tok, plain, raw)) == f"{question}\n{raw.instruction}"
     with pytest.raises(ValueError, match=r'DataConfig.instruction must be a string \("" for none\), got 5'):
         DataConfig(instruction=5)
+
+
+def test_a_local_copy_of_a_dataset_is_read_by_split_and_folder(tmp_path):
+    """A local directory is read as `datasets` reads a dataset: the files of the asked split (a copy of
+    GSM8K's train and test files must not train on the test problems), one subset folder with
+    data_dir (SimpleRL-Zoo-Data keeps its subsets in folders); files named after no split are train."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from specroll_mcore.config import DataConfig
+    from specroll_mcore.rl.data import load_examples
+
+    for subset in ("simplelr_abel_level3to5", "simplelr_qwen_level3to5"):
+        (tmp_path / "zoo" / subset).mkdir(parents=True)
+        for split in ("train", "test"):
+            rows = [{"question": f"{subset} {split} {i}: what is {i} + 1?", "gt_answer": str(i + 1)} for i in range(3)]
+            pq.write_table(pa.Table.from_pylist(rows), tmp_path / "zoo" / subset / f"{split}.parquet")
+    zoo = str(tmp_path / "zoo")
+
+    def questions(*args, **kwargs):
+        return [e.question.split(":")[0] for e in load_examples(zoo, *args, **kwargs)[0]]
+
+    abel = "simplelr_abel_level3to5"
+    assert questions("test", data_dir=abel) == [f"{abel} test {i}" for i in range(3)]
+    assert questions(data_dir=abel) == [f"{abel} train {i}" for i in range(3)]
+    assert len(questions()) == 6 and all(" train " in q for q in questions())  # both subsets' train files
+    with pytest.raises(FileNotFoundError, match=r"data.data_dir 'simplelr_abel': no such folder under .*zoo"):
+        load_examples(zoo, data_dir="simplelr_abel")
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "problems.jsonl").write_text('{"question": "What is 1 + 1?", "answer": "#### 2"}\n')
+    assert [e.reference for e in load_examples(str(tmp_path / "mine"))[0]] == ["#### 2"]
+    with pytest.raises(ValueError, match=r"data.source '.*mine' has no 'test' split, only \['train'\]: name its "
+                                         r"files by split"):
+        load_examples(str(tmp_path / "mine"), "test")
+    with pytest.raises(ValueError, match=r"data.data_dir 'x' names a folder inside a dataset, but data.source .* is "
+                                         r"a file; give the dataset's directory"):
+        load_examples(str(tmp_path / "mine" / "problems.jsonl"), data_dir="x")
+    with pytest.raises(ValueError, match=r"DataConfig.data_dir \('x'\) names a folder of a dataset; the synthetic"):
+        DataConfig(data_dir="x")
