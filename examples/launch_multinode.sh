@@ -8,7 +8,7 @@ shift
 : "${NNODES:?set NNODES}" "${NODE_RANK:?set NODE_RANK}" "${MASTER_ADDR:?set MASTER_ADDR}"
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-export NCCL_ASYNC_ERROR_HANDLING=1
+# (torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1: a failed collective ends the job rather than hanging it)
 exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
   -m specroll_mcore.cli train --config "$CONFIG" "$@"
