@@ -253,8 +253,13 @@ class MegatronCheckpointReader(Mapping[str, torch.Tensor]):
         self.model = ModelConfig.from_dict(self.meta["model"])
         self.tp, self.pp = self.meta["tensor_model_parallel_size"], self.meta["pipeline_model_parallel_size"]
         self._shapes = expected_full_shapes(self.model)
+        self._split = stage_layers_of(self.meta, self.model)
+        if len(self._split) != self.pp or sum(self._split) != self.model.num_layers:
+            raise ValueError(f"{self.ckpt_dir}: {CONFIG_FILE} gives the model num_layers={self.model.num_layers} but "
+                             f"records its pipeline stages holding {self._split} layers; does it belong to these "
+                             f"weights?")
         starts = [0]
-        for n in stage_layers_of(self.meta, self.model):
+        for n in self._split:
             starts.append(starts[-1] + n)
         self._where: dict[str, tuple[int, str, str]] = {}  # full name -> (stage, local name, unsharding key)
         for name in self._shapes:
@@ -283,12 +288,17 @@ class MegatronCheckpointReader(Mapping[str, torch.Tensor]):
             self._shards = []  # (the previous stage's mappings go once their tensors do)
             self._shards = [_load_shard(self.ckpt_dir, t, stage, self.pp, self.mmap) for t in range(self.tp)]
             self._stage = stage
+            held = sorted({int(m.group(1)) for k in self._shards[0] if (m := _LAYER.match(k))})
+            if held != list(range(self._split[stage])):
+                raise ValueError(f"checkpoint {self.ckpt_dir}: the shards of pipeline stage {stage} hold {len(held)} "
+                                 f"layers, {CONFIG_FILE} gives that stage {self._split[stage]}; does it belong to "
+                                 f"these weights?")
         if any(local not in shard for shard in self._shards):
             raise ValueError(f"checkpoint {self.ckpt_dir} lacks {name} (stage {stage}: {local})")
         full = unshard_tensor(key, [shard[local] for shard in self._shards], self.model)
         if tuple(full.shape) != self._shapes[name]:
             raise ValueError(f"{name} has shape {tuple(full.shape)} but the model config implies "
-                             f"{self._shapes[name]}; does config.json belong to these weights?")
+                             f"{self._shapes[name]}; does {CONFIG_FILE} belong to these weights?")
         return full
 
 

@@ -547,12 +547,13 @@ class PolicyModel(torch.nn.Module):
         missing = sorted(k for k in own if k not in local and not k.endswith("_extra_state"))
         unexpected = sorted(k for k in local if k not in own)
         if missing or unexpected:
-            raise KeyError(f"shard does not fit this stage: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(f"the shard does not fit this stage of the model: missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]}; was the checkpoint written for this model config?")
         with torch.no_grad():
             for name, tensor in local.items():
                 if own[name].shape != tensor.shape:
                     raise ValueError(f"{name}: shard shape {tuple(tensor.shape)} != parameter shape "
-                                     f"{tuple(own[name].shape)}")
+                                     f"{tuple(own[name].shape)}; was the checkpoint written for this model config?")
                 own[name].copy_(tensor)
 
     def load_full_heads(self, full: Mapping[str, torch.Tensor]) -> None:

@@ -420,6 +420,39 @@ def test_export_in_shards_streams_and_loads_in_transformers(tmp_path, arch, caps
         convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "x", max_shard_bytes=0)
 
 
+def test_a_checkpoint_config_that_does_not_match_its_shards_is_refused(tmp_path, ctx):
+    """specroll_config.json edited or copied from another model beside the shards: a layer count that
+    differs from the shards' (more or fewer: fewer once loaded only the first layers, silently),
+    in the layout written (read directly) and in another (resharded), with and without the stage
+    split the converter records (checkpoints written before it), and a width that differs."""
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    for tp in (1, 2):
+        ckpt = convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / f"tp{tp}", tensor_parallel_size=tp)
+        config = json.loads((ckpt / CONFIG_FILE).read_text())
+        layers = config["model"]["num_layers"]
+        for num_layers in (layers - 1, layers + 1):
+            for recorded in (True, False):
+                edited = json.loads(json.dumps(config))
+                edited["model"]["num_layers"] = num_layers
+                if not recorded:
+                    del edited["pipeline_stage_layers"]
+                (ckpt / CONFIG_FILE).write_text(json.dumps(edited))
+                match = (rf"gives the model num_layers={num_layers} but records its pipeline stages holding "
+                         rf"\[{layers}\] layers; does it belong" if recorded else
+                         rf"the shards of pipeline stage 0 hold {layers} layers, {CONFIG_FILE} gives that stage "
+                         rf"{num_layers}; does it belong" if tp == 2 else  # (resharded; else read directly)
+                         r"the shard does not fit this stage of the model: missing \[.*\], unexpected \[.*\]; was "
+                         r"the checkpoint written for this model config\?")
+                with pytest.raises(ValueError, match=match):
+                    load_policy(ckpt, ctx)
+        edited = json.loads(json.dumps(config))
+        edited["model"]["ffn_hidden_size"] = 2 * config["model"]["ffn_hidden_size"]
+        (ckpt / CONFIG_FILE).write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=r"decoder.layers.0.mlp.linear_fc1.weight.* (shape|!=).*(was the checkpoint "
+                                             rf"written for this model config|does {CONFIG_FILE} belong)"):
+            load_policy(ckpt, ctx)
+
+
 def test_export_names_a_tensor_the_checkpoint_lacks_or_misshapes(tmp_path):
     save_tiny_hf(tmp_path / "hf", "llama", tied=False)
     convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", pipeline_parallel_size=2)
