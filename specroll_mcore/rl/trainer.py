@@ -140,6 +140,12 @@ class GRPOTrainer:
             if saved != layout:
                 raise ValueError(f"{self.out} was trained with the layout {saved}, this run has {layout}: resume "
                                  "with the parallel config the checkpoint was saved with (ParallelConfig)")
+            # a longer run or another lr is legitimate, but never silent: the exact continuation needs the same
+            # seed, data and sampling settings
+            changed = changed_settings(meta.get("train_config") or {}, json.loads(json.dumps(self.cfg, default=vars)))
+            if changed and self.ctx.rank == 0:
+                print(f"resuming {self.out} with changed settings: "
+                      + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed))
         if self.ctx.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             if not self.cfg.resume and (self.out / "metrics.jsonl").is_file():
@@ -580,6 +586,22 @@ class GRPOTrainer:
         if self.ctx.rank == 0 and rows:
             print(summary_table(rows))
         return rows
+
+
+def changed_settings(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted field, saved value, current value) for every TrainConfig field a resumed run changes
+    (``resume`` itself aside); a field missing on one side (a config of another version) counts as
+    changed."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if prefix + key == "resume" or a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_settings(a, b, f"{prefix}{key}.")
+        else:
+            out.append((prefix + key, a, b))
+    return out
 
 
 @dataclass

@@ -539,6 +539,18 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tiny_ckpt, tmp_path, ctx):
         GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla")))
 
 
+def test_resume_names_the_settings_it_changes(tiny_ckpt, tmp_path, ctx, capsys):
+    run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1")
+    capsys.readouterr()
+    GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1",
+                                                         "resume=true")))
+    assert "changed settings" not in capsys.readouterr().out  # the same settings
+    GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "resume=true",
+                                                         "steps=5", "lr=3e-6", "sampling.seed=7")))
+    out = capsys.readouterr().out
+    assert "run with changed settings: lr 0.001 -> 3e-06; sampling.seed 0 -> 7; steps 1 -> 5\n" in out, out
+
+
 def test_resume_refuses_another_layout(tiny_ckpt, tmp_path, ctx):
     run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1")
     meta_file = tmp_path / "run" / "specroll_config.json"
