@@ -141,12 +141,17 @@ def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1,
     layout.validate(model, tensor_parallel_size * pipeline_parallel_size)
     arch = hf_architecture(hf_config)
     _check_hf_shapes(reader, model, arch)
-    full = _CastMapping(HFToFull(reader, model, arch), model.torch_dtype)
+    read = _Recording(reader)
+    full = _CastMapping(HFToFull(read, model, arch), model.torch_dtype)
 
     def write(tmp: Path) -> None:
         write_checkpoint_files(tmp, full, model, tensor_parallel_size, pipeline_parallel_size,
                                extra_config={"hf_config": hf_config, "source": str(Path(src).resolve())},
                                stage_layers=layout.stage_layers(model.num_layers))
+        unused = sorted(name for name in reader if name not in read.names and not _derived(name, model))
+        if unused:  # (raised before the output is moved into place: nothing is written)
+            raise ValueError(f"{reader.path} holds {len(unused)} tensors this conversion would drop, such as "
+                             f"{unused[:4]}: a variant of {arch} that is not supported here")
         for name in TOKENIZER_FILES:
             if (Path(src) / name).is_file():
                 shutil.copy2(Path(src) / name, tmp / name)
@@ -282,6 +287,31 @@ def _check_hf_shapes(reader: HFCheckpointReader, model: ModelConfig, arch: str =
         if got != shape:
             raise ValueError(f"{name} has shape {got} but config.json implies {shape}; "
                              f"does config.json belong to these weights?")
+
+
+class _Recording(Mapping[str, torch.Tensor]):
+    """A mapping that remembers the names read from it."""
+
+    def __init__(self, inner: Mapping[str, torch.Tensor]) -> None:
+        self.inner, self.names = inner, set()
+
+    def __getitem__(self, k: str) -> torch.Tensor:
+        self.names.add(k)
+        return self.inner[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def _derived(name: str, model: ModelConfig) -> bool:
+    """HF tensors that hold nothing of their own: RoPE's inverse frequencies (recomputed from the config),
+    with tied embeddings a saved copy of the embedding as the output layer, and a Qwen2-MoE's shared
+    expert of zero width (transformers always builds one; ``shared_expert_intermediate_size`` 0)."""
+    return (name.endswith("rotary_emb.inv_freq") or (model.tie_word_embeddings and name == "lm_head.weight")
+            or (model.is_moe and model.moe_shared_expert_ffn_hidden_size is None and ".mlp.shared_expert" in name))
 
 
 class _CastMapping(Mapping[str, torch.Tensor]):

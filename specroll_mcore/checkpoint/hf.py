@@ -154,6 +154,14 @@ def model_config_from_hf(hf_config: Any, params_dtype: str = "float32") -> Model
                          f"{context}-token context (max_position_embeddings): not supported, every layer here "
                          f"attends to the whole context; lower max_position_embeddings to {window} to use the model "
                          f"within its window")
+    act = c.get("hidden_act", c.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise ValueError(f"config.json sets hidden_act {act!r}: not supported, the MLP here is SwiGLU (silu)")
+    if c.get("mlp_bias"):
+        raise ValueError("config.json sets mlp_bias: not supported, the MLP's projections here have no biases")
+    if c.get("attention_bias") and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        raise ValueError(f"config.json sets attention_bias, which in {arch} also gives the output projection "
+                         f"(o_proj) a bias: not supported, only the query, key and value projections take one here")
     rope = dict(c.get("rope_parameters") or {})  # transformers >= 5: theta and scaling in one dict
     scaling = dict(c.get("rope_scaling") or {}) or {k: v for k, v in rope.items() if k != "rope_theta"}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))

@@ -228,6 +228,33 @@ def test_unsupported_mixture_of_experts_variants(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_variants_whose_tensors_would_be_dropped_are_refused(tmp_path):
+    """Biases or activations the Megatron layer here does not have are refused by their config fields;
+    a tensor the conversion would not read (here an output-projection bias its config does not
+    announce) is refused after reading the rest, before anything is written."""
+    from safetensors.torch import load_file, save_file
+
+    for change, match in [({"attention_bias": True}, r"sets attention_bias, which in LlamaForCausalLM also gives the "
+                                                     r"output projection \(o_proj\) a bias: not supported"),
+                          ({"mlp_bias": True}, "sets mlp_bias: not supported"),
+                          ({"hidden_act": "gelu"}, r"sets hidden_act 'gelu': not supported, the MLP here is SwiGLU")]:
+        cfg = tiny_hf_config("llama", False)
+        for k, v in change.items():
+            setattr(cfg, k, v)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+        with pytest.raises(ValueError, match=match):
+            convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+        shutil.rmtree(tmp_path / "hf")
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    weights["model.layers.2.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"holds 1 tensors this conversion would drop, such as "
+                                         r"\['model.layers.2.self_attn.o_proj.bias'\]: a variant of LlamaForCausalLM"):
+        convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         convert.convert_hf_to_mcore(tmp_path, tmp_path / "out")
