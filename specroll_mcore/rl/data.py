@@ -3,8 +3,8 @@
 embedded offline generator of GSM8K-style problems (the default: no hub is needed).
 
 Every source yields :class:`Example` (id, question, reference answer, and the row's chat messages
-where its prompt comes as such). Rows with a missing or empty question or reference are skipped and
-counted, never a crash.
+where its prompt comes as such). Rows with a missing or empty question or reference, and rows that
+repeat an earlier one (the same prompt and reference), are skipped and counted, never a crash.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
     else:
         ds = datasets.load_dataset(source, name, split=split, data_dir=data_dir)
     out: list[Example] = []
+    seen: set[tuple[Any, str]] = set()
     for i, row in enumerate(ds):
         if limit is not None and len(out) >= limit:
             break
@@ -129,6 +130,11 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
         if reference_answer(ref) is None:  # (none, blank, or a GSM8K answer with nothing after its '####')
             report.skip("missing reference answer")
             continue
+        key = (messages or q.strip(), str(ref))
+        if key in seen:  # (the same prompt and reference again: once an epoch is enough)
+            report.skip("duplicate row")
+            continue
+        seen.add(key)
         out.append(Example(i, q.strip(), str(ref), messages))
     report.kept = len(out)
     return out, report

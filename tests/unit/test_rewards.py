@@ -79,7 +79,8 @@ def test_prompts_are_rendered_as_the_dataset_gives_them(tmp_path):
     """A row whose prompt is a list of chat messages (verl's parquet: DAPO-Math-17K, whose user turn asks
     for an 'Answer:' line) is rendered as it is, its system message included and nothing appended; a
     plain question gets DataConfig.instruction on a line of its own ("" appends nothing). A message
-    without a string role and content makes its row malformed: skipped and counted."""
+    without a string role and content makes its row malformed, and a row repeating an earlier one is
+    a duplicate: both skipped and counted."""
     import json
 
     import transformers
@@ -93,9 +94,10 @@ def test_prompts_are_rendered_as_the_dataset_gives_them(tmp_path):
                         {"role": "user", "content": dapo}], "reward_model": {"ground_truth": "4"}},
             {"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "4"}},
             {"question": "Tom has 3 apples and buys 4. How many?", "answer": "#### 7"}]
+    rows += rows[:1] + rows[-1:]  # (a dataset published with its rows repeated: each once)
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     examples, report = load_examples(str(tmp_path / "rows.jsonl"))
-    assert report.skipped == {"malformed row": 1} and report.kept == 2
+    assert report.skipped == {"malformed row": 1, "duplicate row": 2} and report.kept == 2
     chat, plain = examples
     assert chat.question == dapo and chat.messages == (("system", "You are a careful mathematician."), ("user", dapo))
     assert plain.messages is None
