@@ -2,9 +2,10 @@
 
 References may be GSM8K-style ("... #### 72"), a \\boxed{} expression, or a bare answer. The
 response's answer is what math-verify extracts from it (\\boxed{...} first, then a stated answer
-such as an 'Answer:' line, then the last expression). An optional format reward pays for giving
-the answer in the asked form, and DAPO's soft overlong punishment (:func:`overlong_penalty`) takes
-reward from responses near the length limit.
+such as an 'Answer:' line, then the last expression), in what follows the thinking of a reasoning
+model (:func:`final_part`). An optional format reward pays for giving the answer in the asked form,
+and DAPO's soft overlong punishment (:func:`overlong_penalty`) takes reward from responses near the
+length limit.
 """
 
 from __future__ import annotations
@@ -61,14 +62,25 @@ def score(response: str, reference: str, cfg: RewardConfig = RewardConfig()) -> 
     gold = parse_reference(reference)
     if not gold:
         raise ValueError(f"reference answer {reference!r} holds nothing math-verify can check a response against")
+    response = final_part(response)
     text = response
     m = _GSM8K.search(response)
     if m:  # a GSM8K-style final line wins over earlier numbers
         text = m.group(1)
-    answer = parse(text)
+    answer = parse(text) if text else []
     correct = bool(answer) and bool(verify(gold, answer))
     formatted = "\\boxed{" in response or "####" in response or _ANSWER_LINE.search(response) is not None
     return float(correct) + (cfg.format_reward if formatted else 0.0), correct
+
+
+def final_part(response: str) -> str:
+    """What a reasoning model answers after its thinking: the text after the last ``</think>``; ""
+    when a ``<think>`` block never closes (cut off while thinking: no answer yet, whatever numbers it
+    tried); the whole response when it has no thinking block. (Its tentative \\boxed{} answers would
+    otherwise count: math-verify reads two boxed answers as the set of both.)"""
+    if "</think>" in response:
+        return response.rsplit("</think>", 1)[1]
+    return "" if "<think>" in response else response
 
 
 def overlong_penalty(length: int, max_length: int, buffer: int, factor: float = 1.0) -> float:

@@ -25,6 +25,11 @@ FORMAT = RewardConfig(format_reward=0.1)
     ("2 + 2 = 4, and twice that is 8.\nAnswer: 4", "4", 1.0, 1.1),
     ("**Answer:** 20", "#### 24", 0.0, 0.1),
     ("so the answer: 4", "4", 1.0, 1.0),  # in a sentence: not the asked form
+    # a reasoning model: what follows its thinking (math-verify reads two \boxed{} as the set of both)
+    ("<think>Maybe \\boxed{3}? No: 2 + 3 = 5.</think>\n\nSo \\boxed{5}", "5", 1.0, 1.1),
+    ("<think>Maybe \\boxed{5}, let me check 2 + 3", "5", 0.0, 0.0),  # cut off while thinking: no answer
+    ("2 + 3 = 5</think>\n\n#### 5", "5", 1.0, 1.1),  # (a template that opens the block in the prompt)
+    ("<think>It is \\boxed{5}.</think>", "5", 0.0, 0.0),
 ])
 def test_score(response, reference, reward, formatted_reward):
     assert score(response, reference) == (reward, reward == 1.0)
