@@ -4,7 +4,9 @@
     python tools/train_heads.py --checkpoint smollm2 --prompts 320 --steps 800
     torchrun --nproc_per_node 8 tools/train_heads.py --checkpoint CKPT --tp 4 --pp 1   # 2 replicas x TP 4
 
-1. samples continuations of GSM8K-style prompts with the policy itself (vanilla engine, T=1);
+1. samples continuations of prompts with the policy itself (vanilla engine, T=1): the embedded
+   GSM8K-style problems, or with --config the prompts of a GRPO run's data section (DAPO-Math-17K, a
+   local dataset...), rendered as that run renders them;
 2. keeps, for every sampled token, the hidden state and top-K distribution it was sampled from;
 3. trains the H heads (AdamW) on KL-to-policy + NLL of realised tokens, batches of positions;
 4. reports per-head top-1 / top-5 accuracy on held-out continuations (before and after);
@@ -38,12 +40,12 @@ from tqdm import tqdm  # noqa: E402
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import (load_policy, save_atomic, save_heads,  # noqa: E402
                                                 stop_token_ids)
-from specroll_mcore.config import ParallelConfig, SamplingConfig  # noqa: E402
+from specroll_mcore.config import DataConfig, ParallelConfig, SamplingConfig, TrainConfig, load_config  # noqa: E402
 from specroll_mcore.distill import (DistillRecords, freeze_all_but_heads, full_head_state, head_accuracy,  # noqa: E402
                                     records_from_features, train_heads_step)
 from specroll_mcore.optimizer import MainParamAdamW  # noqa: E402
-from specroll_mcore.rl.data import chat_prompt_ids  # noqa: E402
-from specroll_mcore.rl.synthetic import problems  # noqa: E402
+from specroll_mcore.rl.data import load_examples  # noqa: E402
+from specroll_mcore.rl.evaluation import usable_prompts  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
 
 
@@ -63,6 +65,21 @@ def check_data_parallel_split(batch: int, prompts: int, dp_size: int) -> None:
         need = dp_size if dp_size <= 4 else 10 * dp_size  # held out: max(4, prompts // 10)
         raise SystemExit(f"--prompts {prompts} ({held} more held out) cannot give each of the {dp_size} "
                          f"data-parallel replicas a training and a held-out prompt: pass --prompts >= {need}")
+
+
+def distill_prompts(tokenizer, data: DataConfig, n: int, seed: int, max_positions: int) -> list[list[int]]:
+    """``n`` prompts of ``data`` as token ids, rendered as a GRPO run on it renders them: the synthetic
+    source's problems from a seed of the heads' own (10000 + ``seed``: not the run's training problems),
+    a dataset's usable rows (those a run would keep) in an order shuffled by ``seed``."""
+    synthetic = data.source == "synthetic"
+    examples, report = load_examples(data.source, data.split, n if synthetic else data.limit, 10_000 + seed,
+                                     data.name, data.data_dir)
+    kept, ids = usable_prompts(examples, data, tokenizer, max_positions, report, math_verify=False)
+    if len(kept) < n:
+        raise SystemExit(f"--prompts asks for {n} prompts with the held-out ones, but data.source {data.source!r} "
+                         f"gives {len(kept)} usable ones (skipped: {report.skipped}); pass fewer --prompts")
+    order = range(n) if synthetic else torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed))[:n]
+    return [ids[kept[int(i)].id] for i in order]
 
 
 def replica_path(path: Path, ctx: parallel.ParallelContext) -> Path:
@@ -92,6 +109,12 @@ def load_records(path: Path) -> tuple[DistillRecords, DistillRecords]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="smollm2", help="Megatron checkpoint dir, or smollm2 (the default model)")
+    ap.add_argument("--config", help="a GRPO run config (specroll train --config): the heads learn on the prompts of "
+                                     "its data section, rendered as the run renders them (default: the embedded "
+                                     "GSM8K-style problems, without an instruction, as the rollout benchmarks "
+                                     "pose them)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="overrides of that config, as specroll train takes them (data.source=..., data.limit=...)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (the heads train on the last)")
     ap.add_argument("--ep", type=int, default=1,
@@ -120,6 +143,11 @@ def main() -> int:
         ap.error(f"--target-topk must be >= 1, got {args.target_topk}")
     if args.steps < 2:
         ap.error(f"--steps must be >= 2 (a warm-up and a decay), got {args.steps}")
+    try:
+        data = (load_config(TrainConfig, args.config, args.set).data if args.config or args.set
+                else DataConfig(instruction=""))  # (the problems as the rollout benchmarks pose them)
+    except (OSError, ValueError) as e:
+        ap.error(f"--config / --set: {e}")
 
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
@@ -136,8 +164,7 @@ def main() -> int:
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     t0 = time.perf_counter()
     held = heldout_prompts(args.prompts)
-    probs = problems(args.prompts + held, seed=10_000 + args.seed)
-    prompts = [chat_prompt_ids(tok, p.question) for p in probs]
+    prompts = distill_prompts(tok, data, args.prompts + held, args.seed, policy.config.max_position_embeddings)
 
     cache = replica_path(Path(args.records_cache), ctx) if args.records_cache else None
     # every rank takes the same branch: sampling is collective over TP and PP
@@ -205,7 +232,7 @@ def main() -> int:
     state = full_head_state(policy)
     positions = ctx.all_reduce_dp(torch.tensor([len(train), len(heldout)]))
     if report:
-        summary = {"checkpoint": str(ckpt), "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+        summary = {"checkpoint": str(ckpt), "data": data.source, "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
                                                             "ep": ctx.ep_size},
                    "train_positions": int(positions[0]), "heldout_positions": int(positions[1]),
                    "heldout_before": before, "heldout_after": after, "final_loss": history[-1],

@@ -4,6 +4,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -388,6 +389,43 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path, capsys):
     assert code == 2 and "--target-topk must be >= 1" in err
     code, err = refused(capsys, "train_heads.py", "--steps", "1")
     assert code == 2 and "--steps must be >= 2" in err
+
+
+def test_train_heads_learns_on_a_runs_data(tiny_ckpt, tmp_path, capsys):
+    """--config / --set: the heads' prompts are those of a GRPO run's data section, rendered as the run
+    renders them (a dataset's usable rows, shuffled by the seed); too few of them is refused before
+    any sampling. Without them, the embedded problems as the rollout benchmarks pose them."""
+    import transformers
+
+    from grpo_fixtures import _smollm2_tokenizer_files
+    from specroll_mcore.config import DataConfig
+    from specroll_mcore.rl.data import chat_prompt_ids, load_examples, render_prompt
+    from specroll_mcore.rl.synthetic import problems
+
+    train_heads = import_tool("train_heads")
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}? End with a line 'Answer: $Answer'."}],
+             "reward_model": {"ground_truth": str(2 * i)}} for i in range(6)]
+    data = tmp_path / "dapo.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:1]))  # (a repeated row: used once)
+    tok = transformers.AutoTokenizer.from_pretrained(_smollm2_tokenizer_files())
+    cfg = DataConfig(source=str(data))
+    rendered = {tuple(render_prompt(tok, e, cfg)) for e in load_examples(str(data))[0]}
+    picked = train_heads.distill_prompts(tok, cfg, 5, 0, 512)
+    assert len({tuple(p) for p in picked}) == 5 and {tuple(p) for p in picked} <= rendered
+    assert picked == train_heads.distill_prompts(tok, cfg, 5, 0, 512) != train_heads.distill_prompts(tok, cfg, 5, 1, 512)
+    with pytest.raises(SystemExit, match=r"--prompts asks for 7 prompts with the held-out ones, but data.source "
+                                         r"'.*dapo.jsonl' gives 6 usable ones \(skipped: \{'duplicate row': 1\}\)"):
+        train_heads.distill_prompts(tok, cfg, 7, 0, 512)
+    default = train_heads.distill_prompts(tok, DataConfig(instruction=""), 6, 0, 512)
+    assert default == [chat_prompt_ids(tok, p.question) for p in problems(6, seed=10_000)]
+
+    out, ckpt = tmp_path / "h.json", shutil.copytree(tiny_ckpt, tmp_path / "ckpt")  # (heads.pt is written beside it)
+    run_tool("train_heads.py", "--checkpoint", ckpt, "--set", f"data.source={data}", "--prompts", 2,
+             "--samples", 1, "--max-new-tokens", 4, "--steps", 2, "--batch", 4, "--out", out)
+    summary = json.loads(out.read_text())
+    assert summary["data"] == str(data) and summary["train_positions"] > 0
+    code, err = refused(capsys, "train_heads.py", "--set", "data.limit=0")
+    assert code == 2 and "--config / --set: DataConfig.limit must be >= 1" in err
 
 
 def test_bench_moe_experts_smoke_and_a_dense_checkpoint(tiny_ckpt, tmp_path):
