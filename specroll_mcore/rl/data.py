@@ -159,11 +159,12 @@ def synthetic_chat_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]
     return [chat_prompt_ids(tokenizer, p.question) for p in problems(n, seed=seed)]
 
 
-def render_prompt(tokenizer: Any, example: Example, data: DataConfig = DataConfig()) -> list[int]:
+def render_prompt(tokenizer: Any, example: Example, data: Optional[DataConfig] = None) -> list[int]:
     """Token ids of a GRPO prompt: the row's own chat messages as they are, or its question with
     ``data.instruction`` on a line of its own as one user turn; in the chat template (``data.chat``,
     where the tokenizer has one), else as plain text (the messages' contents one after the other,
-    a blank line apart)."""
+    a blank line apart); ``data`` None: :class:`DataConfig`'s defaults."""
+    data = data or DataConfig()
     messages = example.messages
     if messages is None:
         text = f"{example.question}\n{data.instruction}" if data.instruction else example.question
