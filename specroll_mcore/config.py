@@ -729,6 +729,10 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
         if sub and isinstance(value, dict):  # fields not given keep the parent's default for them
             default = fields[name].default_factory()  # type: ignore[misc]
             value = {**{f.name: getattr(default, f.name) for f in dataclasses.fields(sub)}, **value}
+        if str(fields[name].type) == "str" and not isinstance(value, str):  # (not Optional: a value is needed)
+            raise ValueError(f"{path}{name} must be a string, got {value!r}"
+                             + (" (an empty value: YAML reads it as null; write \"\" for an empty string)"
+                                if value is None else ""))
         if isinstance(value, str) and str(fields[name].type).replace("Optional[", "").startswith(("float", "int")):
             try:  # YAML reads 1e-6 as a string
                 value = float(value) if "float" in str(fields[name].type) else int(value)
@@ -796,8 +800,6 @@ class DataConfig:
         _check_template_kwargs(self.chat_template_kwargs, "DataConfig")
         _check(self.data_dir is None or self.source != "synthetic",
                f"DataConfig.data_dir ({self.data_dir!r}) names a folder of a dataset; the synthetic source has none")
-        _check(isinstance(self.instruction, str),
-               f"DataConfig.instruction must be a string (\"\" for none), got {self.instruction!r}")
 
 
 @dataclass

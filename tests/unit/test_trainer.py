@@ -493,6 +493,9 @@ def test_train_config_errors(tiny_ckpt, tmp_path):
                           (["compare_vanilla_every=-2"], r"compare_vanilla_every must be >= 0 \(0: never\), got -2"),
                           (["data.max_prompt_tokens=0"], "DataConfig.max_prompt_tokens must be >= 1, got 0"),
                           (["data.limit=0"], r"DataConfig.limit must be >= 1 \(or unset\), got 0"),
+                          (["output_dir="], r'output_dir must be a string, got None \(an empty value: YAML reads it '
+                                            r'as null; write "" for an empty string\)'),
+                          (["data.instruction=5"], "data.instruction must be a string, got 5$"),
                           (["sampling.num_samples=1"], r"sampling.num_samples must be >= 2 \(a response alone"),
                           (["ratio_level=group"], "TrainConfig.ratio_level must be 'token' or 'sequence', got 'group'"),
                           (["clip_ratio_c=0.5"], r"clip_ratio_c \(dual clip\) must be > 1 \(or unset: off\), got 0.5"),
