@@ -186,8 +186,6 @@ def main() -> int:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, _ = open_for_rollout(args.checkpoint, ctx, args.c_hw, params_dtype=args.dtype)
-    if policy.num_heads == 0:
-        raise SystemExit(f"{ckpt} has no horizon heads: train them first (tools/train_heads.py)")
     spec = SpecConfig(num_heads=policy.num_heads, c_hw=args.c_hw, n_max=args.n_max, adaptive_nodes=False)
     eos = stop_token_ids(ckpt, tok)
     engine = SpeculativeEngine(policy, spec, eos_token_ids=eos)

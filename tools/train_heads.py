@@ -141,6 +141,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.target_topk < 1:
         ap.error(f"--target-topk must be >= 1, got {args.target_topk}")
+    if args.num_heads < 1:
+        ap.error(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.steps < 2:
         ap.error(f"--steps must be >= 2 (a warm-up and a decay), got {args.steps}")
     try:

@@ -252,6 +252,13 @@ def test_step_phases_op_counter():
     assert (sum(outer.ops.values()), outer.tolist, sum(inner.ops.values()), inner.tolist) == (2, 1, 1, 1)
 
 
+def test_bench_forward_path_refuses_bad_shapes(capsys):
+    code, err = refused(capsys, "bench_forward_path.py", "--shapes", "1by1")
+    assert code != 0 and "--shapes must look like 1x1,64x16 (rows x tokens), got '1by1'" in err
+    code, err = refused(capsys, "bench_forward_path.py", "--shapes", "1x0")
+    assert code != 0 and "--reps and every shape's rows and tokens must be >= 1" in err
+
+
 @pytest.mark.slow  # (~65 s: nine tool processes; each tool's own smoke test is in the default suite)
 def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
     """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here; tests/gpu only collected, the
@@ -272,8 +279,6 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
     assert re.search(r"\d+ tests collected", log), log[:3000]  # tests/gpu, collected only
     assert json.loads((out / "step_phases_b1.json").read_text())["total_ops_per_step"] > 0
     assert set(json.loads((out / "forward_path.json").read_text())["shapes"]) == {"1x1", "2x4"}
-    code, err = refused(capsys, "bench_forward_path.py", "--shapes", "1by1")
-    assert code != 0 and "--shapes must look like 1x1,64x16 (rows x tokens), got '1by1'" in err
     full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
     assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
     assert full["forward_only"]["identical_tokens"]
@@ -389,6 +394,8 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path, capsys):
     assert code == 2 and "--target-topk must be >= 1" in err
     code, err = refused(capsys, "train_heads.py", "--steps", "1")
     assert code == 2 and "--steps must be >= 2" in err
+    code, err = refused(capsys, "train_heads.py", "--num-heads", "0")
+    assert code == 2 and "--num-heads must be >= 1, got 0" in err
 
 
 def test_train_heads_learns_on_a_runs_data(tiny_ckpt, tmp_path, capsys):
