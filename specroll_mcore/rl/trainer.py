@@ -653,8 +653,8 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             ("entropy", "{:>6.3f}"), ("tau", "{:>5.2f}"), ("nodes_per_row", "{:>5.2f}"), ("generation_s", "{:>7.1f}"),
             ("vanilla_gen_s", "{:>7.1f}"), ("training_s", "{:>7.1f}"), ("gen_share", "{:>5.2f}"),
             ("eval_accuracy", "{:>6.3f}")]
-    labels = {"nodes_per_row": "nodes/row"}  # (headers are cut at 12 characters)
-    head = " ".join(f"{labels.get(c, c)[:12]:>12}" for c, _ in cols)
+    labels = {"nodes_per_row": "nodes/row", "vanilla_gen_s": "vanilla_gen", "eval_accuracy": "eval_acc"}  # (<= 12)
+    head = " ".join(f"{labels.get(c, c):>12}" for c, _ in cols)
     lines = [head]
     for r in rows:
         lines.append(" ".join(f"{(fmt.format(r[c]) if c in r else '-'):>12}" for c, fmt in cols))

@@ -865,7 +865,8 @@ def test_the_summary_table_shows_each_steps_entropy_and_a_dash_for_what_a_step_l
             {"step": 2, "reward_mean": 0.5, "accuracy": 0.25, "response_len": 70.0, "generation_s": 11.0,
              "training_s": 29.0, "gen_share": 0.28}]  # a skipped update logs no entropy; vanilla not timed
     head, first, second = (line.split() for line in summary_table(rows).splitlines())
-    assert head[:7] == ["step", "reward_mean", "accuracy", "response_len", "entropy", "tau", "nodes/row"]
+    assert head == ["step", "reward_mean", "accuracy", "response_len", "entropy", "tau", "nodes/row", "generation_s",
+                    "vanilla_gen", "training_s", "gen_share", "eval_acc"]  # (none cut short)
     assert first[4] == "1.823" and first[6:9] == ["3.25", "12.0", "18.0"]
     assert second[4] == "-" and second[6] == "-" and second[8] == "-"
 
