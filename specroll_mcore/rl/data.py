@@ -127,6 +127,11 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
         if not q or not isinstance(q, str):
             report.skip("missing question")
             continue
+        if isinstance(ref, (list, tuple)):  # verl's ground_truth may be a list: ["72"]
+            if len(ref) > 1:  # (math-verify would read ["1/2", "0.5"] as an interval)
+                report.skip("several reference answers")
+                continue
+            ref = ref[0] if ref else None
         if reference_answer(ref) is None:  # (none, blank, or a GSM8K answer with nothing after its '####')
             report.skip("missing reference answer")
             continue

@@ -73,6 +73,11 @@ def test_dataset_files_in_their_published_layouts(tmp_path):
                                                              ("What is 2 + 2? Answer: $Answer", "4")]
     assert report.kept == 2 and not report.skipped
     assert score("2 + 2 = 4\nAnswer: 4", examples[1].reference) == (1.0, True)
+    listed = [{"prompt": row["prompt"], "reward_model": {"ground_truth": answers}}  # verl's ground truth as a list
+              for row, answers in zip(dapo, (["2"], ["1/2", "0.5"]))]
+    pq.write_table(pa.Table.from_pylist(listed), tmp_path / "listed.parquet")
+    examples, report = load_examples(str(tmp_path / "listed.parquet"))  # several: not read as one (an interval)
+    assert [e.reference for e in examples] == ["2"] and report.skipped == {"several reference answers": 1}
     examples, _ = load_examples(str(tmp_path / "data" / "b_gsm8k.parquet"))
     assert examples[0].question.startswith("Tom has") and score("3 + 4 = 7 #### 7", examples[0].reference)[1]
     (tmp_path / "simplerl.json").write_text('[{"question": "Simplify 2/4.", "gt_answer": "\\\\frac{1}{2}"}]')
