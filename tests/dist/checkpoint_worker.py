@@ -19,12 +19,11 @@ IDS = torch.tensor([[5, 17, 33, 2, 8, 100, 250, 7, 9, 11], [1, 2, 3, 4, 5, 6, 7,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--load", action="append", required=True,
-                    help="CKPT,TP,PP,OUT: load CKPT at that layout and save the logits to OUT; several load one "
-                         "after the other in these processes")
+    ap.add_argument("--load", action="append", required=True, nargs=4, metavar=("CKPT", "TP", "PP", "OUT"),
+                    help="load CKPT at that layout and save the logits to OUT; several load one after the other in "
+                         "these processes")
     args = ap.parse_args()
-    for load in args.load:
-        ckpt, tp, pp, out = load.split(",")
+    for ckpt, tp, pp, out in args.load:
         ctx = parallel.initialize(ParallelConfig(tensor_model_parallel_size=int(tp),
                                                  pipeline_model_parallel_size=int(pp)))
         policy = load_policy(ckpt, ctx)

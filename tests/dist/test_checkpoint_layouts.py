@@ -21,7 +21,7 @@ def run_worker(loads: list[tuple[Path, int, int, Path]]) -> list[torch.Tensor]:
     """The logits of each (checkpoint, TP, PP, output file) loaded at its layout, all in one launch."""
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "checkpoint_worker.py"), *[f"--load={ckpt},{tp},{pp},{out}" for ckpt, tp, pp, out in loads]]
+           str(HERE / "checkpoint_worker.py"), *[str(a) for load in loads for a in ("--load", *load)]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(out) for *_, out in loads]
