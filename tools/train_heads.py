@@ -234,8 +234,8 @@ def main() -> int:
     state = full_head_state(policy)
     positions = ctx.all_reduce_dp(torch.tensor([len(train), len(heldout)]))
     if report:
-        summary = {"checkpoint": str(ckpt), "data": data.source, "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
-                                                            "ep": ctx.ep_size},
+        summary = {"checkpoint": str(ckpt), "data": data.source,
+                   "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "ep": ctx.ep_size},
                    "train_positions": int(positions[0]), "heldout_positions": int(positions[1]),
                    "heldout_before": before, "heldout_after": after, "final_loss": history[-1],
                    "seconds": {"sampling": t_sample, "total": time.perf_counter() - t0}}

@@ -475,8 +475,9 @@ def test_a_checkpoint_config_that_does_not_match_its_shards_is_refused(tmp_path,
         edited = json.loads(json.dumps(config))
         edited["model"]["ffn_hidden_size"] = 2 * config["model"]["ffn_hidden_size"]
         (ckpt / CONFIG_FILE).write_text(json.dumps(edited))
-        with pytest.raises(ValueError, match=r"decoder.layers.0.mlp.linear_fc1.weight.* (shape|!=).*(was the checkpoint "
-                                             rf"written for this model config|does {CONFIG_FILE} belong)"):
+        with pytest.raises(ValueError, match=r"decoder.layers.0.mlp.linear_fc1.weight.* (shape|!=).*"
+                                             rf"(was the checkpoint written for this model config|does {CONFIG_FILE} "
+                                             r"belong)"):
             load_policy(ckpt, ctx)
 
 
