@@ -12,17 +12,17 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from specroll_mcore.config import DataConfig, EvalConfig, TrainConfig
 from specroll_mcore.rl.data import Example, LoadReport, load_examples, render_prompt
-from specroll_mcore.rl.rewards import RewardConfig, parse_reference, score
+from specroll_mcore.rl.rewards import RewardConfig, opens_thinking, parse_reference, score
 from specroll_mcore.rollout.base import combined_stats
 
-Scorer = Callable[[list[int], str], tuple[float, float]]
-"""(response tokens, reference answer) -> (reward, correct)."""
+Scorer = Callable[[list[int], str, Sequence[int]], tuple[float, float]]
+"""(response tokens, reference answer, prompt tokens) -> (reward, correct)."""
 
 
 def usable_prompts(examples: list[Example], data: DataConfig, tokenizer: Any, max_positions: int,
@@ -62,14 +62,15 @@ def reward_function(path: str) -> Callable[..., tuple[float, float]]:
 
 def make_scorer(cfg: TrainConfig, tokenizer: Any, reward_fn: Optional[Callable[..., Any]] = None) -> Scorer:
     """The GRPO reward of one response: ``reward_fn`` (TrainConfig.reward_fn, resolved) on the decoded
-    text, or math-verify's answer check with TrainConfig.format_reward."""
+    text, or math-verify's answer check with TrainConfig.format_reward (after the thinking, where the
+    prompt's last tokens leave a ``<think>`` block open: :func:`~specroll_mcore.rl.rewards.final_part`)."""
     rewards = RewardConfig(cfg.format_reward)
 
-    def scorer(tokens: list[int], reference: str) -> tuple[float, float]:
+    def scorer(tokens: list[int], reference: str, prompt: Sequence[int]) -> tuple[float, float]:
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if reward_fn is not None:
             return reward_fn(text, reference, tokens)
-        return score(text, reference, rewards)
+        return score(text, reference, rewards, opens_thinking(tokenizer.decode(list(prompt[-16:]))))
 
     return scorer
 
@@ -129,7 +130,7 @@ def evaluate(engine: Any, held_out: HeldOut, ev: EvalConfig, scorer: Scorer, ctx
             solved = [False] * len(mine)
             for k, toks in enumerate(out.tokens):
                 ex = mine[k // G]
-                r, c = scorer(toks, ex.reference)
+                r, c = scorer(toks, ex.reference, held_out.prompt_ids[ex.id])
                 sums += torch.tensor([float(r), float(c), len(toks), 1.0, 0.0], dtype=torch.float64)
                 solved[k // G] = solved[k // G] or bool(c)
                 if responses is not None:

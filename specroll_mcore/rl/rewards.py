@@ -54,15 +54,17 @@ class RewardConfig:
     '####' (the embedded data's and GSM8K's) or a line starting 'Answer:' (DAPO-Math-17K's)."""
 
 
-def score(response: str, reference: str, cfg: RewardConfig = RewardConfig()) -> tuple[float, bool]:
+def score(response: str, reference: str, cfg: RewardConfig = RewardConfig(), thinking: bool = False
+          ) -> tuple[float, bool]:
     """(reward, correct). Correctness is 1.0; the format reward, if any, is added on top. A reference
-    :func:`parse_reference` finds nothing in is refused (the data loaders skip those rows)."""
+    :func:`parse_reference` finds nothing in is refused (the data loaders skip those rows).
+    ``thinking``: the prompt left a ``<think>`` block open (see :func:`final_part`)."""
     from math_verify import parse, verify
 
     gold = parse_reference(reference)
     if not gold:
         raise ValueError(f"reference answer {reference!r} holds nothing math-verify can check a response against")
-    response = final_part(response)
+    response = final_part(response, thinking)
     text = response
     m = _GSM8K.search(response)
     if m:  # a GSM8K-style final line wins over earlier numbers
@@ -73,14 +75,21 @@ def score(response: str, reference: str, cfg: RewardConfig = RewardConfig()) -> 
     return float(correct) + (cfg.format_reward if formatted else 0.0), correct
 
 
-def final_part(response: str) -> str:
+def final_part(response: str, thinking: bool = False) -> str:
     """What a reasoning model answers after its thinking: the text after the last ``</think>``; ""
     when a ``<think>`` block never closes (cut off while thinking: no answer yet, whatever numbers it
-    tried); the whole response when it has no thinking block. (Its tentative \\boxed{} answers would
-    otherwise count: math-verify reads two boxed answers as the set of both.)"""
+    tried); the whole response when it has no thinking block. ``thinking``: the block was opened by
+    the prompt (chat templates of thinking-only models end with ``<think>``), so the response starts
+    inside it. (Tentative \\boxed{} answers would otherwise count: math-verify reads two boxed
+    answers as the set of both.)"""
     if "</think>" in response:
         return response.rsplit("</think>", 1)[1]
-    return "" if "<think>" in response else response
+    return "" if thinking or "<think>" in response else response
+
+
+def opens_thinking(prompt_text: str) -> bool:
+    """Whether a prompt ends inside a ``<think>`` block (its last ``<think>`` after its last ``</think>``)."""
+    return prompt_text.rfind("<think>") > prompt_text.rfind("</think>")
 
 
 def overlong_penalty(length: int, max_length: int, buffer: int, factor: float = 1.0) -> float:

@@ -317,7 +317,7 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         rewards, correct = [], []
         for k, toks in enumerate(rollout.tokens):
-            r, c = self.scorer(toks, mine[k // G].reference)
+            r, c = self.scorer(toks, mine[k // G].reference, prompts[k // G])
             rewards.append(float(r) + overlong_penalty(len(toks), cfg.sampling.max_new_tokens, cfg.overlong_buffer,
                                                        cfg.overlong_penalty))
             correct.append(float(c))

@@ -172,3 +172,29 @@ def test_a_local_copy_of_a_dataset_is_read_by_split_and_folder(tmp_path):
         load_examples(str(tmp_path / "mine" / "problems.jsonl"), data_dir="x")
     with pytest.raises(ValueError, match=r"DataConfig.data_dir \('x'\) names a folder of a dataset; the synthetic"):
         DataConfig(data_dir="x")
+
+
+def test_a_prompt_that_opens_the_thinking_block_is_scored_after_it():
+    """Chat templates of thinking-only models end the prompt with "<think>": the response starts inside
+    the block, so a response cut off before its "</think>" has no answer yet (whatever it boxed), and
+    one that closes it is scored on what follows. The scorer reads that from the prompt's last tokens;
+    a prompt that closes an empty block (Qwen3 with enable_thinking false) or opens none changes nothing."""
+    import transformers
+
+    from grpo_fixtures import _smollm2_tokenizer_files
+    from specroll_mcore.config import TrainConfig
+    from specroll_mcore.rl.evaluation import make_scorer
+    from specroll_mcore.rl.rewards import opens_thinking
+
+    assert score("2 + 3 = 5, so \\boxed{5}", "5", thinking=True) == (0.0, False)  # cut off while thinking
+    assert score("2 + 3 = 5</think>\n\\boxed{5}", "5", thinking=True) == (1.0, True)
+    assert opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not opens_thinking("assistant\n")
+    tok = transformers.AutoTokenizer.from_pretrained(_smollm2_tokenizer_files())
+    scorer = make_scorer(TrainConfig(), tok)
+    response = tok("2 + 3 = 5, so \\boxed{5}", add_special_tokens=False)["input_ids"]
+    head = tok("A long question about sums.\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    opened = head + tok("<think>\n", add_special_tokens=False)["input_ids"]
+    closed = opened + tok("\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert scorer(response, "5", head) == scorer(response, "5", closed) == (1.0, True)
+    assert scorer(response, "5", opened) == (0.0, False)
