@@ -124,7 +124,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from specroll_mcore.checkpoint.megatron import load_policy, stop_token_ids, write_json_atomic
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
     from specroll_mcore.config import TrainConfig, load_config
-    from specroll_mcore.rl.data import load_examples
+    from specroll_mcore.rl.data import load_data
     from specroll_mcore.rl.evaluation import HeldOut, evaluate, make_scorer, reward_function, usable_prompts
     from specroll_mcore.rollout import engine_for
 
@@ -136,8 +136,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
     positions = policy.config.max_position_embeddings
     # the training prompts, left out of the evaluation as in training (the same held-out prompts)
-    examples, report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed, cfg.data.name,
-                                     cfg.data.data_dir)
+    examples, report = load_data(cfg.data, cfg.seed)
     math_verify = reward_fn is None
     training = usable_prompts(examples, cfg.data, tokenizer, positions, report, math_verify)[0]
     held_out = HeldOut.load(cfg.eval, cfg.seed, tokenizer, positions, training, ctx.dp_size, math_verify)

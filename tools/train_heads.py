@@ -44,7 +44,7 @@ from specroll_mcore.config import DataConfig, ParallelConfig, SamplingConfig, Tr
 from specroll_mcore.distill import (DistillRecords, freeze_all_but_heads, full_head_state, head_accuracy,  # noqa: E402
                                     records_from_features, train_heads_step)
 from specroll_mcore.optimizer import MainParamAdamW  # noqa: E402
-from specroll_mcore.rl.data import load_examples  # noqa: E402
+from specroll_mcore.rl.data import load_data  # noqa: E402
 from specroll_mcore.rl.evaluation import usable_prompts  # noqa: E402
 from specroll_mcore.rollout import VanillaEngine  # noqa: E402
 
@@ -72,8 +72,7 @@ def distill_prompts(tokenizer, data: DataConfig, n: int, seed: int, max_position
     source's problems from a seed of the heads' own (10000 + ``seed``: not the run's training problems),
     a dataset's usable rows (those a run would keep) in an order shuffled by ``seed``."""
     synthetic = data.source == "synthetic"
-    examples, report = load_examples(data.source, data.split, n if synthetic else data.limit, 10_000 + seed,
-                                     data.name, data.data_dir)
+    examples, report = load_data(dataclasses.replace(data, limit=n) if synthetic else data, 10_000 + seed)
     kept, ids = usable_prompts(examples, data, tokenizer, max_positions, report, math_verify=False)
     if len(kept) < n:
         raise SystemExit(f"--prompts asks for {n} prompts with the held-out ones, but data.source {data.source!r} "

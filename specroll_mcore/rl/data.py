@@ -145,6 +145,11 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
     return out, report
 
 
+def load_data(data: DataConfig, seed: int) -> tuple[list[Example], LoadReport]:
+    """:func:`load_examples` of ``data``'s source, split, limit, configuration and folder."""
+    return load_examples(data.source, data.split, data.limit, seed, data.name, data.data_dir)
+
+
 def chat_prompt_ids(tokenizer: Any, text: str, template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
     """Token ids of one user turn in the tokenizer's chat template, plus the generation prompt;
     ``template_kwargs``: variables the template reads (DataConfig.chat_template_kwargs)."""

@@ -9,6 +9,7 @@ the same evaluation of any checkpoint from the same config, so its figures compa
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from specroll_mcore.config import DataConfig, EvalConfig, TrainConfig
-from specroll_mcore.rl.data import Example, LoadReport, load_examples, render_prompt
+from specroll_mcore.rl.data import Example, LoadReport, load_data, render_prompt
 from specroll_mcore.rl.rewards import RewardConfig, opens_thinking, parse_reference, score
 from specroll_mcore.rollout.base import combined_stats
 
@@ -66,11 +67,15 @@ def make_scorer(cfg: TrainConfig, tokenizer: Any, reward_fn: Optional[Callable[.
     prompt's last tokens leave a ``<think>`` block open: :func:`~specroll_mcore.rl.rewards.final_part`)."""
     rewards = RewardConfig(cfg.format_reward)
 
+    @functools.lru_cache(maxsize=65536)  # (a prompt's G responses, and its later steps, share its tail)
+    def thinking(tail: tuple[int, ...]) -> bool:
+        return opens_thinking(tokenizer.decode(list(tail)))
+
     def scorer(tokens: list[int], reference: str, prompt: Sequence[int]) -> tuple[float, float]:
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if reward_fn is not None:
             return reward_fn(text, reference, tokens)
-        return score(text, reference, rewards, opens_thinking(tokenizer.decode(list(prompt[-16:]))))
+        return score(text, reference, rewards, thinking(tuple(prompt[-16:])))
 
     return scorer
 
@@ -90,8 +95,7 @@ class HeldOut:
         multiple of ``dp_size``, so that every replica rolls out as many of them in as many rollouts
         as the others (expert parallelism runs them in lockstep); ``math_verify`` as
         :func:`usable_prompts`'."""
-        examples, report = load_examples(ev.data.source, ev.data.split, ev.data.limit, seed, ev.data.name,
-                                         ev.data.data_dir)
+        examples, report = load_data(ev.data, seed)
         trained = {ex.question for ex in training}
         for ex in examples:
             if ex.question in trained:

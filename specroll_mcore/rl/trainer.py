@@ -36,7 +36,7 @@ from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, l
 from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW
-from specroll_mcore.rl.data import Example, load_examples
+from specroll_mcore.rl.data import Example, load_data
 from specroll_mcore.rl.evaluation import HeldOut, evaluate, make_scorer, reward_function, usable_prompts
 from specroll_mcore.rl.grpo import group_advantages, learning_rate, policy_loss, varied_groups
 from specroll_mcore.rl.rewards import overlong_penalty
@@ -83,8 +83,7 @@ class GRPOTrainer:
         self.eos = stop_token_ids(self.source, self.tokenizer)
 
         # Data: prompts that do not fit are skipped and counted (a cut question changes its answer).
-        examples, self.data_report = load_examples(cfg.data.source, cfg.data.split, cfg.data.limit, cfg.seed,
-                                                   cfg.data.name, cfg.data.data_dir)
+        examples, self.data_report = load_data(cfg.data, cfg.seed)
         positions, math_verify = self.policy.config.max_position_embeddings, self.reward_fn is None
         self.examples, self.prompt_ids = usable_prompts(examples, cfg.data, self.tokenizer, positions,
                                                         self.data_report, math_verify)
@@ -133,6 +132,7 @@ class GRPOTrainer:
                                   f"or choose another TrainConfig.output_dir")
         layout = {"tensor_model_parallel_size": self.ctx.tp_size, "pipeline_model_parallel_size": self.ctx.pp_size,
                   "pipeline_stage_layers": self.ctx.stage_layers(self.policy.config.num_layers)}
+        settings = json.loads(json.dumps(self.cfg, default=vars))  # (as the run's config records them)
         if has_checkpoint:
             meta = read_checkpoint_config(self.out)
             saved = {k: meta.get(k) for k in layout}
@@ -142,7 +142,7 @@ class GRPOTrainer:
                                  "with the parallel config the checkpoint was saved with (ParallelConfig)")
             # a longer run or another lr is legitimate, but never silent: the exact continuation needs the same
             # seed, data and sampling settings
-            changed = changed_settings(meta.get("train_config") or {}, json.loads(json.dumps(self.cfg, default=vars)))
+            changed = changed_settings(meta.get("train_config") or {}, settings)
             if changed and self.ctx.rank == 0:
                 print(f"resuming {self.out} with changed settings: "
                       + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed))
@@ -151,8 +151,7 @@ class GRPOTrainer:
             if not self.cfg.resume and (self.out / "metrics.jsonl").is_file():
                 (self.out / "metrics.jsonl").unlink()  # a fresh run: no rows from an earlier, unsaved one
             meta = read_checkpoint_config(self.source)
-            meta.update(**layout, trained_from=str(self.source),
-                        train_config=json.loads(json.dumps(self.cfg, default=vars)))
+            meta.update(**layout, trained_from=str(self.source), train_config=settings)
             # (other ranks may be reading it meanwhile; a kill leaves the old one whole)
             write_text_atomic(self.out / CONFIG_FILE, json.dumps(meta, indent=2, default=str))
             for name in TOKENIZER_FILES:
