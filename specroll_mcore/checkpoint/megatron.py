@@ -44,6 +44,38 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def _umask() -> int:
+    """This process's umask (read from /proc where it can be, as setting it to read it races with threads
+    creating files meanwhile)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode(directory: bool = False) -> int:
+    """The permission bits ``open(path, "w")`` (``mkdir``) gives a new file (directory): 0o666 (0o777) less
+    the umask. Files written through a temporary and a rename take them on explicitly: ``mkstemp``,
+    ``mkdtemp`` and safetensors' writer create theirs private (0o600), which would leave a converted
+    model unreadable to the other users of a cluster or to a serving container under another uid."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def replacement_mode(path: Path) -> int:
+    """The permission bits of a file written over ``path``: those it has (as ``open`` keeps them), or a
+    new file's."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        return new_file_mode()
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """``text`` to ``path`` via a temporary file of this process, fsynced, and a rename (readers never
     see half a file, a kill or a crash leaves the old one; processes writing the same file at once, as
@@ -53,6 +85,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     try:
         with open(tmp, "w") as f:
             f.write(text)
+            os.fchmod(f.fileno(), replacement_mode(path))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -67,15 +100,18 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 
 def atomic_directory(out_dir: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
-    """Run ``write(tmp)`` into a temporary sibling of ``out_dir``, fsync it, then rename it into place."""
+    """Run ``write(tmp)`` into a temporary sibling of ``out_dir``, fsync it, then rename it into place.
+    Its directories and files get the permissions ``mkdir`` and ``open`` give (:func:`new_file_mode`)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists; pass overwrite=True (--overwrite) to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)
     try:
         write(tmp)
+        modes = {False: new_file_mode(), True: new_file_mode(directory=True)}
+        for path in [*tmp.rglob("*"), tmp]:
+            path.chmod(modes[path.is_dir()])
         _fsync_tree(tmp)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
@@ -154,6 +190,7 @@ def save_atomic(obj: Any, path: Path) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, replacement_mode(path))
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()

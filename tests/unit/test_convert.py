@@ -363,6 +363,36 @@ def test_output_is_atomic(tmp_path, monkeypatch):
     convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "out", overwrite=True)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_written_files_are_readable_as_the_umask_allows(tmp_path, umask):
+    """Converted models, exported safetensors and heads get the permissions a plain write gives (their
+    temporaries and safetensors' writer create files private, 0o600, which other users of a cluster or a
+    serving container under another uid could not read); a file written over keeps its own."""
+    import os
+
+    from specroll_mcore.checkpoint.megatron import save_atomic, write_json_atomic
+
+    save_tiny_hf(tmp_path / "hf", "qwen2", False)
+    old = os.umask(umask)
+    try:
+        mcore = convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tensor_parallel_size=2)
+        save_heads(mcore, {"heads.layers.0.weight": torch.zeros(64, 64)}, {"num_heads": 1})
+        hf = convert.convert_mcore_to_hf(mcore, tmp_path / "back")
+        write_json_atomic(tmp_path / "new.json", {})
+        for path in [mcore, hf, *mcore.rglob("*"), *hf.rglob("*"), tmp_path / "new.json"]:
+            want = (0o777 if path.is_dir() else 0o666) & ~umask
+            assert oct(path.stat().st_mode & 0o777) == oct(want), path
+        assert (hf / "model.safetensors").is_file() and (mcore / "heads.pt").is_file()
+        for path, write in [(tmp_path / "private.json", lambda p: write_json_atomic(p, {"a": 1})),
+                            (tmp_path / "private.pt", lambda p: save_atomic({"a": 1}, p))]:
+            path.write_text("")
+            path.chmod(0o600)
+            write(path)
+            assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    finally:
+        os.umask(old)
+
+
 def test_json_written_by_many_processes_at_once_stays_whole(tmp_path):
     """Every rank of a run caches its profiles (one file on a shared file system): writers at once
     each replace the file whole, through temporaries of their own, and leave none behind; a write
