@@ -180,7 +180,9 @@ def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False,
     model = full.model
     hf_config = dict(full.meta.get("hf_config") or _hf_config_from_model(model))
     arch = hf_architecture(hf_config)
-    hf_config["torch_dtype"] = model.params_dtype
+    # the weights' dtype under both names: transformers >= 4.56 (and vLLM through it) reads `dtype`, which
+    # the source config may hold with its own dtype, and older readers `torch_dtype`
+    hf_config["dtype"] = hf_config["torch_dtype"] = model.params_dtype
 
     def write(tmp: Path) -> None:
         files: list[list[str]] = []  # the tensor names of each shard written

@@ -59,6 +59,19 @@ def test_round_trip_is_bit_exact(tmp_path, arch, safe):
         assert torch.equal(ref[k], got[k]), k
 
 
+def test_export_records_the_dtype_its_weights_have(tmp_path):
+    """A float32 source converted to bfloat16 exports bfloat16 weights, and its config must say so under
+    the name transformers >= 4.56 reads (`dtype`, which the source config holds as float32)."""
+    save_tiny_hf(tmp_path / "hf", "qwen2", False)
+    assert json.loads((tmp_path / "hf/config.json").read_text())["dtype"] == "float32"
+    convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", params_dtype="bfloat16")
+    convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    config = json.loads((tmp_path / "back/config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype="auto")
+    assert {p.dtype for p in back.parameters()} == {torch.bfloat16}
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen2_yarn", "qwen3", "qwen3_moe", "qwen2_moe",
                                   "mixtral"])
 def test_config_written_back_describes_the_same_model(arch):
