@@ -10,7 +10,8 @@
 2. keeps, for every sampled token, the hidden state and top-K distribution it was sampled from;
 3. trains the H heads (AdamW) on KL-to-policy + NLL of realised tokens, batches of positions;
 4. reports per-head top-1 / top-5 accuracy on held-out continuations (before and after);
-5. saves the heads beside the checkpoint (heads.pt, atomic), recording the policy fingerprint, with
+5. saves the heads beside the checkpoint (heads.pt, atomic, recording the policy fingerprint; in a
+   GRPO run's output directory, in its latest checkpoint, beside the weights they were fitted on), with
    how often each token occurs in the training responses (``heads.token_counts``: the ranking of
    the ids the engine drafts from, SpecConfig.draft_vocab).
 Progress bar; a checkpoint of the heads every --save-every steps. JSON summary with --out.
@@ -238,7 +239,8 @@ def main() -> int:
                    "train_positions": int(positions[0]), "heldout_positions": int(positions[1]),
                    "heldout_before": before, "heldout_after": after, "final_loss": history[-1],
                    "seconds": {"sampling": t_sample, "total": time.perf_counter() - t0}}
-        save_heads(ckpt, state, {"num_heads": args.num_heads, "steps": args.steps, "heldout_accuracy": after})
+        summary["heads"] = str(save_heads(ckpt, state, {"num_heads": args.num_heads, "steps": args.steps,
+                                                          "heldout_accuracy": after}))
         print(json.dumps(summary, indent=2))
         if args.out:
             Path(args.out).write_text(json.dumps(summary, indent=2))

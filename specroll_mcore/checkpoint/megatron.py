@@ -173,14 +173,25 @@ def fingerprint(full: Mapping[str, torch.Tensor], samples: int = 4096) -> str:
 HEADS_FILE = "heads.pt"
 
 
-def save_heads(ckpt_dir: Path, heads: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    """Write unsharded head weights beside a policy checkpoint, atomically (temp file, fsync, rename),
-    recording the policy fingerprint they were fitted on."""
+def heads_path(ckpt_dir: Path) -> Path:
+    """Where a checkpoint's heads live: ``heads.pt`` beside a converted checkpoint; in a GRPO run's output
+    directory, in its latest iteration, beside the weights they go with (the run's own config names the
+    weights it started from, not those)."""
     ckpt_dir = Path(ckpt_dir)
-    fitted_on = read_checkpoint_config(ckpt_dir).get("policy_fingerprint")
-    path = ckpt_dir / HEADS_FILE
-    save_atomic({"heads": {k: v.detach().cpu() for k, v in heads.items()}, "meta": {**meta, "fitted_on": fitted_on}},
-                path)
+    if (ckpt_dir / TRACKER_FILE).is_file() and iteration_dir(ckpt_dir).name != "release":
+        return iteration_dir(ckpt_dir) / HEADS_FILE
+    return ckpt_dir / HEADS_FILE
+
+
+def save_heads(ckpt_dir: Path, heads: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write unsharded head weights where :func:`load_heads` reads them (:func:`heads_path`), atomically
+    (temp file, fsync, rename); beside a converted checkpoint they record the policy fingerprint they
+    were fitted on."""
+    ckpt_dir = Path(ckpt_dir)
+    path = heads_path(ckpt_dir)
+    if path.parent == ckpt_dir:
+        meta = {**meta, "fitted_on": read_checkpoint_config(ckpt_dir).get("policy_fingerprint")}
+    save_atomic({"heads": {k: v.detach().cpu() for k, v in heads.items()}, "meta": dict(meta)}, path)
     return path
 
 
@@ -203,14 +214,16 @@ def save_atomic(obj: Any, path: Path) -> None:
 
 
 def load_heads(ckpt_dir: Path, allow_stale: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Head weights saved with :func:`save_heads`, or, in a GRPO run's output directory, those of its
-    latest checkpoint (saved with that iteration's weights: the heads the trainer had adapted to
-    them). Heads fitted on other policy weights are refused unless ``allow_stale`` (they still give
-    exact tokens, but their acceptance collapses)."""
-    if (Path(ckpt_dir) / TRACKER_FILE).is_file() and (iteration_dir(ckpt_dir) / HEADS_FILE).is_file():
-        blob = torch.load(iteration_dir(ckpt_dir) / HEADS_FILE, map_location="cpu", weights_only=True)
+    """Head weights saved with :func:`save_heads`: in a GRPO run's output directory those of its latest
+    checkpoint (saved with that iteration's weights: the heads the trainer had adapted to them, or
+    tools/train_heads.py's since), else those beside the checkpoint. Heads fitted on other policy weights
+    are refused unless ``allow_stale`` (they still give exact tokens, but their acceptance collapses)."""
+    ckpt_dir = Path(ckpt_dir)
+    path = heads_path(ckpt_dir)
+    if path.parent != ckpt_dir and path.is_file():
+        blob = torch.load(path, map_location="cpu", weights_only=True)
         return blob["heads"], blob["meta"]
-    path = Path(ckpt_dir) / HEADS_FILE
+    path = ckpt_dir / HEADS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: train heads with tools/train_heads.py first")
     blob = torch.load(path, map_location="cpu", weights_only=True)

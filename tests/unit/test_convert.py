@@ -316,6 +316,30 @@ def test_heads_are_refused_when_missing_or_fitted_on_other_weights(tmp_path, ctx
     assert torch.equal(stale["heads.layers.0.weight"], heads["heads.layers.0.weight"])
 
 
+def test_heads_of_a_grpo_run_are_saved_where_they_are_loaded(tmp_path, ctx):
+    """In a GRPO run's output directory the heads live in its latest iteration, beside its weights: heads
+    saved for the run (tools/train_heads.py --checkpoint RUN) replace those the trainer saved there; they
+    were written beside the run's config, where nothing read them."""
+    from specroll_mcore.checkpoint.megatron import heads_path
+
+    save_tiny_hf(tmp_path / "hf", "llama", False)
+    ckpt = convert.convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore")
+    run = tmp_path / "run"  # a run's layout: its config at the top, each checkpoint in iter_NNNNNNN
+    shutil.copytree(ckpt, run, ignore=shutil.ignore_patterns("release"))
+    shutil.copytree(ckpt / "release", run / "iter_0000002")
+    (run / TRACKER_FILE).write_text("2")
+    torch.save({"heads": {"heads.layers.0.weight": torch.zeros(64, 64)}, "meta": {"num_heads": 1, "policy_version": 2}},
+               run / "iter_0000002/heads.pt")  # as the trainer saves them
+    assert heads_path(ckpt) == ckpt / "heads.pt" and heads_path(run) == run / "iter_0000002/heads.pt"
+    refitted = {"heads.layers.0.weight": torch.ones(64, 64)}
+    assert save_heads(run, refitted, {"num_heads": 1, "steps": 5}) == run / "iter_0000002/heads.pt"
+    heads, meta = load_heads(run)
+    assert torch.equal(heads["heads.layers.0.weight"], refitted["heads.layers.0.weight"]) and meta["steps"] == 5
+    policy = load_policy(run, ctx, with_heads=True)
+    assert torch.equal(policy.heads.layers[0].weight, refitted["heads.layers.0.weight"])
+    assert not (run / "heads.pt").exists()
+
+
 def test_shape_that_does_not_match_config(tmp_path):
     for arch, name, shape in [("llama", "gate_proj", r"\(96, 64\)"), ("phi3", "gate_up_proj", r"\(192, 64\)")]:
         save_tiny_hf(tmp_path / arch, arch, False)
