@@ -223,9 +223,9 @@ def load_heads(ckpt_dir: Path, allow_stale: bool = False) -> tuple[dict[str, tor
     if path.parent != ckpt_dir and path.is_file():
         blob = torch.load(path, map_location="cpu", weights_only=True)
         return blob["heads"], blob["meta"]
-    path = ckpt_dir / HEADS_FILE
-    if not path.is_file():
+    if not (ckpt_dir / HEADS_FILE).is_file():
         raise FileNotFoundError(f"{path} does not exist: train heads with tools/train_heads.py first")
+    path = ckpt_dir / HEADS_FILE
     blob = torch.load(path, map_location="cpu", weights_only=True)
     current = read_checkpoint_config(ckpt_dir).get("policy_fingerprint")
     if blob["meta"].get("fitted_on") != current and not allow_stale:

@@ -328,9 +328,11 @@ def test_heads_of_a_grpo_run_are_saved_where_they_are_loaded(tmp_path, ctx):
     shutil.copytree(ckpt, run, ignore=shutil.ignore_patterns("release"))
     shutil.copytree(ckpt / "release", run / "iter_0000002")
     (run / TRACKER_FILE).write_text("2")
+    assert heads_path(ckpt) == ckpt / "heads.pt" and heads_path(run) == run / "iter_0000002/heads.pt"
+    with pytest.raises(FileNotFoundError, match="iter_0000002/heads.pt does not exist: train heads with"):
+        load_heads(run)  # (a run with the vanilla engine: no heads)
     torch.save({"heads": {"heads.layers.0.weight": torch.zeros(64, 64)}, "meta": {"num_heads": 1, "policy_version": 2}},
                run / "iter_0000002/heads.pt")  # as the trainer saves them
-    assert heads_path(ckpt) == ckpt / "heads.pt" and heads_path(run) == run / "iter_0000002/heads.pt"
     refitted = {"heads.layers.0.weight": torch.ones(64, 64)}
     assert save_heads(run, refitted, {"num_heads": 1, "steps": 5}) == run / "iter_0000002/heads.pt"
     heads, meta = load_heads(run)
