@@ -53,6 +53,32 @@ def test_bench_specroll_smoke(tiny_ckpt, tmp_path):
         assert report[scenario]["identical_tokens"] and report[scenario]["specroll_over_hf_generate"] > 0, scenario
 
 
+def test_lookup_headroom_counts_what_a_chain_would_add(tiny_ckpt, tmp_path, capsys):
+    tool = import_tool("bench_lookup_headroom")
+    context = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 6, 7]
+    assert tool.lookup(context, 1, 3, 2) == [1, 2]  # "5 6 7" does not recur in full, "6 7" does: latest first
+    assert tool.lookup(context, 3, 3, 2) == [] and tool.lookup(context, 1, 1, 5) == [1, 2, 6, 7]
+    assert tool.lookup([3], 1, 2, 4) == []
+    # prompt 1 2 3 | response 1 2 3 4 1 2 9, its steps emitting 2 (the heads' drafts: 1 accepted), 3, 2 tokens
+    steps = tool.step_headroom([1, 2, 3], [1, 2, 3, 4, 1, 2, 9], [2, 3, 2], 1, 3, 3)
+    assert steps == [{"length": 1, "accepted": 1, "chain": 3, "match": 2},  # "1" -> 2 3 1 against 2 3 4
+                     {"length": 3, "accepted": 2, "chain": 3, "match": 0},  # "1 2 3" -> 1 2 3 against 4 1 2
+                     {"length": 6, "accepted": 1, "chain": 3, "match": 0}]  # "1 2" -> 3 4 1 against 9
+    row = tool.summarise(steps, [4, 4, 4], [3, 5, 8], None)
+    assert row["tau_heads"] == 7 / 3 and row["tau_with_lookup"] == 8 / 3 and row["steps_gaining"] == 1 / 3
+    assert tool.parse_settings("2-3:5,1:4") == [(2, 3, 5), (1, 1, 4)]
+    for bad in ("3-2:5", "2-3", "0-1:3", "a-b:c", "1-2:0"):
+        with pytest.raises(ValueError, match="--settings"):
+            tool.parse_settings(bad)
+    out = tmp_path / "h.json"
+    run_tool("bench_lookup_headroom.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--max-new-tokens", 12,
+             "--c-hw", 16, "--settings", "1-2:3", "--out", out)
+    figures = json.loads(out.read_text())["settings"]["n=1-2,k=3"]
+    assert figures["tau_with_lookup"] >= figures["tau_heads"] >= 1 and figures["steps"] > 0
+    code, err = refused(capsys, "bench_lookup_headroom.py", "--settings", "2-3")
+    assert code == 2 and "is not MIN-MAX:K" in err
+
+
 @pytest.mark.parametrize("batch, prompts, dp, message", [
     (7, 320, 2, "--batch 7 is not divisible by the 2 data-parallel replicas (world size / (tp x pp)); pass a "
                 "multiple of 2"),
