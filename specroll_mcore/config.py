@@ -6,9 +6,11 @@ the config without reading the code.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -716,28 +718,75 @@ def _check_template_kwargs(kwargs: Any, owner: str) -> None:
                       f"give only the template's own variables (such as enable_thinking)")
 
 
+def _describe(tp: Any) -> str:
+    """A field type in words, for errors."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join(_describe(a) for a in args) + " or null"
+    origin = typing.get_origin(tp) or tp
+    if origin in (collections.abc.Sequence, list, tuple):
+        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
+            Any: "any value"}.get(origin, f"a mapping of {getattr(origin, '__name__', origin)}'s fields")
+
+
+def _conforms(value: Any, tp: Any) -> bool:
+    """Whether a value read from YAML has a field's type (an int where a float goes, as YAML writes 1)."""
+    if tp is Any:
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        return any(_conforms(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (collections.abc.Sequence, list, tuple):
+        return isinstance(value, (list, tuple)) and all(_conforms(v, args[0]) for v in value)
+    if origin is dict or tp is dict:
+        return isinstance(value, dict)
+    return isinstance(value, tp) if isinstance(tp, type) else True
+
+
 def _build(cls: type, data: dict[str, Any], path: str) -> Any:
-    """Nested dict -> dataclass, with errors that name the offending field path."""
+    """Nested dict -> dataclass, with errors that name the offending field path and the type it needs.
+    A lone string where a list of strings goes is that list's one item (``stop: "####"``, ``prompts:
+    "Why?"``), as vLLM's ``stop`` takes it; a number YAML read as a string (``1e-6``) is that number."""
     if not isinstance(data, dict):
         raise ValueError(f"{path.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
     _check(not unknown, f"unknown field(s) {[f'{path}{u}' for u in unknown]}; known: {sorted(fields)}")
     kwargs = {}
     for name, value in data.items():
+        tp = hints[name]
         sub = _NESTED.get((cls, name))
         if sub and isinstance(value, dict):  # fields not given keep the parent's default for them
             default = fields[name].default_factory()  # type: ignore[misc]
             value = {**{f.name: getattr(default, f.name) for f in dataclasses.fields(sub)}, **value}
-        if str(fields[name].type) == "str" and not isinstance(value, str):  # (not Optional: a value is needed)
-            raise ValueError(f"{path}{name} must be a string, got {value!r}"
-                             + (" (an empty value: YAML reads it as null; write \"\" for an empty string)"
-                                if value is None else ""))
-        if isinstance(value, str) and str(fields[name].type).replace("Optional[", "").startswith(("float", "int")):
+        numeric = [a for a in (tp, *typing.get_args(tp)) if a in (int, float)]
+        if isinstance(value, str) and numeric:
             try:  # YAML reads 1e-6 as a string
-                value = float(value) if "float" in str(fields[name].type) else int(value)
+                value = float(value)
             except ValueError:
-                raise ValueError(f"{path}{name} must be a number, got {value!r}") from None
+                pass  # (refused below, by the type)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and numeric:
+            if float in numeric:
+                value = float(value)
+            elif float(value).is_integer():
+                value = int(value)  # 1e3 is the integer it names
+        if isinstance(value, str) and _conforms([value], tp) and not _conforms(value, tp):
+            value = (value,)
+        if not (sub and isinstance(value, dict)) and not _conforms(value, tp):
+            hint = (" (an empty value: YAML reads it as null; write \"\" for an empty string)" if value is None else
+                    " (YAML reads unquoted 'text: ...' as a mapping; quote the value)" if isinstance(value, dict)
+                    else "")
+            raise ValueError(f"{path}{name} must be {_describe(tp)}, got {value!r}{hint}")
         kwargs[name] = _build(sub, value, f"{path}{name}.") if sub and not isinstance(value, sub) else value
     try:
         return cls(**kwargs)
@@ -749,9 +798,16 @@ def _set_path(d: dict[str, Any], dotted: str, raw: str) -> None:
     import yaml
 
     keys = dotted.split(".")
-    for k in keys[:-1]:
+    for i, k in enumerate(keys[:-1]):
         d = d.setdefault(k, {})
-    d[keys[-1]] = yaml.safe_load(raw)
+        if not isinstance(d, dict):
+            raise ValueError(f"override {dotted}={raw}: {'.'.join(keys[:i + 1])} is not a section (it was set to "
+                             f"{d!r})")
+    value = yaml.safe_load(raw)
+    if value is None and raw.strip() not in ("", "~", "null", "Null", "NULL"):  # all of it a YAML comment
+        raise ValueError(f"override {dotted}={raw}: YAML reads a value starting with '#' as a comment; quote it: "
+                         f"{dotted}='\"{raw}\"'")
+    d[keys[-1]] = value
 
 
 def load_generate_config(path: Optional[str], overrides: Sequence[str] = ()) -> GenerateConfig:

@@ -1,6 +1,7 @@
 """Every bad input a user can hit gets a clear error naming the values involved."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -213,11 +214,47 @@ def test_generate_config_errors(tmp_path):
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2.0"):
         load_generate_config(str(bad))
     bad.write_text("sampling: 0.7\n")  # (meant sampling.temperature)
-    with pytest.raises(ValueError, match="sampling must be a mapping, got float"):
+    with pytest.raises(ValueError, match="sampling must be a mapping of SamplingConfig's fields, got 0.7"):
         load_generate_config(str(bad))
     bad.write_text("- checkpoint: smollm2\n")
     with pytest.raises(ValueError, match="config must be a mapping, got list"):
         load_generate_config(str(bad))
+
+
+def test_config_values_of_another_type_are_refused_by_name():
+    """Every field's value is checked against its type, so that a wrong one is refused before it runs:
+    a seed of 1.5 was used as given, ``prompts: Why?`` became one prompt per character, ``stop: Answer:``
+    (a YAML mapping) stopped at any of its keys' characters and ``stop=####`` (a YAML comment, null)
+    crashed in the trainer."""
+    from specroll_mcore.config import TrainConfig, load_config, load_generate_config
+
+    cfg = load_generate_config(None, ["prompts=Why is the sky blue?", "sampling.stop='####'", "sampling.temperature=1",
+                                      "sampling.max_new_tokens=1e3", "spec.c_hw=32.0", "output="])
+    assert cfg.prompts == ("Why is the sky blue?",) and cfg.sampling.stop == ("####",)  # one string: one item
+    assert type(cfg.sampling.temperature) is float and cfg.sampling.max_new_tokens == 1000 and cfg.spec.c_hw == 32
+    assert cfg.output is None
+    for override, message in [
+            ("sampling.seed=1.5", "sampling.seed must be an integer, got 1.5"),
+            ("sampling.num_samples=true", "sampling.num_samples must be an integer, got True"),
+            ("sampling.max_new_tokens=many", "sampling.max_new_tokens must be an integer, got 'many'"),
+            ("sampling.top_p=[0.9]", "sampling.top_p must be a number, got [0.9]"),
+            ("sampling.ignore_eos=1", "sampling.ignore_eos must be true or false, got 1"),
+            ("spec.reflex.decay=[0.5, x]", "spec.reflex.decay must be a list of numbers, got [0.5, 'x']"),
+            ("prompts=[1, 2]", "prompts must be a list of strings, got [1, 2]"),
+            ("chat_template_kwargs=[1]", "chat_template_kwargs must be a mapping, got [1]"),
+            ("spec.c_hw=lots", "spec.c_hw must be an integer or null, got 'lots'"),
+            ("sampling.stop=Answer:", "sampling.stop must be a list of strings, got {'Answer': None} (YAML reads "
+                                      "unquoted 'text: ...' as a mapping; quote the value)"),
+            ("sampling.stop=####", "override sampling.stop=####: YAML reads a value starting with '#' as a comment; "
+                                   "quote it: sampling.stop=\'\"####\"\'"),
+            ("spec=5", "spec must be a mapping of SpecConfig's fields, got 5")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_generate_config(None, [override])
+    with pytest.raises(ValueError, match=re.escape("override sampling.seed=2: sampling is not a section (it was set "
+                                                   "to 3)")):
+        load_generate_config(None, ["sampling=3", "sampling.seed=2"])
+    with pytest.raises(ValueError, match=re.escape("eval.batch_prompts must be an integer, got 'all'")):
+        load_config(TrainConfig, None, ["eval.batch_prompts=all"])
 
 
 def test_spec_config_errors():
