@@ -10,6 +10,7 @@ import collections.abc
 import dataclasses
 import math
 import os
+import signal
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1067,6 +1068,12 @@ class TrainConfig:
     resume: bool = False
     """Continue from the latest complete checkpoint in output_dir."""
 
+    exit_signal: Optional[str] = "SIGTERM"
+    """A signal that ends the run cleanly (Megatron-LM's ``--exit-signal-handler``; SLURM and
+    torchrun send SIGTERM before they kill): the step under way finishes on every rank, a checkpoint
+    of it is saved and the run returns; a second one acts at once (the signal's own action). null:
+    the signal's own action at the first (the last periodic checkpoint is what a resume finds)."""
+
     compare_vanilla_every: int = 0
     """Also run the vanilla engine on the same step's prompts every N steps (timing; identical tokens
     are checked). 0 disables."""
@@ -1137,6 +1144,10 @@ class TrainConfig:
                f"TrainConfig.overlong_buffer must be in [0, sampling.max_new_tokens = {self.sampling.max_new_tokens}], "
                f"got {self.overlong_buffer}")
         _check(self.overlong_penalty >= 0, f"TrainConfig.overlong_penalty must be >= 0, got {self.overlong_penalty}")
+        _check(self.exit_signal is None or (self.exit_signal.startswith("SIG") and self.exit_signal not in
+                                            ("SIGKILL", "SIGSTOP") and hasattr(signal, self.exit_signal)),
+               f"TrainConfig.exit_signal must name a signal a process can catch (SIGTERM, SIGUSR1, ...) or be null, "
+               f"got {self.exit_signal!r}")
         _check(self.save_every >= 1 and self.keep_last >= 1,
                f"TrainConfig.save_every and keep_last must be >= 1, got {self.save_every}, {self.keep_last}")
         _check(self.compare_vanilla_every >= 0,

@@ -19,10 +19,12 @@ import contextlib
 import json
 import math
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -568,23 +570,56 @@ class GRPOTrainer:
             self.log(row)
             rows.append(row)
         bar = tqdm(total=self.cfg.steps, initial=self.state["step"], desc="GRPO", disable=self.ctx.rank != 0)
-        while self.state["step"] < self.cfg.steps:
-            row = self.step()
-            if ev.every and (self.state["step"] % ev.every == 0 or self.state["step"] == self.cfg.steps):
-                row.update(self.evaluate())
-            self.log(row)
-            rows.append(row)
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", gen=f"{row['generation_s']:.0f}s",
-                            train=f"{row['training_s']:.0f}s")
-            if self.state["step"] % self.cfg.save_every == 0 or self.state["step"] == self.cfg.steps:
-                self.save()
-            if stop_after is not None and len(rows) >= stop_after:
-                break
+        with caught(self.cfg.exit_signal) as received:
+            while self.state["step"] < self.cfg.steps:
+                row = self.step()
+                if ev.every and (self.state["step"] % ev.every == 0 or self.state["step"] == self.cfg.steps):
+                    row.update(self.evaluate())
+                self.log(row)
+                rows.append(row)
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward_mean']:.2f}", gen=f"{row['generation_s']:.0f}s",
+                                train=f"{row['training_s']:.0f}s")
+                # every rank stops after the same step, whichever ranks the signal reached
+                stop = self.cfg.exit_signal is not None and bool(self.ctx.all_reduce_max(
+                    torch.tensor([float(received())], device=self.ctx.device)).item())
+                if stop or self.state["step"] % self.cfg.save_every == 0 or self.state["step"] == self.cfg.steps:
+                    path = self.save()
+                if stop:
+                    if self.ctx.rank == 0:
+                        print(f"\n{self.cfg.exit_signal} received: saved {path} after step {self.state['step']}; "
+                              f"continue with --resume")
+                    break
+                if stop_after is not None and len(rows) >= stop_after:
+                    break
         bar.close()
         if self.ctx.rank == 0 and rows:
             print(summary_table(rows))
         return rows
+
+
+@contextlib.contextmanager
+def caught(name: Optional[str]) -> Iterator[Callable[[], bool]]:
+    """Inside, the signal ``name`` (TrainConfig.exit_signal) is only recorded: yields whether it came. The
+    first one puts the signal's previous action back, so that a second acts at once. Outside the main
+    thread (where Python cannot handle signals) or with None, nothing is caught."""
+    if name is None or threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    number = getattr(signal, name)
+    came: list[int] = []
+
+    def record(signum: int, frame: Any) -> None:
+        came.append(signum)
+        signal.signal(signum, previous)
+
+    previous = signal.signal(number, record)
+    if previous is None:  # (set outside Python)
+        previous = signal.SIG_DFL
+    try:
+        yield lambda: bool(came)
+    finally:
+        signal.signal(number, previous)
 
 
 def changed_settings(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:

@@ -6,6 +6,8 @@ pays torchrun's start and the imports, ~8 s on 2 cores against ~2 s for a run of
 
 import argparse
 import json
+import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -43,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cut-odd-prompts", action="store_true",
                     help="report the responses to the step's odd-numbered prompts as cut at the length limit, "
                          "the others as ended by EOS")
+    ap.add_argument("--sigterm-after-step", type=int,
+                    help="the last rank sends itself SIGTERM when this step ends (the others get none)")
     ap.add_argument("--jobs", help="a JSON file holding a list of runs, each the arguments above as a list")
     return ap
 
@@ -61,6 +65,16 @@ def run(a: argparse.Namespace) -> None:
             return r
 
         trainer._rollout_round = cut_round
+    if a.sigterm_after_step is not None and trainer.ctx.rank == trainer.ctx.world_size - 1:
+        step = trainer.step
+
+        def signalled_step():
+            row = step()
+            if trainer.state["step"] == a.sigterm_after_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return row
+
+        trainer.step = signalled_step
     trainer.run()
     ctx = trainer.ctx
     if a.specroll and ctx.is_last_stage:

@@ -328,3 +328,13 @@ def test_a_replica_whose_responses_are_all_overlong_filtered_equals_dp1(tmp_path
             assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), (balance, k)
         w = load_full_state_dict(tmp_path / f"dp2-{balance}")
         assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4, balance
+
+
+def test_a_sigterm_on_one_rank_ends_every_rank_after_the_same_step(tmp_path):
+    """At DP=2 only the last rank gets the signal: both stop after that step, with its checkpoint (without
+    the ranks agreeing, the other one would wait in the next step's collectives)."""
+    ckpt = tiny_policy_checkpoint(tmp_path / "ckpt", with_heads=False)
+    out = tmp_path / "run"
+    rows = run(ckpt, out, 1, 1, 2, "--set=steps=4", "--set=save_every=100", "--sigterm-after-step=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

@@ -255,6 +255,11 @@ def test_config_values_of_another_type_are_refused_by_name():
         load_generate_config(None, ["sampling=3", "sampling.seed=2"])
     with pytest.raises(ValueError, match=re.escape("eval.batch_prompts must be an integer, got 'all'")):
         load_config(TrainConfig, None, ["eval.batch_prompts=all"])
+    for name in ("SIGKILL", "TERM", "SIGNOPE"):
+        with pytest.raises(ValueError, match=f"TrainConfig.exit_signal must name a signal a process can catch .* got "
+                                             f"'{name}'"):
+            load_config(TrainConfig, None, [f"exit_signal={name}"])
+    assert load_config(TrainConfig, None, ["exit_signal=null"]).exit_signal is None
 
 
 def test_spec_config_errors():

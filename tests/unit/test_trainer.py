@@ -403,6 +403,48 @@ def test_resume_after_sigkill_equals_uninterrupted(tiny_ckpt, tmp_path):
     assert (hf / "model.safetensors").is_file()
 
 
+def test_sigterm_ends_the_run_after_its_step_with_a_checkpoint(tiny_ckpt, tmp_path):
+    """SLURM and torchrun send SIGTERM before they kill: the run finishes the step under way, saves it
+    (though it is not a periodic checkpoint's step) and returns, and --resume continues from it."""
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(tiny_ckpt, out, "steps=40", "save_every=100", "engine=vanilla"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 1 <= len(steps) < 40 and steps == list(range(1, len(steps) + 1))
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == str(steps[-1])
+    assert f"SIGTERM received: saved {out / f'iter_{steps[-1]:07d}'} after step {steps[-1]}" in stdout
+    resumed = subprocess.run(_train_cmd(tiny_ckpt, out, f"steps={steps[-1] + 1}", "engine=vanilla") + ["--resume"],
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0 and f"at step {steps[-1]}" in resumed.stdout, resumed.stderr[-2000:]
+
+
+def test_the_exit_signal_is_recorded_once_then_acts():
+    from specroll_mcore.rl.trainer import caught
+
+    calls = []
+    before = signal.signal(signal.SIGUSR1, lambda *a: calls.append("own action"))
+    try:
+        with caught("SIGUSR1") as received:
+            assert not received()
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert received() and calls == []  # the first is recorded only
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert calls == ["own action"]  # the second acts
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert calls == ["own action"] * 2  # and after, the signal's own action is back
+        with caught(None) as received:
+            assert not received()
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_nan_loss_skips_the_step_and_keeps_the_checkpoint(tiny_ckpt, tmp_path, ctx, monkeypatch):
     import specroll_mcore.rl.trainer as trainer_mod
 
