@@ -889,6 +889,10 @@ class EvalConfig:
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"EvalConfig.every must be >= 0 (0: never), got {self.every}")
         _check(self.batch_prompts >= 1, f"EvalConfig.batch_prompts must be >= 1, got {self.batch_prompts}")
+        _check(self.sampling.num_samples == 1 or self.sampling.temperature > 0,
+               f"EvalConfig.sampling.num_samples {self.sampling.num_samples} at temperature 0 samples the same greedy "
+               f"response {self.sampling.num_samples} times (pass@n equal to accuracy, at n times the cost): set "
+               f"eval.sampling.temperature > 0 for mean@n and pass@n, or num_samples 1")
 
     @property
     def enabled(self) -> bool:

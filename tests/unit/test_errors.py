@@ -260,6 +260,11 @@ def test_config_values_of_another_type_are_refused_by_name():
                                              f"'{name}'"):
             load_config(TrainConfig, None, [f"exit_signal={name}"])
     assert load_config(TrainConfig, None, ["exit_signal=null"]).exit_signal is None
+    with pytest.raises(ValueError, match=re.escape("EvalConfig.sampling.num_samples 4 at temperature 0 samples the "
+                                                   "same greedy response 4 times")):
+        load_config(TrainConfig, None, ["eval.sampling.num_samples=4"])
+    assert load_config(TrainConfig, None, ["eval.sampling.num_samples=4",
+                                           "eval.sampling.temperature=0.6"]).eval.sampling.num_samples == 4
 
 
 def test_spec_config_errors():
