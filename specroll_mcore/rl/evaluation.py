@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -61,6 +63,18 @@ def reward_function(path: str) -> Callable[..., tuple[float, float]]:
     return fn
 
 
+def checked_reward(name: Optional[str], result: Any) -> tuple[float, float]:
+    """A custom reward function's ``(reward, correct)`` as floats, refused by name unless it is two finite
+    numbers (Python's, numpy's or one-element tensors): a lone number, or a dict as verl's compute_score
+    returns, would fail far from its cause, and a NaN would skip every step it reached."""
+    if (isinstance(result, (tuple, list)) and len(result) == 2
+            and all((isinstance(x, numbers.Real) or torch.is_tensor(x) and x.numel() == 1) and math.isfinite(float(x))
+                    for x in result)):
+        return float(result[0]), float(result[1])
+    raise ValueError(f"TrainConfig.reward_fn {name!r} returned {result!r}: it must return (reward, correct), two "
+                     f"finite numbers (correct: 1 or 0, or a bool)")
+
+
 def make_scorer(cfg: TrainConfig, tokenizer: Any, reward_fn: Optional[Callable[..., Any]] = None) -> Scorer:
     """The GRPO reward of one response: ``reward_fn`` (TrainConfig.reward_fn, resolved) on the decoded
     text, or math-verify's answer check with TrainConfig.format_reward (after the thinking, where the
@@ -74,7 +88,7 @@ def make_scorer(cfg: TrainConfig, tokenizer: Any, reward_fn: Optional[Callable[.
     def scorer(tokens: list[int], reference: str, prompt: Sequence[int]) -> tuple[float, float]:
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if reward_fn is not None:
-            return reward_fn(text, reference, tokens)
+            return checked_reward(cfg.reward_fn, reward_fn(text, reference, tokens))
         return score(text, reference, rewards, thinking(tuple(prompt[-16:])))
 
     return scorer

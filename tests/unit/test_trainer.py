@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -463,6 +464,20 @@ def test_nan_loss_skips_the_step_and_keeps_the_checkpoint(tiny_ckpt, tmp_path, c
     assert [r["skipped"] for r in rows] == [False, True, False]
     assert [r["policy_version"] for r in rows] == [1, 1, 2]
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_a_custom_reward_must_return_two_finite_numbers():
+    import numpy as np
+
+    from specroll_mcore.rl.evaluation import checked_reward
+
+    assert checked_reward("m:f", (0.5, True)) == (0.5, 1.0)
+    assert checked_reward("m:f", [np.float32(1.0), np.int64(0)]) == (1.0, 0.0)
+    assert checked_reward("m:f", (torch.tensor(0.25), torch.tensor([1]))) == (0.25, 1.0)
+    for bad in (0.5, {"score": 1.0, "acc": 1.0}, (1.0,), (float("nan"), 0), ("1", 0), (torch.ones(2), 1), None):
+        with pytest.raises(ValueError, match=re.escape(f"TrainConfig.reward_fn 'm:f' returned {bad!r}: it must "
+                                                       "return (reward, correct), two finite numbers")):
+            checked_reward("m:f", bad)
 
 
 @pytest.mark.parametrize("reward_fn", ["", "rewards_for_tests:token_parity_reward"])
