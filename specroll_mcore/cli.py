@@ -57,6 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.stats.items()
                           if k != "per_step"}))
         if cfg.output:
+            Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
             with open(cfg.output, "w", encoding="utf-8") as f:
                 for r in rows:
                     f.write(json.dumps(r) + "\n")
@@ -153,6 +154,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             write_json_atomic(Path(args.out), row)
         if args.responses:
             responses.sort(key=lambda r: (r["id"], r["sample"]))
+            Path(args.responses).parent.mkdir(parents=True, exist_ok=True)
             with open(args.responses, "w", encoding="utf-8") as f:
                 for r in responses:
                     f.write(json.dumps(r) + "\n")

@@ -146,7 +146,9 @@ def main() -> int:
             print(f"synthetic {name.upper()} -> HF: {r['seconds']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB "
                   f"({r['peak_rss_mb'] / (size / 2**20):.2f} x the weights; anonymous {r['peak_anon_mb']:.0f} MB, "
                   f"{r['peak_anon_mb'] / (size / 2**20):.2f} x), {len(r['files'])} file(s)")
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    from specroll_mcore.checkpoint.megatron import write_json_atomic  # (the children are measured by now)
+
+    write_json_atomic(Path(args.out), report)
     print(f"wrote {args.out}")
     return 0
 

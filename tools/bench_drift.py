@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import time
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
@@ -245,6 +246,7 @@ def plot(report: dict, path: str) -> None:
     axes[1].set_ylabel("generation speedup vs vanilla")
     axes[0].legend()
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 

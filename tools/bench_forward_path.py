@@ -13,7 +13,6 @@ host work of each path there (gpu_checks.sh runs it); both paths give the same l
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -23,6 +22,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import ModelConfig, ParallelConfig  # noqa: E402
 from specroll_mcore.tree.budget import hardware_name  # noqa: E402
 
@@ -86,7 +86,7 @@ def main() -> int:
             print(f"{rows:4d} rows x {n:3d} tokens: chained {m['chained'] * 1e3:7.2f} ms, megatron's block "
                   f"{m['megatron'] * 1e3:7.2f} ms ({m['megatron'] / m['chained']:.2f}x)", flush=True)
     policy._lean_layers = lean_ok
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_json_atomic(Path(args.out), report)
     print(f"wrote {args.out}")
     return 0
 

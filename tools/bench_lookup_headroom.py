@@ -22,7 +22,6 @@ acceptance would move the later steps' positions), so this is an estimate, not a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import read_checkpoint_config, stop_token_ids  # noqa: E402
+from specroll_mcore.checkpoint.megatron import read_checkpoint_config, stop_token_ids, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine  # noqa: E402
@@ -146,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report["settings"][f"n={lo}-{hi},k={k}"] = row
         print(f"n={lo}-{hi} k={k}: " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}"
                                                  for key, v in row.items()), flush=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_json_atomic(Path(args.out), report)
     parallel.destroy()
     return 0
 

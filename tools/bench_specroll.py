@@ -166,6 +166,7 @@ def plot(rows, path: str) -> None:
     ax.set_ylabel("SpecRoll / vanilla tokens per second")
     ax.set_title(f"Generation speedup over the rollout (SmolLM2-135M, {hardware_name()})", fontsize=9)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 

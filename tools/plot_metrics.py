@@ -71,6 +71,7 @@ def main() -> int:
     ax.set_title("Step time")
     ax.legend()
     fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
     return 0

@@ -20,7 +20,6 @@ step's trees to the nodes that pay for their latency (SpecConfig.adaptive_nodes)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config  # noqa: E402
+from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig  # noqa: E402
 from specroll_mcore.rollout.profile import measure_capacity  # noqa: E402
 from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, profile_path  # noqa: E402
@@ -59,7 +58,7 @@ def main() -> int:
     if ctx.rank == 0:
         print(f"C_hw = {record['c_hw']} tokens (cached in {profile_path()})")
         if args.out:
-            Path(args.out).write_text(json.dumps(record, indent=2))
+            write_json_atomic(Path(args.out), record)
     parallel.destroy()
     return 0
 

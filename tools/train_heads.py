@@ -40,7 +40,7 @@ from tqdm import tqdm  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.checkpoint.megatron import (load_policy, save_atomic, save_heads,  # noqa: E402
-                                                stop_token_ids)
+                                                stop_token_ids, write_json_atomic)
 from specroll_mcore.config import DataConfig, ParallelConfig, SamplingConfig, TrainConfig, load_config  # noqa: E402
 from specroll_mcore.distill import (DistillRecords, freeze_all_but_heads, full_head_state, head_accuracy,  # noqa: E402
                                     records_from_features, train_heads_step)
@@ -243,7 +243,7 @@ def main() -> int:
                                                           "heldout_accuracy": after}))
         print(json.dumps(summary, indent=2))
         if args.out:
-            Path(args.out).write_text(json.dumps(summary, indent=2))
+            write_json_atomic(Path(args.out), summary)
     parallel.destroy()
     return 0
 

@@ -81,6 +81,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     see half a file, a kill or a crash leaves the old one; processes writing the same file at once, as
     every rank of a run caching its profiles on a shared file system, each replace it whole)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # (an output path in a folder of its own: made, not refused)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "w") as f:

@@ -418,6 +418,8 @@ def test_written_files_are_readable_as_the_umask_allows(tmp_path, umask):
         save_heads(mcore, {"heads.layers.0.weight": torch.zeros(64, 64)}, {"num_heads": 1})
         hf = convert.convert_mcore_to_hf(mcore, tmp_path / "back")
         write_json_atomic(tmp_path / "new.json", {})
+        write_json_atomic(tmp_path / "made" / "for" / "it.json", {"a": 1})  # an output folder is made
+        assert json.loads((tmp_path / "made/for/it.json").read_text()) == {"a": 1}
         for path in [mcore, hf, *mcore.rglob("*"), *hf.rglob("*"), tmp_path / "new.json"]:
             want = (0o777 if path.is_dir() else 0o666) & ~umask
             assert oct(path.stat().st_mode & 0o777) == oct(want), path

@@ -82,7 +82,7 @@ def test_cli_generate_vanilla_and_specroll_agree(smollm2, tmp_path):
                {"num_heads": 3})
     outs = {}
     for engine in ("vanilla", "specroll"):
-        path = tmp_path / f"{engine}.jsonl"
+        path = tmp_path / "out" / f"{engine}.jsonl"  # (its folder made)
         proc = subprocess.run([sys.executable, "-m", "specroll_mcore.cli", "generate", "--set", f"checkpoint={ckpt}",
                                "--set", f"engine={engine}", "--set", "spec.c_hw=16",
                                "--set", "sampling.max_new_tokens=12", "--set", "sampling.num_samples=2",

@@ -42,10 +42,11 @@ def run_tool(name, *args, **env_extra):
 
 
 def test_bench_specroll_smoke(tiny_ckpt, tmp_path):
-    out = tmp_path / "b.json"
+    out = tmp_path / "results" / "b.json"  # (folders made for the outputs: a long run is not lost at its end)
     run_tool("bench_specroll.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 2, "--max-new-tokens", 8,
              "--batch1-prompts", 1, "--reps", 1, "--c-hw", 16, "--top-k", 50, "--min-p", 0.05, "--out", out,
-             "--plot", tmp_path / "b.png")
+             "--plot", tmp_path / "plots" / "b.png")
+    assert (tmp_path / "plots" / "b.png").is_file()
     report = json.loads(out.read_text())
     assert report["spec"]["reflex"]["enabled"] and report["spec"]["slow_path"]["enabled"]
     assert (report["top_k"], report["min_p"]) == (50, 0.05)
@@ -70,7 +71,7 @@ def test_lookup_headroom_counts_what_a_chain_would_add(tiny_ckpt, tmp_path, caps
     for bad in ("3-2:5", "2-3", "0-1:3", "a-b:c", "1-2:0"):
         with pytest.raises(ValueError, match="--settings"):
             tool.parse_settings(bad)
-    out = tmp_path / "h.json"
+    out = tmp_path / "new" / "h.json"
     run_tool("bench_lookup_headroom.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--max-new-tokens", 12,
              "--c-hw", 16, "--settings", "1-2:3", "--out", out)
     figures = json.loads(out.read_text())["settings"]["n=1-2,k=3"]
@@ -194,7 +195,7 @@ def test_acceptance_ceiling_needs_two_prompts(tiny_ckpt, tmp_path):
 
 
 def test_profile_capacity_smoke(tiny_ckpt, tmp_path):
-    out = tmp_path / "p.json"
+    out = tmp_path / "new" / "p.json"
     run_tool("profile_capacity.py", "--checkpoint", tiny_ckpt, "--tokens", "1,2,4", "--reps", 1, "--out", out,
              SPECROLL_CACHE=str(tmp_path / "cache"))
     record = json.loads(out.read_text())
