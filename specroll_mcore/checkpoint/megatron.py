@@ -200,6 +200,7 @@ def save_atomic(obj: Any, path: Path) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, rename: a crash or kill leaves the
     old file or the new one, never a torn one."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         os.fchmod(fd, replacement_mode(path))

@@ -391,7 +391,7 @@ def test_bench_update_replicas_smoke(tiny_ckpt, tmp_path):
 
 def test_train_heads_smoke_and_bad_checkpoint(tmp_path, capsys):
     ckpt = tiny_policy_checkpoint(tmp_path / "fresh", with_heads=False)
-    out, cache = tmp_path / "h.json", tmp_path / "records.pt"
+    out, cache = tmp_path / "h.json", tmp_path / "cache" / "records.pt"  # (its folder made)
     args = ["--checkpoint", ckpt, "--prompts", 4, "--samples", 1, "--max-new-tokens", 8, "--steps", 10, "--batch", 8,
             "--save-every", 4, "--records-cache", cache, "--out", out]
     run_tool("train_heads.py", *args)
