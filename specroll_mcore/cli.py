@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
     c = sub.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron")
     c.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf", "smollm2"])
-    c.add_argument("src", nargs="?", help="HF directory or .gguf file (hf-to-mcore), Megatron checkpoint (mcore-to-hf)")
+    c.add_argument("src", nargs="?", help="HF directory, Hub model id or .gguf file (hf-to-mcore), Megatron checkpoint "
+                   "(mcore-to-hf)")
     c.add_argument("out", nargs="?", help="output directory")
     c.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output")
     c.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output")

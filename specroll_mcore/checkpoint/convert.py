@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
@@ -86,6 +87,37 @@ class HFCheckpointReader(Mapping[str, torch.Tensor]):
         return json.loads((self.path / "config.json").read_text())
 
 
+HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""``organisation/name``: a Hugging Face Hub model id."""
+
+
+def hf_source(src: Any) -> Path:
+    """A local HF model directory as it is; a Hub model id (``Qwen/Qwen2.5-7B-Instruct``) that names no
+    local path, downloaded into the Hugging Face cache (``HF_HOME``; what is cached already is not fetched
+    again): its config, tokenizer files and weights, the safetensors where the repository has them, else
+    its .bin files (not both, nor the other formats some repositories add: ``original/``, GGUF, ONNX).
+    Offline, a model in the cache is used as it is."""
+    path = Path(src)
+    if path.exists() or not HUB_MODEL_ID.match(str(src)):
+        return path
+    from huggingface_hub import list_repo_files, snapshot_download
+
+    common = ["config.json", *TOKENIZER_FILES]
+    safetensors = ["model*.safetensors", "model.safetensors.index.json"]
+    bins = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+    try:
+        files = list_repo_files(str(src))
+    except Exception as online:  # (offline, unknown, gated: the cache may still hold it)
+        try:
+            return Path(snapshot_download(str(src), allow_patterns=common + safetensors + bins, local_files_only=True))
+        except Exception:
+            raise FileNotFoundError(f"{src} is not a local directory, and the Hugging Face Hub did not give it "
+                                    f"({type(online).__name__}: {online}); download it (`hf download {src} "
+                                    f"--local-dir DIR`) and convert DIR") from online
+    weights = safetensors if any(f.startswith("model") and f.endswith(".safetensors") for f in files) else bins
+    return Path(snapshot_download(str(src), allow_patterns=common + weights))
+
+
 def gguf_to_hf(gguf_file: Path, out_dir: Path, overwrite: bool = False) -> Path:
     """Dequantize a GGUF file (an architecture ``transformers`` reads from GGUF and we convert) into a
     plain HF directory (safetensors + tokenizer)."""
@@ -125,10 +157,12 @@ def set_gguf_padding(tokenizer, gguf_file: Path) -> None:
 def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                         params_dtype: Optional[str] = None, overwrite: bool = False,
                         first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> Path:
-    """Convert a HF directory into a Megatron checkpoint sharded for TP x PP (see checkpoint/megatron.py);
+    """Convert a HF directory (or a Hub model id: :func:`hf_source`) into a Megatron checkpoint sharded for
+    TP x PP (see checkpoint/megatron.py);
     ``first_stage_layers`` / ``last_stage_layers``: an uneven pipeline split
     (ParallelConfig.num_layers_in_first/last_pipeline_stage)."""
-    reader = HFCheckpointReader(Path(src))
+    local = hf_source(src)  # (a Hub model id: its download)
+    reader = HFCheckpointReader(local)
     hf_config = reader.config()
     first = reader[next(iter(reader))]
     dtype = params_dtype or {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -146,15 +180,16 @@ def convert_hf_to_mcore(src: Path, out_dir: Path, tensor_parallel_size: int = 1,
 
     def write(tmp: Path) -> None:
         write_checkpoint_files(tmp, full, model, tensor_parallel_size, pipeline_parallel_size,
-                               extra_config={"hf_config": hf_config, "source": str(Path(src).resolve())},
+                               extra_config={"hf_config": hf_config,
+                                             "source": str(src) if local != Path(src) else str(local.resolve())},
                                stage_layers=layout.stage_layers(model.num_layers))
         unused = sorted(name for name in reader if name not in read.names and not _derived(name, model))
         if unused:  # (raised before the output is moved into place: nothing is written)
             raise ValueError(f"{reader.path} holds {len(unused)} tensors this conversion would drop, such as "
                              f"{unused[:4]}: a variant of {arch} that is not supported here")
         for name in TOKENIZER_FILES:
-            if (Path(src) / name).is_file():
-                shutil.copy2(Path(src) / name, tmp / name)
+            if (local / name).is_file():
+                shutil.copy2(local / name, tmp / name)
 
     return atomic_directory(Path(out_dir), write, overwrite)
 

@@ -1,6 +1,7 @@
 """HF <-> Megatron conversion: logits parity with transformers, bit-exact round trip, bad input."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -181,6 +182,52 @@ def test_qkv_fuse_split_inverse():
 
 
 # -- bad input -------------------------------------------------------------------------------------
+def test_a_hub_model_id_is_downloaded_with_only_what_the_conversion_reads(tmp_path, monkeypatch):
+    """``Qwen/Qwen2.5-7B-Instruct`` converts as its download (Hub calls replaced by a local repository
+    here): config, tokenizer and the safetensors, not the .bin twins or other formats; offline, the cache
+    serves it; neither: an error that says how to download it."""
+    import fnmatch
+
+    import huggingface_hub
+
+    save_tiny_hf(tmp_path / "repo", "qwen2", False)
+    (tmp_path / "repo" / "pytorch_model.bin").write_bytes(b"")  # a repository with both formats
+    files = sorted(p.name for p in (tmp_path / "repo").iterdir())
+    fetched = []
+
+    def snapshot_download(repo_id, allow_patterns, local_files_only=False):
+        assert repo_id == "org/tiny-qwen"
+        fetched.append((sorted(f for f in files if any(fnmatch.fnmatch(f, p) for p in allow_patterns)),
+                        local_files_only))
+        return str(tmp_path / "repo")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo_id: files)
+    out = convert.convert_hf_to_mcore("org/tiny-qwen", tmp_path / "mcore")
+    assert fetched == [(sorted(set(files) - {"pytorch_model.bin"}), False)]
+    assert json.loads((out / CONFIG_FILE).read_text())["source"] == "org/tiny-qwen"
+    assert load_full_state_dict(out).keys() == load_full_state_dict(
+        convert.convert_hf_to_mcore(tmp_path / "repo", tmp_path / "local")).keys()
+
+    def offline(repo_id):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", offline)
+    convert.convert_hf_to_mcore("org/tiny-qwen", tmp_path / "from-cache")
+    assert fetched[-1][1] is True  # the cache only
+
+    def not_cached(repo_id, allow_patterns, local_files_only=False):
+        raise FileNotFoundError("not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", not_cached)
+    with pytest.raises(FileNotFoundError, match=re.escape("org/tiny-qwen is not a local directory, and the Hugging "
+                                                          "Face Hub did not give it (OSError: no network); download "
+                                                          "it (`hf download org/tiny-qwen --local-dir DIR`)")):
+        convert.convert_hf_to_mcore("org/tiny-qwen", tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):  # a path, not an id: as before
+        convert.convert_hf_to_mcore(tmp_path / "no" / "such", tmp_path / "nothing")
+
+
 def test_unknown_architecture(tmp_path):
     save_tiny_hf(tmp_path / "hf", "llama", False)
     cfg = json.loads((tmp_path / "hf/config.json").read_text())
