@@ -1148,8 +1148,8 @@ class TrainConfig:
                f"TrainConfig.overlong_buffer must be in [0, sampling.max_new_tokens = {self.sampling.max_new_tokens}], "
                f"got {self.overlong_buffer}")
         _check(self.overlong_penalty >= 0, f"TrainConfig.overlong_penalty must be >= 0, got {self.overlong_penalty}")
-        _check(self.exit_signal is None or (self.exit_signal.startswith("SIG") and self.exit_signal not in
-                                            ("SIGKILL", "SIGSTOP") and hasattr(signal, self.exit_signal)),
+        _check(self.exit_signal is None or (isinstance(getattr(signal, self.exit_signal, None), signal.Signals)
+                                            and self.exit_signal not in ("SIGKILL", "SIGSTOP")),
                f"TrainConfig.exit_signal must name a signal a process can catch (SIGTERM, SIGUSR1, ...) or be null, "
                f"got {self.exit_signal!r}")
         _check(self.save_every >= 1 and self.keep_last >= 1,

@@ -255,7 +255,7 @@ def test_config_values_of_another_type_are_refused_by_name():
         load_generate_config(None, ["sampling=3", "sampling.seed=2"])
     with pytest.raises(ValueError, match=re.escape("eval.batch_prompts must be an integer, got 'all'")):
         load_config(TrainConfig, None, ["eval.batch_prompts=all"])
-    for name in ("SIGKILL", "TERM", "SIGNOPE"):
+    for name in ("SIGKILL", "TERM", "SIGNOPE", "SIG_DFL"):
         with pytest.raises(ValueError, match=f"TrainConfig.exit_signal must name a signal a process can catch .* got "
                                              f"'{name}'"):
             load_config(TrainConfig, None, [f"exit_signal={name}"])
