@@ -301,8 +301,7 @@ def main() -> int:
                 first.tokens = [t for o in outs for t in o.tokens]
                 first.finish_reason = [f for o in outs for f in o.finish_reason]
                 # tau, tree size and acceptance over every prompt's steps; the rest (time split) the last prompt's
-                first.stats = dict(combined_stats([o.stats for o in outs]),
-                                   per_step=[s for o in outs for s in o.stats["per_step"]])
+                first.stats = combined_stats([o.stats for o in outs])
                 return first
         return Seq()
 

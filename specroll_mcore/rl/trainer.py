@@ -47,7 +47,7 @@ from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_back
                                        pack_micro_batch, routers_training, sequence_tokens, set_moe_aux_loss_scale,
                                        trained, update_multiple)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, engine_for
-from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats
+from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats, from_totals, replica_totals
 
 
 class GRPOTrainer:
@@ -266,6 +266,10 @@ class GRPOTrainer:
                                                float(sum(r.rollout.num_tokens for r in rounds)), gen_s]))
         mean = float(sums[0] / n)
         stats = combined_stats([r.rollout.stats for r in rounds])
+        if ctx.dp_size > 1:  # the figures of every replica's rollout, not the first replica's alone
+            stats, slowest = self._over_replicas(stats, gen_s, row)
+            train_s = max(0.0, train_s - (slowest - gen_s))  # (this rank waited for it in the update's collectives)
+            gen_s = slowest
         row.update({
             "step": step + 1, "reward_mean": mean, "reward_std": math.sqrt(max(0.0, float(sums[1] / n) - mean ** 2)),
             "accuracy": float(sums[2] / n), "response_len": float(sums[3] / n), "generation_s": gen_s,
@@ -489,6 +493,23 @@ class GRPOTrainer:
         self.optimizer.step()
         self.state["policy_version"] += 1  # the heads are tied to the new policy version
         return norm, loss, parts, True, extra
+
+    def _over_replicas(self, stats: dict[str, Any], gen_s: float,
+                       row: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        """A step's rollout figures over every data-parallel replica: tau, tree size and acceptance over
+        all replicas' verification steps (:func:`replica_totals`), the Reflex gate's share averaged; the
+        generation time the step waits for (the slowest replica's, returned), the vanilla engine's too,
+        whose rollouts are identical only if every replica's were (in ``row``)."""
+        ctx = self.ctx
+        worst = ctx.all_reduce_max(torch.tensor([gen_s, row.get("vanilla_gen_s", 0.0),
+                                                 float(not row.get("rollouts_identical", True))],
+                                                dtype=torch.float64, device=ctx.device)).tolist()
+        if "vanilla_gen_s" in row:
+            row.update(vanilla_gen_s=worst[1], rollouts_identical=not worst[2])
+        if "tau" in stats:
+            totals = ctx.all_reduce_dp(replica_totals(stats).to(ctx.device)).cpu()
+            stats = from_totals(stats, totals, ctx.dp_size)
+        return stats, worst[0]
 
     def _timed_vanilla(self, prompts: list, ids: list, step: int, row: dict[str, Any]) -> Any:
         """The vanilla engine's rollout of the same step (the reference SpecRoll's is timed against)."""

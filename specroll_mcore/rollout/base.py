@@ -309,13 +309,15 @@ def nodes_per_row(per_step: list[dict[str, Any]]) -> float:
 
 def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """The rollout statistics of a step's rounds as one: tau, tree size and acceptance over all their
-    verification steps, the Reflex gate's share averaged, the slow path's counters as after the last
+    verification steps (``per_step``: all of them), the Reflex gate's share averaged, the slow path's counters as after the last
     round (they are cumulative) with the last event any round had."""
     if len(stats) == 1:
         return stats[0]
     out = dict(stats[-1])
+    if all("per_step" in s for s in stats):
+        out["per_step"] = [p for s in stats for p in s["per_step"]]
     if "tau" in out:
-        steps = [p for s in stats for p in s["per_step"]]
+        steps = out["per_step"]
         out["tau"] = tokens_per_step(steps)
         out["nodes_per_row"] = nodes_per_row(steps)
         tried, accepted = ([sum(d) for d in zip(*(s[key] for s in stats))] for key in ("tried_per_depth",
@@ -327,3 +329,25 @@ def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
         events = [s["slow_path"]["event"] for s in stats if s.get("slow_path") and s["slow_path"]["event"]]
         out["slow_path"] = dict(out["slow_path"], event=events[-1] if events else None)
     return out
+
+
+def replica_totals(stats: dict[str, Any]) -> torch.Tensor:
+    """A replica's speculative rollout statistics as sums that add up over replicas: tokens emitted,
+    rows and rows x tree size over its verification steps, the Reflex gate's share, and the drafts
+    tried and accepted per depth (float64)."""
+    steps = stats["per_step"]
+    return torch.tensor([sum(p["emitted"] for p in steps), sum(p["active"] for p in steps),
+                         sum(p["nodes_per_row"] * p["active"] for p in steps), stats.get("reflex_gate_open", 0.0),
+                         *stats["tried_per_depth"], *stats["accepted_per_depth"]], dtype=torch.float64)
+
+
+def from_totals(stats: dict[str, Any], totals: torch.Tensor, replicas: int) -> dict[str, Any]:
+    """``stats`` with tau, tree size, the Reflex gate's share and acceptance per depth of
+    :func:`replica_totals` summed over ``replicas`` (tokens_per_step and nodes_per_row over all their
+    steps)."""
+    emitted, rows, nodes, gate, *depths = totals.tolist()
+    tried, accepted = depths[:len(depths) // 2], depths[len(depths) // 2:]
+    return dict(stats, tau=emitted / max(1.0, rows), nodes_per_row=nodes / max(1.0, rows),
+                reflex_gate_open=gate / replicas, tried_per_depth=[int(t) for t in tried],
+                accepted_per_depth=[int(a) for a in accepted],
+                acceptance_per_depth=[a / max(1.0, t) for a, t in zip(accepted, tried)])

@@ -45,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cut-odd-prompts", action="store_true",
                     help="report the responses to the step's odd-numbered prompts as cut at the length limit, "
                          "the others as ended by EOS")
+    ap.add_argument("--dump-rollout-stats", action="store_true",
+                    help="each rank writes its own rollouts' statistics per step (rollout_stats_rank{R}.json)")
     ap.add_argument("--sigterm-after-step", type=int,
                     help="the last rank sends itself SIGTERM when this step ends (the others get none)")
     ap.add_argument("--jobs", help="a JSON file holding a list of runs, each the arguments above as a list")
@@ -65,6 +67,20 @@ def run(a: argparse.Namespace) -> None:
             return r
 
         trainer._rollout_round = cut_round
+    dumped = []
+    if a.dump_rollout_stats:
+        rollout_round = trainer._rollout_round
+
+        def recorded_round(examples, step, *args, **kwargs):
+            r = rollout_round(examples, step, *args, **kwargs)
+            st = r.rollout.stats
+            dumped.append({"step": step + 1, "gen_s": r.gen_s, "tried": st["tried_per_depth"],
+                           "accepted": st["accepted_per_depth"],
+                           "per_step": [{k: p[k] for k in ("emitted", "active", "nodes_per_row")}
+                                        for p in st["per_step"]]})
+            return r
+
+        trainer._rollout_round = recorded_round
     if a.sigterm_after_step is not None and trainer.ctx.rank == trainer.ctx.world_size - 1:
         step = trainer.step
 
@@ -77,6 +93,8 @@ def run(a: argparse.Namespace) -> None:
         trainer.step = signalled_step
     trainer.run()
     ctx = trainer.ctx
+    if a.dump_rollout_stats:
+        (Path(a.out) / f"rollout_stats_rank{ctx.rank}.json").write_text(json.dumps(dumped))
     if a.specroll and ctx.is_last_stage:
         heads = full_head_state(trainer.policy)
         spread = max(float((ctx.all_reduce_dp(v.clone()) / ctx.dp_size - v).abs().max()) for v in heads.values())

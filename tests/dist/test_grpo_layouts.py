@@ -200,9 +200,25 @@ def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
     """Consolidations run every step; the collective decisions and updates do not deadlock, and every
     data-parallel replica ends with the same heads."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=True)
-    rows = run(ckpt, tmp_path / "run", tp, 1, 2, "--specroll")
+    rows = run(ckpt, tmp_path / "run", tp, 1, 2, "--specroll", "--dump-rollout-stats",
+               "--set=compare_vanilla_every=1")
     assert rows[-1]["slow_path_events"] >= 2, rows
     assert json.loads((tmp_path / "run" / "heads_check.json").read_text())["dp_spread"] == 0.0
+    # The logged rollout figures are every replica's (DP=2), as each rank recorded its own
+    ranks = [json.loads((tmp_path / "run" / f"rollout_stats_rank{r}.json").read_text()) for r in range(2)]
+    for row in rows:
+        mine = [[rec for rec in rank if rec["step"] == row["step"]] for rank in ranks]
+        replicas = mine if tp == 1 else mine[:1]  # (TP=2: one replica, whose ranks record the same)
+        steps = [p for recs in replicas for rec in recs for p in rec["per_step"]]
+        assert row["tau"] == pytest.approx(sum(p["emitted"] for p in steps) / sum(p["active"] for p in steps))
+        assert row["nodes_per_row"] == pytest.approx(sum(p["nodes_per_row"] * p["active"] for p in steps)
+                                                     / sum(p["active"] for p in steps))
+        tried = [sum(t) for t in zip(*(rec["tried"] for recs in replicas for rec in recs))]
+        accepted = [sum(a) for a in zip(*(rec["accepted"] for recs in replicas for rec in recs))]
+        assert row["acceptance_per_head"] == pytest.approx([a / max(1, t) for a, t in zip(accepted, tried)])
+        if tp == 1:  # the step waits for the slower replica's generation
+            assert row["generation_s"] == pytest.approx(max(sum(rec["gen_s"] for rec in recs) for recs in mine))
+        assert row["rollouts_identical"] and row["vanilla_gen_s"] > 0
 
 
 def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
