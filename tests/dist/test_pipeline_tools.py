@@ -34,6 +34,29 @@ def test_bench_pipeline_rollout_smoke(tmp_path):
                                                                                         "last1/interleaved"}
 
 
+def test_specroll_generate_at_dp2_equals_one_process(tmp_path):
+    """`specroll generate` under torchrun at DP=2 (the prompts dealt out to the replicas): every response
+    of one process, and the printed statistics count every replica's tokens (they were the first
+    replica's)."""
+    ckpt = tiny_policy_checkpoint(tmp_path / "ckpt")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    common = [f"checkpoint={ckpt}", "engine=specroll", "spec.c_hw=8", "sampling.max_new_tokens=8",
+              "sampling.num_samples=2", "prompts=['One?', 'Two?', 'Three?', 'Four?', 'Five?']"]
+    runs = {}
+    for name, launcher in [("one", []), ("dp2", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])]:
+        args = [a for o in common + [f"output={tmp_path / name}.jsonl"] for a in ("--set", o)]
+        proc = subprocess.run([sys.executable, *launcher, "-m", "specroll_mcore.cli", "generate", *args], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        stats = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs[name] = (stats, [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()])
+    (one, one_rows), (dp2, dp2_rows) = runs["one"], runs["dp2"]
+    assert [r["tokens"] for r in dp2_rows] == [r["tokens"] for r in one_rows] and len(one_rows) == 10
+    assert dp2["tokens"] == one["tokens"] == sum(len(r["tokens"]) for r in one_rows)
+    assert dp2["data_parallel_replicas"] == 2 and dp2["tau"] >= 1 and "tau_per_row" not in dp2
+
+
 @pytest.mark.parametrize("layout", ["pp2", "dp2"])
 def test_specroll_eval_under_torchrun_equals_one_process(tmp_path, layout):
     """`specroll eval` at PP=2 (stages in turn) and at DP=2 (the prompts split over the replicas),
