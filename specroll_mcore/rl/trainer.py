@@ -278,8 +278,7 @@ class GRPOTrainer:
             "gen_tokens_per_s": float(sums[3]) / max(1e-9, float(sums[4]) / ctx.dp_size),
             "loss": loss, "grad_norm": norm, "skipped": skipped, "policy_version": self.state["policy_version"],
             "lr": self._lr(),
-            **{name: sum(p[name] * p["tokens"] for p in parts) / max(1.0, sum(p["tokens"] for p in parts))
-               for name in ("clip_fraction", "kl")},  # over the response tokens, as micro-batches differ in size
+            **over_tokens(parts, ("clip_fraction", "kl"), ctx),
         })
         row.update(extra)
         row.update(balance)
@@ -617,6 +616,15 @@ class GRPOTrainer:
         if self.ctx.rank == 0 and rows:
             print(summary_table(rows))
         return rows
+
+
+def over_tokens(parts: list[dict[str, float]], names: tuple[str, ...], ctx: Any) -> dict[str, float]:
+    """Micro-batch metrics ``names`` (``parts``: this replica's micro-batches, each with its ``tokens``)
+    as means over every replica's response tokens, as micro-batches and replicas differ in size."""
+    sums = ctx.all_reduce_dp(torch.tensor([*(sum(p[n] * p["tokens"] for p in parts) for n in names),
+                                           sum(p["tokens"] for p in parts)], dtype=torch.float64, device=ctx.device))
+    *weighted, tokens = sums.tolist()
+    return {n: w / max(1.0, tokens) for n, w in zip(names, weighted)}
 
 
 @contextlib.contextmanager
