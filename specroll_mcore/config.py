@@ -785,7 +785,8 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
             value = (value,)
         if not (sub and isinstance(value, dict)) and not _conforms(value, tp):
             hint = (" (an empty value: YAML reads it as null; write \"\" for an empty string)" if value is None else
-                    " (YAML reads unquoted 'text: ...' as a mapping; quote the value)" if isinstance(value, dict)
+                    " (a mapping: YAML reads unquoted 'text: ...' as one, so quote the value; or a --set key that "
+                    f"goes past {path}{name})" if isinstance(value, dict)
                     else "")
             raise ValueError(f"{path}{name} must be {_describe(tp)}, got {value!r}{hint}")
         kwargs[name] = _build(sub, value, f"{path}{name}.") if sub and not isinstance(value, sub) else value

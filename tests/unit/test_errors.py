@@ -243,8 +243,10 @@ def test_config_values_of_another_type_are_refused_by_name():
             ("prompts=[1, 2]", "prompts must be a list of strings, got [1, 2]"),
             ("chat_template_kwargs=[1]", "chat_template_kwargs must be a mapping, got [1]"),
             ("spec.c_hw=lots", "spec.c_hw must be an integer or null, got 'lots'"),
-            ("sampling.stop=Answer:", "sampling.stop must be a list of strings, got {'Answer': None} (YAML reads "
-                                      "unquoted 'text: ...' as a mapping; quote the value)"),
+            ("sampling.stop=Answer:", "sampling.stop must be a list of strings, got {'Answer': None} (a mapping: "
+                                      "YAML reads unquoted 'text: ...' as one, so quote the value; or a --set key "
+                                      "that goes past sampling.stop)"),
+            ("spec.reflex.decay.0=0.4", "spec.reflex.decay must be a list of numbers, got {'0': 0.4} (a mapping"),
             ("sampling.stop=####", "override sampling.stop=####: YAML reads a value starting with '#' as a comment; "
                                    "quote it: sampling.stop=\'\"####\"\'"),
             ("spec=5", "spec must be a mapping of SpecConfig's fields, got 5")]:
