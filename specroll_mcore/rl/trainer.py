@@ -263,7 +263,7 @@ class GRPOTrainer:
         n = ctx.all_reduce_dp(torch.tensor(float(rewards_t.numel())))
         sums = ctx.all_reduce_dp(torch.tensor([rewards_t.sum().item(), (rewards_t ** 2).sum().item(),
                                                sum(sum(r.correct) for r in rounds),
-                                               float(sum(r.rollout.num_tokens for r in rounds)), gen_s]))
+                                               float(sum(r.rollout.num_tokens for r in rounds))]))
         mean = float(sums[0] / n)
         stats = combined_stats([r.rollout.stats for r in rounds])
         if ctx.dp_size > 1:  # the figures of every replica's rollout, not the first replica's alone
@@ -275,7 +275,7 @@ class GRPOTrainer:
             "accuracy": float(sums[2] / n), "response_len": float(sums[3] / n), "generation_s": gen_s,
             "training_s": train_s, "pack_s": pack_s, "step_s": pack_s + gen_s + train_s,
             "gen_share": gen_s / max(1e-9, pack_s + gen_s + train_s),
-            "gen_tokens_per_s": float(sums[3]) / max(1e-9, float(sums[4]) / ctx.dp_size),
+            "gen_tokens_per_s": float(sums[3]) / max(1e-9, gen_s),  # every replica's tokens in the step's generation
             "loss": loss, "grad_norm": norm, "skipped": skipped, "policy_version": self.state["policy_version"],
             "lr": self._lr(),
             **over_tokens(parts, ("clip_fraction", "kl"), ctx),

@@ -218,6 +218,8 @@ def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
         assert row["acceptance_per_head"] == pytest.approx([a / max(1, t) for a, t in zip(accepted, tried)])
         if tp == 1:  # the step waits for the slower replica's generation
             assert row["generation_s"] == pytest.approx(max(sum(rec["gen_s"] for rec in recs) for recs in mine))
+        # every replica's tokens (2 prompts x 3 samples in all) over the time the step generated for
+        assert row["gen_tokens_per_s"] == pytest.approx(6 * row["response_len"] / row["generation_s"])
         assert row["rollouts_identical"] and row["vanilla_gen_s"] > 0
 
 
