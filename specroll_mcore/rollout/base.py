@@ -309,8 +309,8 @@ def nodes_per_row(per_step: list[dict[str, Any]]) -> float:
 
 def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """The rollout statistics of a step's rounds as one: tau, tree size and acceptance over all their
-    verification steps (``per_step``: all of them), the Reflex gate's share averaged, the slow path's counters as after the last
-    round (they are cumulative) with the last event any round had."""
+    verification steps (``per_step``: all of them), the Reflex gate's share averaged, the slow path's
+    counters as after the last round (they are cumulative) with the last event any round had."""
     if len(stats) == 1:
         return stats[0]
     out = dict(stats[-1])
