@@ -49,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
              "logprobs": [round(float(x), 6) for x in lp], "finish_reason": f}
             for p, s, t, lp, f in zip(out.prompt_index, out.sample_index, out.tokens, out.logprobs, out.finish_reason)]
     rows = ctx.gather_to_rank0(rows)
-    stats = over_replicas(out.stats, ctx)
+    stats = generate_stats(out.stats, ctx)
     if ctx.rank == 0:
         rows.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
         for r in rows:
@@ -66,25 +66,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def over_replicas(stats: dict, ctx) -> dict:
+def generate_stats(stats: dict, ctx) -> dict:
     """A rollout's statistics over every data-parallel replica (each generated its share of the
     prompts): tokens and forwards summed, the time the slowest replica's, tau, tree size and acceptance
     over all their verification steps; the rest (the time split, the slow path) the first replica's, and
     no figures per row (``tau_per_row``: the first replica's rows only)."""
     import torch
 
-    from specroll_mcore.rollout.base import from_totals, replica_totals
+    from specroll_mcore.rollout.base import over_replicas
 
     if ctx.dp_size == 1:
         return stats
     counts = ctx.all_reduce_dp(torch.tensor([float(stats["tokens"]), float(stats["forwards"])], dtype=torch.float64,
                                             device=ctx.device)).tolist()
     total_s = float(ctx.all_reduce_max(torch.tensor([stats["total_s"]], dtype=torch.float64, device=ctx.device)))
-    out = dict(stats, tokens=int(counts[0]), forwards=int(counts[1]), total_s=total_s,
+    out = dict(over_replicas(stats, ctx), tokens=int(counts[0]), forwards=int(counts[1]), total_s=total_s,
                tokens_per_s=counts[0] / max(total_s, 1e-9), data_parallel_replicas=ctx.dp_size)
     out.pop("tau_per_row", None)
-    if "tau" in stats:
-        out = from_totals(out, ctx.all_reduce_dp(replica_totals(stats).to(ctx.device)).cpu(), ctx.dp_size)
     return out
 
 

@@ -179,9 +179,8 @@ def heads_path(ckpt_dir: Path) -> Path:
     directory, in its latest iteration, beside the weights they go with (the run's own config names the
     weights it started from, not those)."""
     ckpt_dir = Path(ckpt_dir)
-    if (ckpt_dir / TRACKER_FILE).is_file() and iteration_dir(ckpt_dir).name != "release":
-        return iteration_dir(ckpt_dir) / HEADS_FILE
-    return ckpt_dir / HEADS_FILE
+    latest = iteration_dir(ckpt_dir) if (ckpt_dir / TRACKER_FILE).is_file() else None
+    return latest / HEADS_FILE if latest is not None and latest.name != "release" else ckpt_dir / HEADS_FILE
 
 
 def save_heads(ckpt_dir: Path, heads: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> Path:

@@ -22,7 +22,7 @@ import torch
 from specroll_mcore.config import DataConfig, EvalConfig, TrainConfig
 from specroll_mcore.rl.data import Example, LoadReport, load_data, render_prompt
 from specroll_mcore.rl.rewards import RewardConfig, opens_thinking, parse_reference, score
-from specroll_mcore.rollout.base import combined_stats, from_totals, replica_totals
+from specroll_mcore.rollout.base import combined_stats, over_replicas
 
 Scorer = Callable[[list[int], str, Sequence[int]], tuple[float, float]]
 """(response tokens, reference answer, prompt tokens) -> (reward, correct)."""
@@ -164,8 +164,7 @@ def evaluate(engine: Any, held_out: HeldOut, ev: EvalConfig, scorer: Scorer, ctx
            "eval_s": time.perf_counter() - t0}
     if G > 1:
         row["eval_pass_at_n"] = float(sums[4]) / len(held_out.examples)
-    combined = combined_stats(stats)
-    if "tau" in combined:  # over every replica's verification steps
-        row["eval_tau"] = from_totals(combined, ctx.all_reduce_dp(replica_totals(combined).to(ctx.device)).cpu(),
-                                      ctx.dp_size)["tau"]
+    combined = over_replicas(combined_stats(stats), ctx)  # (over every replica's verification steps)
+    if "tau" in combined:
+        row["eval_tau"] = combined["tau"]
     return row

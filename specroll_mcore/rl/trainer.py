@@ -47,7 +47,7 @@ from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_back
                                        pack_micro_batch, routers_training, sequence_tokens, set_moe_aux_loss_scale,
                                        trained, update_multiple)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, engine_for
-from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats, from_totals, replica_totals
+from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats, over_replicas
 
 
 class GRPOTrainer:
@@ -267,7 +267,7 @@ class GRPOTrainer:
         mean = float(sums[0] / n)
         stats = combined_stats([r.rollout.stats for r in rounds])
         if ctx.dp_size > 1:  # the figures of every replica's rollout, not the first replica's alone
-            stats, slowest = self._over_replicas(stats, gen_s, row)
+            stats, slowest = over_replicas(stats, ctx), self._slowest_generation(gen_s, row)
             train_s = max(0.0, train_s - (slowest - gen_s))  # (this rank waited for it in the update's collectives)
             gen_s = slowest
         row.update({
@@ -493,22 +493,16 @@ class GRPOTrainer:
         self.state["policy_version"] += 1  # the heads are tied to the new policy version
         return norm, loss, parts, True, extra
 
-    def _over_replicas(self, stats: dict[str, Any], gen_s: float,
-                       row: dict[str, Any]) -> tuple[dict[str, Any], float]:
-        """A step's rollout figures over every data-parallel replica: tau, tree size and acceptance over
-        all replicas' verification steps (:func:`replica_totals`), the Reflex gate's share averaged; the
-        generation time the step waits for (the slowest replica's, returned), the vanilla engine's too,
-        whose rollouts are identical only if every replica's were (in ``row``)."""
+    def _slowest_generation(self, gen_s: float, row: dict[str, Any]) -> float:
+        """The generation time a step waits for: the slowest data-parallel replica's; the vanilla engine's
+        too (in ``row``), whose rollouts are identical only if every replica's were."""
         ctx = self.ctx
         worst = ctx.all_reduce_max(torch.tensor([gen_s, row.get("vanilla_gen_s", 0.0),
                                                  float(not row.get("rollouts_identical", True))],
                                                 dtype=torch.float64, device=ctx.device)).tolist()
         if "vanilla_gen_s" in row:
             row.update(vanilla_gen_s=worst[1], rollouts_identical=not worst[2])
-        if "tau" in stats:
-            totals = ctx.all_reduce_dp(replica_totals(stats).to(ctx.device)).cpu()
-            stats = from_totals(stats, totals, ctx.dp_size)
-        return stats, worst[0]
+        return worst[0]
 
     def _timed_vanilla(self, prompts: list, ids: list, step: int, row: dict[str, Any]) -> Any:
         """The vanilla engine's rollout of the same step (the reference SpecRoll's is timed against)."""

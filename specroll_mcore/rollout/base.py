@@ -331,23 +331,19 @@ def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def replica_totals(stats: dict[str, Any]) -> torch.Tensor:
-    """A replica's speculative rollout statistics as sums that add up over replicas: tokens emitted,
-    rows and rows x tree size over its verification steps, the Reflex gate's share, and the drafts
-    tried and accepted per depth (float64)."""
+def over_replicas(stats: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """A speculative rollout's statistics (this data-parallel replica's) with tau, tree size and
+    acceptance per depth over every replica's verification steps, the Reflex gate's share averaged
+    over the replicas (a collective over the data-parallel group); other statistics unchanged."""
+    if ctx.dp_size == 1 or "tau" not in stats:
+        return stats
     steps = stats["per_step"]
-    return torch.tensor([sum(p["emitted"] for p in steps), sum(p["active"] for p in steps),
-                         sum(p["nodes_per_row"] * p["active"] for p in steps), stats.get("reflex_gate_open", 0.0),
-                         *stats["tried_per_depth"], *stats["accepted_per_depth"]], dtype=torch.float64)
-
-
-def from_totals(stats: dict[str, Any], totals: torch.Tensor, replicas: int) -> dict[str, Any]:
-    """``stats`` with tau, tree size, the Reflex gate's share and acceptance per depth of
-    :func:`replica_totals` summed over ``replicas`` (tokens_per_step and nodes_per_row over all their
-    steps)."""
-    emitted, rows, nodes, gate, *depths = totals.tolist()
+    local = torch.tensor([sum(p["emitted"] for p in steps), sum(p["active"] for p in steps),
+                          sum(p["nodes_per_row"] * p["active"] for p in steps), stats.get("reflex_gate_open", 0.0),
+                          *stats["tried_per_depth"], *stats["accepted_per_depth"]], dtype=torch.float64)
+    emitted, rows, nodes, gate, *depths = ctx.all_reduce_dp(local.to(ctx.device)).tolist()
     tried, accepted = depths[:len(depths) // 2], depths[len(depths) // 2:]
     return dict(stats, tau=emitted / max(1.0, rows), nodes_per_row=nodes / max(1.0, rows),
-                reflex_gate_open=gate / replicas, tried_per_depth=[int(t) for t in tried],
+                reflex_gate_open=gate / ctx.dp_size, tried_per_depth=[int(t) for t in tried],
                 accepted_per_depth=[int(a) for a in accepted],
                 acceptance_per_depth=[a / max(1.0, t) for a, t in zip(accepted, tried)])
