@@ -2,6 +2,8 @@
 # Multi-node GRPO launch with torchrun: run this same script on every node.
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash examples/launch_multinode.sh examples/configs/qwen2.5_14b_dapo_multinode.yaml
 # Each node runs 8 processes (one per GPU); TP/PP come from the config, DP = world size / (TP x PP).
+# A run continues with --resume on as many nodes as are left, or more: its checkpoint is resharded for
+# the new layout (checkpoint/train_state.py); with fewer nodes, lower TP/PP with --set where they must.
 set -euo pipefail
 CONFIG=${1:?usage: launch_multinode.sh CONFIG.yaml [--set key=value ...]}
 shift

@@ -17,13 +17,17 @@ buffers (8 bytes a parameter; the float32 main copy and gradient, 8 more, stay w
 over the replicas: ZeRO stage 1, through ``torch.distributed.optim.ZeroRedundancyOptimizer``. Each
 replica steps the parameters it owns (whole tensors, balanced by size) and broadcasts their new
 main values; every replica then rounds the main copies into its model. Each replica saves and
-loads its own shard of the state; a sharded run resumes with the data-parallel size it was saved
-with.
+loads its own shard of the state.
+
+The state dict names the parameter of each state (when the optimizer is given the names): a run
+resumed at another TP/PP/DP layout, or with the states sharded where they were not, gathers each
+parameter's state from the saved shards and splits it for its own layout
+(:meth:`MainParamAdamW.load_named_state`, checkpoint/train_state.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 MAIN_PARAMS = "main_params"
 SHARD = "zero_shard"  # (rank, replicas) of a sharded state
+STATE_NAMES = "state_names"  # the parameter of each index of the state (for a state resharded by name)
+MAIN_NAMES = "main_names"  # the parameter of each main copy
 
 
 def _accumulate_main_grad(p: torch.Tensor) -> None:
@@ -54,11 +60,17 @@ class MainParamAdamW:
     ``.grad``) between the backward passes and :meth:`step`."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], shard_group: Optional[dist.ProcessGroup] = None,
-                 no_weight_decay: Optional[Callable[[torch.nn.Parameter], bool]] = None, **adamw: Any) -> None:
+                 no_weight_decay: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+                 names: Optional[Sequence[str]] = None, **adamw: Any) -> None:
         """``no_weight_decay``: the parameters it is true of take no weight decay (a second AdamW
         parameter group; the policy update passes megatron-core's default rule, 1-D parameters:
-        biases and norms); ``adamw``: torch.optim.AdamW's arguments."""
+        biases and norms); ``names``: the parameters' names, recorded in the state dict so that a
+        run at another layout can load the state by name (:meth:`load_named_state`);
+        ``adamw``: torch.optim.AdamW's arguments."""
         self.params = list(params)
+        self.names = list(names) if names is not None else None
+        if self.names is not None and len(self.names) != len(self.params):
+            raise ValueError(f"{len(self.names)} names for {len(self.params)} parameters")
         self.main: list[torch.Tensor] = []
         self._hooks = []
         for p in self.params:
@@ -87,6 +99,15 @@ class MainParamAdamW:
 
     def _half(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         return [(p, m) for p, m in zip(self.params, self.main) if m is not p]
+
+    def _local(self) -> torch.optim.Optimizer:
+        """The AdamW that holds this replica's state (the whole state, or its shard)."""
+        return self.optimizer if self.shard is None else self.optimizer.optim
+
+    def _state_order(self) -> list[int]:
+        """The parameter (its position in ``params``) of each index of the local AdamW's state dict."""
+        position = {id(m): i for i, m in enumerate(self.main)}
+        return [position[id(m)] for group in self._local().param_groups for m in group["params"]]
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group's next steps (a schedule's value)."""
@@ -129,19 +150,23 @@ class MainParamAdamW:
         """AdamW's state dict (the format of ``torch.optim.AdamW``; this replica's shard of it when
         sharded, marked ``zero_shard``), plus the float32 main copies of the bfloat16 parameters under
         ``main_params`` when there are any."""
-        if self.shard is None:
-            state = self.optimizer.state_dict()
-        else:
-            state = {**self.optimizer.optim.state_dict(), SHARD: list(self.shard)}
+        state = self._local().state_dict()
+        if self.shard is not None:
+            state[SHARD] = list(self.shard)
         half = self._half()
         if half:
             state[MAIN_PARAMS] = [m.detach() for _, m in half]  # saved as they are (torch.save copies)
+        if self.names is not None:
+            state[STATE_NAMES] = [self.names[i] for i in self._state_order()]
+            state[MAIN_NAMES] = [n for n, p, m in zip(self.names, self.params, self.main) if m is not p]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         main = state.pop(MAIN_PARAMS, None)
         shard = state.pop(SHARD, None)
+        state.pop(STATE_NAMES, None)
+        state.pop(MAIN_NAMES, None)
         if (tuple(shard) if shard is not None else None) != self.shard:
             raise ValueError(f"the checkpoint's optimizer state is {_layout(shard)}, this run's is "
                              f"{_layout(self.shard)}: resume with the TrainConfig.shard_optimizer and data-parallel "
@@ -159,7 +184,34 @@ class MainParamAdamW:
                 for a, (p, m) in zip(main, half):
                     m.copy_(a)
                     p.copy_(m)
-        (self.optimizer if self.shard is None else self.optimizer.optim).load_state_dict(state)
+        self._local().load_state_dict(state)
+
+    def load_named_state(self, moments: Mapping[str, Mapping[str, torch.Tensor]], step: float,
+                         main: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        """Load a state given by parameter name, in this optimizer's layout: ``moments`` AdamW's
+        ``exp_avg`` and ``exp_avg_sq`` (each a name -> tensor mapping), ``step`` the steps taken,
+        ``main`` the float32 main copies of the bfloat16 parameters (None: rounded up from the
+        parameters). A state saved at another TP/PP/DP layout, resharded for this one
+        (checkpoint/train_state.py)."""
+        if self.names is None:
+            raise ValueError("this optimizer was built without its parameters' names")
+        with torch.no_grad():
+            for n, p, m in zip(self.names, self.params, self.main):
+                if m is not p:
+                    m.copy_(main[n] if main is not None else p)
+                    p.copy_(m)
+        local = self._local()
+        state = local.state_dict()
+        indices = [i for group in state["param_groups"] for i in group["params"]]
+        for index, i in zip(indices, self._state_order()):
+            name, m = self.names[i], self.main[i]
+            got = {k: moments[k][name] for k in ("exp_avg", "exp_avg_sq")}
+            if any(t.shape != m.shape for t in got.values()):
+                raise ValueError(f"{name}: the optimizer state has shape {tuple(got['exp_avg'].shape)}, the "
+                                 f"parameter {tuple(m.shape)}")
+            state["state"][index] = {"step": torch.tensor(float(step)),
+                                     **{k: t.to(m.dtype).clone() for k, t in got.items()}}
+        local.load_state_dict(state)
 
 
 class ExpertSplitAdamW:

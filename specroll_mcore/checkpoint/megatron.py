@@ -30,6 +30,10 @@ from specroll_mcore.config import ModelConfig
 CONFIG_FILE = "specroll_config.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
+# A training checkpoint's iteration records the parallel layout it was saved in (a run resumed at another
+# layout holds iterations of both): these keys of it are what CONFIG_FILE records for the whole directory.
+LAYOUT_FILE = "layout.json"
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_stage_layers")
 
 
 def shard_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -235,13 +239,29 @@ def load_heads(ckpt_dir: Path, allow_stale: bool = False) -> tuple[dict[str, tor
     return blob["heads"], blob["meta"]
 
 
-def read_checkpoint_config(ckpt_dir: Path) -> dict[str, Any]:
+def iteration_layout(iter_dir: Path) -> Optional[dict[str, Any]]:
+    """The parallel layout a training checkpoint's iteration was saved in (None: an iteration written
+    before they were recorded, or a converted checkpoint, whose layout is its CONFIG_FILE's)."""
+    path = Path(iter_dir) / LAYOUT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_checkpoint_config(ckpt_dir: Path, iteration: Optional[Path] = None) -> dict[str, Any]:
+    """CONFIG_FILE, with the TP/PP layout of the iteration the shards are read from (``iteration``, or
+    the one the tracker points at): a run resumed at another layout records the new one in CONFIG_FILE
+    when it starts, before its first checkpoint in that layout."""
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{ckpt_dir} is not a specroll Megatron checkpoint: {CONFIG_FILE} is missing "
                                 f"(convert a Hugging Face model with `specroll convert`)")
-    return json.loads(path.read_text())
+    meta = json.loads(path.read_text())
+    if iteration is None and (ckpt_dir / TRACKER_FILE).is_file():
+        iteration = iteration_dir(ckpt_dir)
+    layout = iteration_layout(iteration) if iteration is not None else None
+    if layout is not None:
+        meta.update({k: layout[k] for k in LAYOUT_KEYS})
+    return meta
 
 
 def stop_token_ids(ckpt_dir: Path, tokenizer: Any) -> list[int]:
@@ -283,9 +303,9 @@ def iteration_dir(ckpt_dir: Path) -> Path:
     return Path(ckpt_dir) / ("release" if it == "release" else f"iter_{int(it):07d}")
 
 
-def _load_shard(ckpt_dir: Path, tp_rank: int, pp_rank: int, pp_size: int, mmap: bool = False
+def _load_shard(iteration: Path, tp_rank: int, pp_rank: int, pp_size: int, mmap: bool = False
                 ) -> dict[str, torch.Tensor]:
-    path = iteration_dir(ckpt_dir) / shard_dir_name(tp_rank, pp_rank, pp_size) / "model_optim_rng.pt"
+    path = iteration / shard_dir_name(tp_rank, pp_rank, pp_size) / "model_optim_rng.pt"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)["model"]
@@ -298,9 +318,16 @@ class MegatronCheckpointReader(Mapping[str, torch.Tensor]):
     layer), memory-mapped with ``mmap``: reading a large checkpoint in order never holds it whole in
     memory (the export to HF, checkpoint/convert.py)."""
 
-    def __init__(self, ckpt_dir: Path, mmap: bool = True) -> None:
+    def __init__(self, ckpt_dir: Path, mmap: bool = True, iteration: Optional[Path] = None,
+                 shards: Optional[Callable[[int, int], Mapping[str, torch.Tensor]]] = None) -> None:
+        """``iteration``: the iteration to read (default: the tracker's); ``shards(tp_rank, stage)``: the
+        tensors of one saved rank under their local names, in place of its weights (the optimizer state
+        of a training checkpoint, checkpoint/train_state.py)."""
         self.ckpt_dir, self.mmap = Path(ckpt_dir), mmap
-        self.meta = read_checkpoint_config(self.ckpt_dir)
+        self.meta = read_checkpoint_config(self.ckpt_dir, iteration)
+        self.iteration = Path(iteration) if iteration is not None else iteration_dir(self.ckpt_dir)
+        self._read = shards or (lambda tp_rank, stage: _load_shard(self.iteration, tp_rank, stage, self.pp,
+                                                                     self.mmap))
         self.model = ModelConfig.from_dict(self.meta["model"])
         self.tp, self.pp = self.meta["tensor_model_parallel_size"], self.meta["pipeline_model_parallel_size"]
         self._shapes = expected_full_shapes(self.model)
@@ -337,7 +364,7 @@ class MegatronCheckpointReader(Mapping[str, torch.Tensor]):
         stage, local, key = self._where[name]
         if stage != self._stage:
             self._shards = []  # (the previous stage's mappings go once their tensors do)
-            self._shards = [_load_shard(self.ckpt_dir, t, stage, self.pp, self.mmap) for t in range(self.tp)]
+            self._shards = [self._read(t, stage) for t in range(self.tp)]
             self._stage = stage
             held = sorted({int(m.group(1)) for k in self._shards[0] if (m := _LAYER.match(k))})
             if held != list(range(self._split[stage])):
@@ -375,7 +402,7 @@ def load_local_state_dict(ckpt_dir: Path, model: ModelConfig, tp_size: int, tp_r
         return None
     if model.padded_vocab_size(tp_size) != ModelConfig.from_dict(meta["model"]).padded_vocab_size(tp_size):
         return None
-    return _load_shard(ckpt_dir, tp_rank, pp_rank, pp_size)
+    return _load_shard(iteration_dir(ckpt_dir), tp_rank, pp_rank, pp_size)
 
 
 def load_policy(ckpt_dir: Path, ctx: Any, params_dtype: Optional[str] = None, num_heads: int = 0,

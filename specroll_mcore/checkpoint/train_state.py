@@ -9,6 +9,7 @@ Layout (a Megatron-LM checkpoint directory, so `specroll convert mcore-to-hf` re
     OUT/iter_000000N/mp_rank_TT[_PPP]/optim_epE.pt  optimizer state of expert-parallel rank E > 0 (its
                                                     experts' AdamW state; the model shard holds every expert)
     OUT/iter_000000N/trainer_state.json             step, data position, policy version, counters
+    OUT/iter_000000N/layout.json                    the parallel layout it was saved in
     OUT/iter_000000N/heads.pt                       unsharded heads + what they are tied to
     OUT/iter_000000N/engine_state_dpR.pt            SpecRoll engine: slow-path records, monitor, time
                                                     accounts, tree-size calibration (per DP replica)
@@ -17,6 +18,14 @@ Every rank writes its files into ``OUT/.iter_000000N.tmp``; after a barrier rank
 renames it into place, then replaces the tracker file (temp file + rename) and removes iterations
 beyond ``keep_last``. A kill at any moment leaves either the previous complete checkpoint or the
 new one, never a partial directory that the tracker points at.
+
+A run resumes at the layout it was saved in by loading each rank's files as they are. At another
+layout (TP, PP and its split of the layers, DP with the optimizer states sharded, sharded or not) the
+weights and AdamW's states are gathered into their full form from the saved shards, parameter by
+parameter (the optimizer's state dict names them), and split for the new layout, as a converted
+checkpoint is; every data-parallel replica that had a SpecRoll engine state gets its own back, a new
+one starts without. Not under expert parallelism (its experts' states are kept per expert-parallel
+rank): such a run resumes at its own layout.
 """
 
 from __future__ import annotations
@@ -29,8 +38,11 @@ from typing import Any, Optional
 
 import torch
 
-from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, TRACKER_FILE, _fsync_tree,
-                                                iteration_dir, shard_dir_name, write_text_atomic)
+from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, LAYOUT_FILE, TRACKER_FILE,
+                                                MegatronCheckpointReader, _fsync_tree, iteration_dir,
+                                                iteration_layout, shard_dir_name, write_text_atomic)
+from specroll_mcore.checkpoint.shard import local_state_dict
+from specroll_mcore.optimizer import MAIN_NAMES, MAIN_PARAMS, STATE_NAMES
 
 STATE_FILE = "trainer_state.json"
 ENGINE_STATE_FILE = "engine_state_dp{dp}.pt"
@@ -41,6 +53,35 @@ OLD_ENGINE_STATE_FILE = "slow_path_dp{dp}.pt"  # checkpoints written before the 
 
 def _iter_name(step: int) -> str:
     return f"iter_{step:07d}"
+
+
+def training_layout(policy: Any, optimizer: Any) -> dict[str, Any]:
+    """What a training checkpoint records of the layout it was saved in (LAYOUT_FILE)."""
+    ctx = policy.ctx
+    return {"tensor_model_parallel_size": ctx.tp_size, "pipeline_model_parallel_size": ctx.pp_size,
+            "pipeline_stage_layers": ctx.stage_layers(policy.config.num_layers), "data_parallel_size": ctx.dp_size,
+            "expert_model_parallel_size": ctx.ep_size, "shard_optimizer": getattr(optimizer, "shard", None) is not None,
+            "named_optimizer_state": getattr(optimizer, "names", None) is not None}
+
+
+def layout_changes(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """How ``here`` differs from the layout ``saved`` in what a resume must load differently (the data-
+    parallel size only where the optimizer states are split over it)."""
+    keys = ["tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_stage_layers",
+            "expert_model_parallel_size", "shard_optimizer"]
+    if saved["shard_optimizer"] or here["shard_optimizer"]:
+        keys.append("data_parallel_size")
+    return [f"{k} {saved[k]} -> {here[k]}" for k in keys if saved[k] != here[k]]
+
+
+def reshard_refusal(saved: dict[str, Any], here: dict[str, Any]) -> Optional[str]:
+    """Why a training state saved in layout ``saved`` cannot be resharded for ``here`` (None: it can)."""
+    if saved["expert_model_parallel_size"] > 1 or here["expert_model_parallel_size"] > 1:
+        return ("under expert parallelism each expert-parallel rank keeps its experts' optimizer state; resume "
+                "with the layout the checkpoint was saved with")
+    if not saved["named_optimizer_state"] or not here["named_optimizer_state"]:
+        return "its optimizer state does not name its parameters; resume with the layout it was saved with"
+    return None
 
 
 def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: Any,
@@ -83,6 +124,7 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
         torch.save(engine_state, tmp / ENGINE_STATE_FILE.format(dp=ctx.dp_rank))
     if ctx.rank == 0:
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+        (tmp / LAYOUT_FILE).write_text(json.dumps(training_layout(policy, optimizer), indent=2))
     ctx.barrier()
     final = out_dir / _iter_name(step)
     if ctx.rank == 0:
@@ -109,7 +151,30 @@ def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: Any
                              ) -> tuple[dict[str, Any], Optional[dict[str, torch.Tensor]], dict[str, Any],
                                         Optional[dict[str, Any]]]:
     """Restore this rank's model shard, optimizer and RNG; returns (trainer state, heads, heads meta,
-    SpecRoll engine state or None). The run must use the layout it was saved with."""
+    SpecRoll engine state or None). A checkpoint saved at another layout is resharded (see the module's
+    docstring)."""
+    ctx = policy.ctx
+    saved = iteration_layout(iter_dir)
+    if saved is not None and layout_changes(saved, training_layout(policy, optimizer)):
+        _load_resharded(iter_dir, saved, policy, optimizer)
+    else:
+        _load_own_shard(iter_dir, policy, optimizer)
+    state = json.loads((iter_dir / STATE_FILE).read_text())
+    heads, meta = None, {}
+    if (iter_dir / HEADS_FILE).is_file():
+        h = torch.load(iter_dir / HEADS_FILE, map_location="cpu", weights_only=True)
+        heads, meta = h["heads"], h["meta"]
+    engine = None
+    if ctx.is_last_stage:
+        for name in (ENGINE_STATE_FILE, OLD_ENGINE_STATE_FILE):
+            if (iter_dir / name.format(dp=ctx.dp_rank)).is_file():
+                engine = torch.load(iter_dir / name.format(dp=ctx.dp_rank), map_location="cpu", weights_only=False)
+                break
+    return state, heads, meta, engine
+
+
+def _load_own_shard(iter_dir: Path, policy: Any, optimizer: Any) -> None:
+    """This rank's files, saved in this layout."""
     ctx = policy.ctx
     path = iter_dir / shard_dir_name(ctx.tp_rank, ctx.pp_rank, ctx.pp_size) / "model_optim_rng.pt"
     if not path.is_file():
@@ -133,15 +198,69 @@ def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: Any
         optim = torch.load(shard, map_location="cpu", weights_only=False)["optimizer"]
     optimizer.load_state_dict(optim)
     torch.set_rng_state(blob["rng"])
-    state = json.loads((iter_dir / STATE_FILE).read_text())
-    heads, meta = None, {}
-    if (iter_dir / HEADS_FILE).is_file():
-        h = torch.load(iter_dir / HEADS_FILE, map_location="cpu", weights_only=True)
-        heads, meta = h["heads"], h["meta"]
-    engine = None
-    if ctx.is_last_stage:
-        for name in (ENGINE_STATE_FILE, OLD_ENGINE_STATE_FILE):
-            if (iter_dir / name.format(dp=ctx.dp_rank)).is_file():
-                engine = torch.load(iter_dir / name.format(dp=ctx.dp_rank), map_location="cpu", weights_only=False)
-                break
-    return state, heads, meta, engine
+
+
+class _SavedOptimizer:
+    """The AdamW states of a checkpoint's saved ranks by parameter: ``part(tp_rank, stage, field)`` is
+    one saved rank's ``exp_avg``, ``exp_avg_sq`` or float32 ``main`` copies under the parameters'
+    local names, over every data-parallel replica's shard of them (files memory-mapped)."""
+
+    def __init__(self, iter_dir: Path, saved: dict[str, Any]) -> None:
+        self.iter_dir, self.saved = iter_dir, saved
+        self._blobs: dict[tuple[int, int], list[dict[str, Any]]] = {}
+
+    def _states(self, tp_rank: int, stage: int) -> list[dict[str, Any]]:
+        if (tp_rank, stage) not in self._blobs:
+            d = self.iter_dir / shard_dir_name(tp_rank, stage, self.saved["pipeline_model_parallel_size"])
+            files = [d / "model_optim_rng.pt"]
+            if self.saved["shard_optimizer"]:
+                files += [d / OPTIMIZER_SHARD_FILE.format(dp=r) for r in range(1, self.saved["data_parallel_size"])]
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(f"{f} is missing; the checkpoint is incomplete")
+            self._blobs[tp_rank, stage] = [torch.load(f, map_location="cpu", weights_only=False, mmap=True)["optimizer"]
+                                           for f in files]
+        return self._blobs[tp_rank, stage]
+
+    def part(self, tp_rank: int, stage: int, field: str) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for optim in self._states(tp_rank, stage):
+            if field == "main":
+                out.update(zip(optim[MAIN_NAMES], optim[MAIN_PARAMS]))
+            else:
+                out.update((name, optim["state"][i][field]) for i, name in enumerate(optim[STATE_NAMES]))
+        return out
+
+    def steps(self) -> Optional[float]:
+        """AdamW's step count (one for every parameter: each takes every step); None: no step yet."""
+        counts = {float(s["step"]) for optim in self._states(0, 0) for s in optim["state"].values()}
+        if len(counts) > 1:
+            raise ValueError(f"{self.iter_dir}: the parameters' AdamW step counts differ ({sorted(counts)})")
+        return counts.pop() if counts else None
+
+    def has_main(self) -> bool:
+        return any(MAIN_PARAMS in optim for optim in self._states(0, 0))
+
+
+def _load_resharded(iter_dir: Path, saved: dict[str, Any], policy: Any, optimizer: Any) -> None:
+    """Weights and optimizer state saved at layout ``saved``, gathered into their full form and split for
+    this rank's (local_state_dict, as a converted checkpoint's weights)."""
+    ctx, model = policy.ctx, policy.config
+    why = reshard_refusal(saved, training_layout(policy, optimizer))
+    if why is not None:
+        raise ValueError(f"{iter_dir} was saved in another parallel layout: {why}")
+    out = iter_dir.parent
+    here = (ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank, ctx.stage_layers(model.num_layers))
+    policy.load_local_state_dict(local_state_dict(MegatronCheckpointReader(out, iteration=iter_dir), model, *here))
+    states = _SavedOptimizer(iter_dir, saved)
+
+    def field(name: str) -> dict[str, torch.Tensor]:
+        full = MegatronCheckpointReader(out, iteration=iter_dir, shards=lambda t, s: states.part(t, s, name))
+        return local_state_dict(full, model, *here)
+
+    steps = states.steps()
+    if steps is not None:  # (a checkpoint whose every step was skipped has no state to load)
+        optimizer.load_named_state({k: field(k) for k in ("exp_avg", "exp_avg_sq")}, steps,
+                                   field("main") if states.has_main() else None)
+    rng = iter_dir / shard_dir_name(0, 0, saved["pipeline_model_parallel_size"]) / "model_optim_rng.pt"
+    torch.set_rng_state(torch.load(rng, map_location="cpu", weights_only=False, mmap=True)["rng"])

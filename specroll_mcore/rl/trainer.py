@@ -31,10 +31,11 @@ import torch
 from specroll_mcore import parallel
 from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
 from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
-from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, load_policy, model_config_of, read_checkpoint_config,
-                                                stage_layers_of, stop_token_ids, write_text_atomic)
-from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, load_training_checkpoint,
-                                                   save_training_checkpoint)
+from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, iteration_layout, load_policy, model_config_of,
+                                                read_checkpoint_config, stage_layers_of, stop_token_ids,
+                                                write_text_atomic)
+from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, layout_changes, load_training_checkpoint,
+                                                   reshard_refusal, save_training_checkpoint, training_layout)
 from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW
@@ -101,7 +102,7 @@ class GRPOTrainer:
                                  tokenizer=self.tokenizer, pipeline_groups=groups)
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer,
                                      pipeline_groups=groups) if cfg.compare_vanilla_every else None
-        params = [p for p in self.policy.gpt.parameters() if p.requires_grad]
+        names, params = zip(*[(n, p) for n, p in self.policy.gpt.named_parameters() if p.requires_grad])
         adamw = dict(no_weight_decay=lambda p: p.ndim < 2, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                      weight_decay=cfg.weight_decay)
         if cfg.shard_optimizer and self.ctx.ep_size > 1:  # experts' state over the ranks holding them alike
@@ -110,7 +111,7 @@ class GRPOTrainer:
                                                    self.ctx.dp_group, self.ctx.expert_dp_group, **adamw)
         else:
             self.optimizer = MainParamAdamW(params, shard_group=self.ctx.dp_group if cfg.shard_optimizer else None,
-                                            **adamw)
+                                            names=names, **adamw)
         # the frozen reference for the KL term: this stage's weights as loaded (a resumed run too)
         self.ref_state = {k: p.detach().clone() for k, p in self.policy.gpt.named_parameters()} \
             if cfg.kl_beta > 0 else None
@@ -139,9 +140,7 @@ class GRPOTrainer:
             meta = read_checkpoint_config(self.out)
             saved = {k: meta.get(k) for k in layout}
             saved["pipeline_stage_layers"] = stage_layers_of(meta, self.policy.config)  # (older runs: even)
-            if saved != layout:
-                raise ValueError(f"{self.out} was trained with the layout {saved}, this run has {layout}: resume "
-                                 "with the parallel config the checkpoint was saved with (ParallelConfig)")
+            self._check_layout(saved, layout)
             # a longer run or another lr is legitimate, but never silent: the exact continuation needs the same
             # seed, data and sampling settings
             changed = changed_settings(meta.get("train_config") or {}, settings)
@@ -160,6 +159,26 @@ class GRPOTrainer:
                 if (self.source / name).is_file():
                     shutil.copy2(self.source / name, self.out / name)
         self.ctx.barrier()
+
+    def _check_layout(self, saved: dict[str, Any], layout: dict[str, Any]) -> None:
+        """A resume at another layout reshards the latest checkpoint (checkpoint/train_state.py), one of
+        a run that records its layout and names its optimizer state; anything else is refused here,
+        before this run's layout is written over the saved one."""
+        iteration = latest_training_checkpoint(self.out)
+        recorded = iteration_layout(iteration)
+        here = training_layout(self.policy, self.optimizer)
+        changes = layout_changes(recorded, here) if recorded is not None else (
+            [f"{k} {saved[k]} -> {layout[k]}" for k in layout if saved[k] != layout[k]])
+        if not changes:
+            return
+        why = reshard_refusal(recorded, here) if recorded is not None else (
+            "it was written before checkpoints recorded their layout; resume with the parallel config it was "
+            "saved with (ParallelConfig)")
+        if why is not None:
+            raise ValueError(f"{self.out} was trained in another parallel layout ({'; '.join(changes)}): {why}")
+        if self.ctx.rank == 0:
+            print(f"resuming {self.out} in another parallel layout ({'; '.join(changes)}): its weights and optimizer "
+                  "state are resharded")
 
     def _resume(self) -> None:
         latest = latest_training_checkpoint(self.out)

@@ -227,12 +227,15 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
     """DP=2 with AdamW's states split over the replicas (ZeRO-1): two steps give the weights of the
     replicated optimizer, each replica saves a disjoint part of the states, and a run resumed from
     the step-1 checkpoint (each replica loading its own part) ends with the same weights. With weight
-    decay: AdamW's two parameter groups (matrices, and the 1-D parameters that take none) sharded."""
+    decay: AdamW's two parameter groups (matrices, and the 1-D parameters that take none) sharded. A
+    replicated checkpoint resumes sharded and a sharded one replicated (each replica's part of the
+    states gathered by name): a third step gives the uninterrupted replicated run's weights."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     two = ["--set=steps=2", "--set=weight_decay=0.1"]
     sharded = ["--set=shard_optimizer=true", "--set=save_every=1", "--set=keep_last=2"]
     run_jobs(ckpt, 2, (tmp_path / "replicated", 1, 1, *two), (tmp_path / "sharded", 1, 1, *two, *sharded),
-             (tmp_path / "resumed", 1, 1, "--set=steps=1", "--set=weight_decay=0.1", *sharded))
+             (tmp_path / "resumed", 1, 1, "--set=steps=1", "--set=weight_decay=0.1", *sharded),
+             (tmp_path / "three", 1, 1, "--set=steps=3", "--set=weight_decay=0.1"))
     run(ckpt, tmp_path / "resumed", 1, 1, 2, *two, *sharded, "--set=resume=true")  # (in fresh processes)
     ref = load_full_state_dict(tmp_path / "replicated")
     start = load_full_state_dict(ckpt)
@@ -247,16 +250,16 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
     assert [p["zero_shard"] for p in parts] == [[0, 2], [1, 2]]
     counts = [len(p["state"]) for p in parts]
     assert min(counts) > 0 and sum(counts) == len([k for k in ref if not k.endswith("_extra_state")]), counts
-    # a replicated checkpoint does not resume sharded (replica 1 has no part of its own to load)
-    proc = launch(ckpt, tmp_path / "replicated", 1, 1, 2, "--set=steps=3", "--set=weight_decay=0.1", *sharded,
-                  "--set=resume=true")
-    assert proc.returncode != 0 and "optim_dp1.pt is missing: resume with the TrainConfig.shard_optimizer" in (
-        proc.stdout + proc.stderr)
-    # nor a sharded one replicated
-    proc = launch(ckpt, tmp_path / "sharded", 1, 1, 2, "--set=steps=3", "--set=weight_decay=0.1", "--set=resume=true")
-    assert proc.returncode != 0 and ("the checkpoint's optimizer state is shard 0 of 2 data-parallel replicas, this "
-                                     "run's is unsharded: resume with the TrainConfig.shard_optimizer") in (
-        proc.stdout + proc.stderr)
+    # a replicated checkpoint resumes sharded, a sharded one replicated
+    run_jobs(ckpt, 2, (tmp_path / "replicated", 1, 1, "--set=steps=3", "--set=weight_decay=0.1", *sharded,
+                       "--set=resume=true"),
+             (tmp_path / "sharded", 1, 1, "--set=steps=3", "--set=weight_decay=0.1", "--set=resume=true"))
+    three = load_full_state_dict(tmp_path / "three")
+    assert max((three[k] - ref[k]).abs().max().item() for k in ref) > 1e-4
+    for name in ("replicated", "sharded"):
+        w = load_full_state_dict(tmp_path / name)
+        diff = max((w[k] - three[k]).abs().max().item() for k in three)
+        assert diff < 1e-6, (name, diff)
 
 
 def test_bfloat16_policy_pp2_equals_pp1(tmp_path):
@@ -356,3 +359,72 @@ def test_a_sigterm_on_one_rank_ends_every_rank_after_the_same_step(tmp_path):
     rows = run(ckpt, out, 1, 1, 2, "--set=steps=4", "--set=save_every=100", "--sigterm-after-step=2")
     assert [r["step"] for r in rows] == [1, 2]
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_a_run_resumed_in_other_layouts_continues_the_uninterrupted_one(tmp_path):
+    """A run saved at TP=2 resumes at PP=2, then at DP=2 with the optimizer states sharded, then on one
+    process: four steps of it give the four steps of one uninterrupted TP=1 run (rollouts, rewards,
+    loss, gradient norm; weights at 1e-4). Each resume reshards the weights and AdamW's states by
+    parameter name; a resume that lost the states would restart Adam's moments, whose first update
+    (lr x sign) moves the weights by ~lr = 1e-3 against the continued run. A directory whose config
+    file was given a new layout by a resume killed before its first checkpoint still reads in the
+    layout of its latest iteration; an iteration that records no layout is refused at another one."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
+    common = ["--set=weight_decay=0.1", "--set=save_every=1", "--set=keep_last=4"]
+    ref = run_here(ckpt, tmp_path / "tp1", "--set=steps=4", *common)
+    out = tmp_path / "moved"
+    run_jobs(ckpt, 2, (out, 2, 1, "--set=steps=1", *common),
+             (out, 1, 2, "--set=steps=2", "--set=resume=true", *common))
+    run(ckpt, out, 1, 1, 2, "--set=steps=3", "--set=resume=true", "--set=shard_optimizer=true", *common)
+    # (the layout a resume at TP=1 writes before its first checkpoint: the DP=2 iteration is still read right)
+    config = json.loads((out / "specroll_config.json").read_text())
+    (out / "specroll_config.json").write_text(json.dumps({**config, "tensor_model_parallel_size": 2}))
+    saved = json.loads((out / "iter_0000003" / "layout.json").read_text())
+    assert (saved["data_parallel_size"], saved["shard_optimizer"]) == (2, True)
+    at3 = load_full_state_dict(out)
+    got = run_here(ckpt, out, "--set=steps=4", "--set=resume=true", *common)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(ref, got):
+        for k in ("reward_mean", "response_len"):
+            assert a[k] == b[k], (a["step"], k)
+        for k in ("loss", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(out)
+    diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
+    print(f"four steps over TP=2, PP=2, DP=2 (sharded) and one process: max |weight diff| = {diff:.2e}")
+    assert diff < 1e-4
+    assert max((w[k] - at3[k]).abs().max().item() for k in w) > 1e-4  # (step 4 moved them)
+    # an iteration written before checkpoints recorded their layout resumes only in its own
+    (tmp_path / "tp1" / "iter_0000004" / "layout.json").unlink()
+    proc = launch(ckpt, tmp_path / "tp1", 2, 1, 2, "--set=steps=5", "--set=resume=true", *common)
+    assert proc.returncode != 0 and "was trained in another parallel layout (tensor_model_parallel_size 1 -> 2)" in (
+        proc.stdout + proc.stderr) and "written before checkpoints recorded their layout" in proc.stdout + proc.stderr
+
+
+def test_a_bfloat16_run_resumed_in_another_layout_keeps_its_float32_main_weights(tmp_path):
+    """A bfloat16 policy's float32 main copies, saved as TP=2 shards, come back whole at TP=1: each
+    rounds to the weight loaded from the same checkpoint, and carries the bits below bfloat16's (were
+    they lost, the run would continue from the rounding). Its AdamW moments come back too (a step's
+    worth of gradient, nonzero)."""
+    from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
+    from specroll_mcore.config import TrainConfig, load_config
+    from specroll_mcore.rl.trainer import GRPOTrainer
+
+    tiny_policy_checkpoint(tmp_path, with_heads=False)
+    ckpt = convert_hf_to_mcore(tmp_path / "hf", tmp_path / "bf16", params_dtype="bfloat16")
+    run(ckpt, tmp_path / "tp2", 2, 1, 2, "--set=steps=1")
+    weights = load_full_state_dict(tmp_path / "tp2")
+    trainer = GRPOTrainer(load_config(TrainConfig, None, grpo_worker.overrides(ckpt, tmp_path / "tp2", 1, 1)
+                                      + ["resume=true"]))
+    opt = trainer.optimizer
+    named = dict(trainer.policy.gpt.named_parameters())
+    main = {n: m for n, p, m in zip(opt.names, opt.params, opt.main) if m is not p}
+    assert set(main) == set(named) and all(p.dtype == torch.bfloat16 for p in named.values())
+    for name, m in main.items():
+        full = "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
+        assert torch.equal(m.bfloat16(), named[name].detach()), name
+        assert torch.equal(named[name].detach(), weights[full]), name
+        if m.numel() > 64:
+            assert (m != named[name].detach().float()).float().mean() > 0.5, name
+        state = opt.optimizer.state[m]
+        assert float(state["step"]) == 1 and (state["exp_avg"] != 0).any(), name

@@ -289,3 +289,25 @@ def test_missing_local_dataset_names_the_field(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no .json/.jsonl/.parquet files under"):
         load_examples(str(tmp_path / "empty"))
+
+
+def test_which_layout_changes_a_resume_reshards_and_which_it_refuses():
+    """A resume at another layout reshards the training state, but for expert parallelism (each
+    expert-parallel rank keeps its experts' optimizer state) and a state that does not name its
+    parameters; the data-parallel size matters only where the optimizer's states are split over it."""
+    from specroll_mcore.checkpoint.train_state import layout_changes, reshard_refusal
+
+    saved = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "pipeline_stage_layers": [4],
+             "data_parallel_size": 1, "expert_model_parallel_size": 1, "shard_optimizer": False,
+             "named_optimizer_state": True}
+    assert layout_changes(saved, {**saved, "data_parallel_size": 4}) == []
+    assert layout_changes(saved, {**saved, "data_parallel_size": 4, "shard_optimizer": True}) == [
+        "shard_optimizer False -> True", "data_parallel_size 1 -> 4"]
+    assert layout_changes(saved, {**saved, "tensor_model_parallel_size": 1}) == ["tensor_model_parallel_size 2 -> 1"]
+    assert reshard_refusal(saved, {**saved, "tensor_model_parallel_size": 1}) is None
+    for side in ("saved", "here"):
+        ep = {**saved, "expert_model_parallel_size": 2}
+        why = reshard_refusal(ep, saved) if side == "saved" else reshard_refusal(saved, ep)
+        assert "under expert parallelism each expert-parallel rank keeps its experts' optimizer state" in why
+    why = reshard_refusal({**saved, "named_optimizer_state": False}, saved)
+    assert "its optimizer state does not name its parameters; resume with the layout it was saved with" in why

@@ -166,3 +166,52 @@ def test_expert_split_optimizer_steps_both_parts_and_checks_what_it_resumes():
     assert torch.equal(resumed.parts["experts"].main[0], opt.parts["experts"].main[0])
     with pytest.raises(ValueError, match="was not saved with expert parallelism and a sharded optimizer"):
         resumed.load_state_dict(ref_opt.state_dict())
+
+
+def test_a_state_loaded_by_name_continues_as_the_saved_one():
+    """The state dict names each state's parameter (decayed and undecayed groups hold them in another
+    order than the parameters); the states loaded by name, into an optimizer over the same parameters
+    listed in another order, continue bit for bit as the saved optimizer does; so do float32 parameters
+    beside bfloat16 ones (no main copy)."""
+    def params():
+        return [bf16_param(64, 0), torch.nn.Parameter(torch.zeros(8).bfloat16()),
+                torch.nn.Parameter(bf16_param(32, 2).detach().float())]
+
+    names = ["a.weight", "norm.weight", "b.weight"]
+    coeffs = [torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + i)) for i, p in enumerate(params())]
+    one_d = dict(no_weight_decay=lambda p: p.shape[0] == 8, **ADAMW)  # (the 'norm')
+
+    def steps(opt, ps, order, n):
+        for _ in range(n):
+            opt.zero_grad()
+            for i, p in zip(order, ps):
+                backward(p, coeffs[i])
+            opt.step()
+
+    ps = params()
+    opt = MainParamAdamW(ps, names=names, **one_d)
+    steps(opt, ps, [0, 1, 2], 3)
+    state = copy.deepcopy(opt.state_dict())  # (its tensors are the optimizer's own)
+    assert state["state_names"] == ["a.weight", "b.weight", "norm.weight"]  # (the undecayed group last)
+    assert state["main_names"] == ["a.weight", "norm.weight"]
+    by_name = {k: {n: state["state"][i][k] for i, n in enumerate(state["state_names"])}
+               for k in ("exp_avg", "exp_avg_sq")}
+    main = dict(zip(state["main_names"], state["main_params"]))
+    saved = [p.detach().clone() for p in ps]
+    steps(opt, ps, [0, 1, 2], 2)
+
+    order = [2, 0, 1]
+    qs = [torch.nn.Parameter(saved[i].clone()) for i in order]
+    other = MainParamAdamW(qs, names=[names[i] for i in order], **one_d)
+    other.load_named_state(by_name, 3, main)
+    steps(other, qs, order, 2)
+    for q, i in zip(qs, order):
+        assert torch.equal(q.detach(), ps[i].detach()), names[i]
+    assert torch.equal(other.main[1], opt.main[0])  # a's float32 main copy
+    with pytest.raises(ValueError, match="without its parameters' names"):
+        MainParamAdamW(params(), **ADAMW).load_named_state(by_name, 3, main)
+    with pytest.raises(ValueError, match="3 names for 2 parameters"):
+        MainParamAdamW(params()[:2], names=names, **ADAMW)
+    short = {k: {n: t[:4] if n == "a.weight" else t for n, t in v.items()} for k, v in by_name.items()}
+    with pytest.raises(ValueError, match=r"a.weight: the optimizer state has shape \(4,\), the parameter \(64,\)"):
+        MainParamAdamW(params(), names=names, **ADAMW).load_named_state(short, 3, main)

@@ -611,17 +611,25 @@ def test_resume_names_the_settings_it_changes(tiny_ckpt, tmp_path, ctx, capsys):
     assert "run with changed settings: lr 0.001 -> 3e-06; sampling.seed 0 -> 7; steps 1 -> 5\n" in out, out
 
 
-def test_resume_refuses_another_layout(tiny_ckpt, tmp_path, ctx):
+def test_the_layout_of_a_resume_is_the_latest_iterations(tiny_ckpt, tmp_path, ctx):
+    """The run's config file records the layout of the run that wrote it last: a resume in a new
+    layout killed before its first checkpoint leaves the new one there, while the latest iteration is
+    in the old; the iteration's own record decides. An iteration that records none (saved before they
+    did) goes by the config file, and resumes only in that layout."""
     run_rows(tiny_ckpt, tmp_path / "run", "engine=vanilla", "steps=1")
     meta_file = tmp_path / "run" / "specroll_config.json"
     meta = json.loads(meta_file.read_text())
     assert meta["pipeline_stage_layers"] == [2]  # the tiny policy's two layers on one stage
     meta.update(pipeline_model_parallel_size=2, pipeline_stage_layers=[1, 1])  # as a run at PP=2
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"was trained with the layout .*'pipeline_stage_layers': \[1, 1\].* "
-                                         r"this run has .*'pipeline_stage_layers': \[2\]"):
-        GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla",
-                                                             "resume=true")))
+    resumed = overrides(tiny_ckpt, tmp_path / "run", "engine=vanilla", "resume=true")
+    assert GRPOTrainer(load_config(TrainConfig, None, resumed)).state["step"] == 1
+    meta_file.write_text(json.dumps(meta))
+    (tmp_path / "run" / "iter_0000001" / "layout.json").unlink()
+    with pytest.raises(ValueError, match=r"was trained in another parallel layout \(pipeline_model_parallel_size 2 -> 1; "
+                                         r"pipeline_stage_layers \[1, 1\] -> \[2\]\): it was written before "
+                                         r"checkpoints recorded their layout; resume with the parallel config"):
+        GRPOTrainer(load_config(TrainConfig, None, resumed))
 
 
 @pytest.mark.parametrize("name", ["specroll_config.json", "metrics.jsonl"])
