@@ -996,8 +996,8 @@ class TrainConfig:
     before each optimizer step (megatron's ``clip_grad``); 0: no clipping."""
     shard_optimizer: bool = False
     """Split AdamW's moment buffers over the data-parallel replicas (ZeRO stage 1; each replica
-    saves its shard, and a run resumes with the data-parallel size it was saved with). Under expert
-    parallelism the experts' over the replicas that hold the same experts."""
+    saves its shard; a run resumed at another data-parallel size, or with this switched, reshards the
+    states). Under expert parallelism the experts' over the replicas that hold the same experts."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2

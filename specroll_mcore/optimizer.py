@@ -223,10 +223,14 @@ class ExpertSplitAdamW:
 
     def __init__(self, dense: list[torch.nn.Parameter], experts: list[torch.nn.Parameter],
                  shard_group: Optional[dist.ProcessGroup], expert_shard_group: Optional[dist.ProcessGroup],
-                 no_weight_decay: Optional[Callable[[torch.nn.Parameter], bool]] = None, **adamw: Any) -> None:
-        self.parts = {"dense": MainParamAdamW(dense, shard_group, no_weight_decay, **adamw),
-                      "experts": MainParamAdamW(experts, expert_shard_group, no_weight_decay, **adamw)}
+                 no_weight_decay: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+                 names: Optional[Sequence[str]] = None, **adamw: Any) -> None:
+        """``names``: those of ``dense``, then those of ``experts`` (see :class:`MainParamAdamW`)."""
+        split = (names[:len(dense)], names[len(dense):]) if names is not None else (None, None)
+        self.parts = {"dense": MainParamAdamW(dense, shard_group, no_weight_decay, split[0], **adamw),
+                      "experts": MainParamAdamW(experts, expert_shard_group, no_weight_decay, split[1], **adamw)}
         self.shard = self.parts["dense"].shard
+        self.names = list(names) if names is not None else None
 
     def set_lr(self, lr: float) -> None:
         for part in self.parts.values():
@@ -254,3 +258,8 @@ class ExpertSplitAdamW:
                              "with")
         for name, part in self.parts.items():
             part.load_state_dict(state[name])
+
+    def load_named_state(self, moments: Mapping[str, Mapping[str, torch.Tensor]], step: float,
+                         main: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        for part in self.parts.values():
+            part.load_named_state(moments, step, main)

@@ -96,6 +96,15 @@ def expert_shard(local: Mapping[str, torch.Tensor], num_experts: int, ep_size: i
     return out
 
 
+def expert_global_name(name: str, num_experts: int, ep_size: int, ep_rank: int) -> str:
+    """The name a tensor of EP rank ``ep_rank`` has where every expert is held (its routed experts
+    numbered globally, as in checkpoints; any other name as it is)."""
+    m = _EXPERT.match(name)
+    if m is None or ep_size == 1:
+        return name
+    return f"{m.group(1)}{int(m.group(2)) + ep_rank * (num_experts // ep_size)}{m.group(3)}"
+
+
 def expert_unshard(parts: Sequence[Mapping[str, torch.Tensor]], num_experts: int) -> dict[str, torch.Tensor]:
     """Inverse of :func:`expert_shard`: each EP rank's experts (local numbers), rank order -> every
     expert under its global number."""

@@ -20,12 +20,11 @@ beyond ``keep_last``. A kill at any moment leaves either the previous complete c
 new one, never a partial directory that the tracker points at.
 
 A run resumes at the layout it was saved in by loading each rank's files as they are. At another
-layout (TP, PP and its split of the layers, DP with the optimizer states sharded, sharded or not) the
-weights and AdamW's states are gathered into their full form from the saved shards, parameter by
-parameter (the optimizer's state dict names them), and split for the new layout, as a converted
-checkpoint is; every data-parallel replica that had a SpecRoll engine state gets its own back, a new
-one starts without. Not under expert parallelism (its experts' states are kept per expert-parallel
-rank): such a run resumes at its own layout.
+layout (TP, PP and its split of the layers, EP, DP with the optimizer states sharded, sharded or not)
+the weights and AdamW's states are gathered into their full form from the saved shards, parameter by
+parameter (the optimizer's state dict names them, routed experts by their global number), and split
+for the new layout, as a converted checkpoint is; every data-parallel replica that had a SpecRoll
+engine state gets its own back, a new one starts without.
 """
 
 from __future__ import annotations
@@ -76,9 +75,6 @@ def layout_changes(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
 
 def reshard_refusal(saved: dict[str, Any], here: dict[str, Any]) -> Optional[str]:
     """Why a training state saved in layout ``saved`` cannot be resharded for ``here`` (None: it can)."""
-    if saved["expert_model_parallel_size"] > 1 or here["expert_model_parallel_size"] > 1:
-        return ("under expert parallelism each expert-parallel rank keeps its experts' optimizer state; resume "
-                "with the layout the checkpoint was saved with")
     if not saved["named_optimizer_state"] or not here["named_optimizer_state"]:
         return "its optimizer state does not name its parameters; resume with the layout it was saved with"
     return None
@@ -202,24 +198,32 @@ def _load_own_shard(iter_dir: Path, policy: Any, optimizer: Any) -> None:
 
 class _SavedOptimizer:
     """The AdamW states of a checkpoint's saved ranks by parameter: ``part(tp_rank, stage, field)`` is
-    one saved rank's ``exp_avg``, ``exp_avg_sq`` or float32 ``main`` copies under the parameters'
-    local names, over every data-parallel replica's shard of them (files memory-mapped)."""
+    one saved (TP rank, stage)'s ``exp_avg``, ``exp_avg_sq`` or float32 ``main`` copies under the
+    parameters' local names, over the files of every data-parallel replica and expert-parallel rank
+    that holds a part of them (memory-mapped)."""
 
     def __init__(self, iter_dir: Path, saved: dict[str, Any]) -> None:
         self.iter_dir, self.saved = iter_dir, saved
         self._blobs: dict[tuple[int, int], list[dict[str, Any]]] = {}
 
     def _states(self, tp_rank: int, stage: int) -> list[dict[str, Any]]:
+        """Each AdamW state dict of the (TP rank, stage): replica 0's, and each other replica's part of
+        a sharded state, or each other expert-parallel rank's (an ExpertSplitAdamW's two parts apart)."""
         if (tp_rank, stage) not in self._blobs:
             d = self.iter_dir / shard_dir_name(tp_rank, stage, self.saved["pipeline_model_parallel_size"])
+            dp, ep = self.saved["data_parallel_size"], self.saved["expert_model_parallel_size"]
             files = [d / "model_optim_rng.pt"]
             if self.saved["shard_optimizer"]:
-                files += [d / OPTIMIZER_SHARD_FILE.format(dp=r) for r in range(1, self.saved["data_parallel_size"])]
+                files += [d / OPTIMIZER_SHARD_FILE.format(dp=r) for r in range(1, dp)]
+            else:
+                files += [d / EXPERT_OPTIMIZER_FILE.format(ep=r) for r in range(1, ep)]
+            states = []
             for f in files:
                 if not f.is_file():
                     raise FileNotFoundError(f"{f} is missing; the checkpoint is incomplete")
-            self._blobs[tp_rank, stage] = [torch.load(f, map_location="cpu", weights_only=False, mmap=True)["optimizer"]
-                                           for f in files]
+                optim = torch.load(f, map_location="cpu", weights_only=False, mmap=True)["optimizer"]
+                states += [optim["dense"], optim["experts"]] if "dense" in optim else [optim]
+            self._blobs[tp_rank, stage] = states
         return self._blobs[tp_rank, stage]
 
     def part(self, tp_rank: int, stage: int, field: str) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ import torch
 
 from specroll_mcore import parallel
 from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
+from specroll_mcore.checkpoint.shard import expert_global_name
 from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, iteration_layout, load_policy, model_config_of,
                                                 read_checkpoint_config, stage_layers_of, stop_token_ids,
@@ -102,13 +103,18 @@ class GRPOTrainer:
                                  tokenizer=self.tokenizer, pipeline_groups=groups)
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer,
                                      pipeline_groups=groups) if cfg.compare_vanilla_every else None
-        names, params = zip(*[(n, p) for n, p in self.policy.gpt.named_parameters() if p.requires_grad])
+        # (named as checkpoints hold them: a run in another layout loads AdamW's states by these names)
+        names, params = zip(*[(expert_global_name(n, self.policy.config.num_experts, self.ctx.ep_size, self.ctx.ep_rank),
+                               p) for n, p in self.policy.gpt.named_parameters() if p.requires_grad])
         adamw = dict(no_weight_decay=lambda p: p.ndim < 2, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                      weight_decay=cfg.weight_decay)
         if cfg.shard_optimizer and self.ctx.ep_size > 1:  # experts' state over the ranks holding them alike
-            self.optimizer: Any = ExpertSplitAdamW([p for p in params if not parallel.expert_parallel(p)],
-                                                   [p for p in params if parallel.expert_parallel(p)],
-                                                   self.ctx.dp_group, self.ctx.expert_dp_group, **adamw)
+            split = [parallel.expert_parallel(p) for p in params]
+            self.optimizer: Any = ExpertSplitAdamW([p for p, e in zip(params, split) if not e],
+                                                   [p for p, e in zip(params, split) if e],
+                                                   self.ctx.dp_group, self.ctx.expert_dp_group,
+                                                   names=[n for n, e in zip(names, split) if not e]
+                                                   + [n for n, e in zip(names, split) if e], **adamw)
         else:
             self.optimizer = MainParamAdamW(params, shard_group=self.ctx.dp_group if cfg.shard_optimizer else None,
                                             names=names, **adamw)
