@@ -186,13 +186,13 @@ class MainParamAdamW:
                     p.copy_(m)
         self._local().load_state_dict(state)
 
-    def load_named_state(self, moments: Mapping[str, Mapping[str, torch.Tensor]], step: float,
+    def load_named_state(self, moments: Mapping[str, Mapping[str, torch.Tensor]], steps: Mapping[str, float],
                          main: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         """Load a state given by parameter name, in this optimizer's layout: ``moments`` AdamW's
-        ``exp_avg`` and ``exp_avg_sq`` (each a name -> tensor mapping), ``step`` the steps taken,
-        ``main`` the float32 main copies of the bfloat16 parameters (None: rounded up from the
-        parameters). A state saved at another TP/PP/DP layout, resharded for this one
-        (checkpoint/train_state.py)."""
+        ``exp_avg`` and ``exp_avg_sq`` (each a name -> tensor mapping), ``steps`` each parameter's
+        step count (a parameter not in it keeps no state, as one that never took a step), ``main`` the
+        float32 main copies of the bfloat16 parameters (None: rounded up from the parameters). A state
+        saved at another TP/PP/DP/EP layout, resharded for this one (checkpoint/train_state.py)."""
         if self.names is None:
             raise ValueError("this optimizer was built without its parameters' names")
         with torch.no_grad():
@@ -205,11 +205,13 @@ class MainParamAdamW:
         indices = [i for group in state["param_groups"] for i in group["params"]]
         for index, i in zip(indices, self._state_order()):
             name, m = self.names[i], self.main[i]
+            if name not in steps:
+                continue
             got = {k: moments[k][name] for k in ("exp_avg", "exp_avg_sq")}
             if any(t.shape != m.shape for t in got.values()):
                 raise ValueError(f"{name}: the optimizer state has shape {tuple(got['exp_avg'].shape)}, the "
                                  f"parameter {tuple(m.shape)}")
-            state["state"][index] = {"step": torch.tensor(float(step)),
+            state["state"][index] = {"step": torch.tensor(float(steps[name])),
                                      **{k: t.to(m.dtype).clone() for k, t in got.items()}}
         local.load_state_dict(state)
 
@@ -259,7 +261,7 @@ class ExpertSplitAdamW:
         for name, part in self.parts.items():
             part.load_state_dict(state[name])
 
-    def load_named_state(self, moments: Mapping[str, Mapping[str, torch.Tensor]], step: float,
+    def load_named_state(self, moments: Mapping[str, Mapping[str, torch.Tensor]], steps: Mapping[str, float],
                          main: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         for part in self.parts.values():
-            part.load_named_state(moments, step, main)
+            part.load_named_state(moments, steps, main)

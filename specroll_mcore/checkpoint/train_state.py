@@ -40,7 +40,7 @@ import torch
 from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, LAYOUT_FILE, TRACKER_FILE,
                                                 MegatronCheckpointReader, _fsync_tree, iteration_dir,
                                                 iteration_layout, shard_dir_name, write_text_atomic)
-from specroll_mcore.checkpoint.shard import local_state_dict
+from specroll_mcore.checkpoint.shard import _LAYER, local_state_dict
 from specroll_mcore.optimizer import MAIN_NAMES, MAIN_PARAMS, STATE_NAMES
 
 STATE_FILE = "trainer_state.json"
@@ -196,19 +196,29 @@ def _load_own_shard(iter_dir: Path, policy: Any, optimizer: Any) -> None:
     torch.set_rng_state(blob["rng"])
 
 
+def _full_name(local: str, stage_start: int, model: Any) -> str:
+    """A stage's parameter name in the full form (global layer numbers; the last stage's copy of a
+    tied embedding is the embedding)."""
+    m = _LAYER.match(local)
+    if m:
+        return f"decoder.layers.{int(m.group(1)) + stage_start}.{m.group(2)}"
+    return "embedding.word_embeddings.weight" if local == "output_layer.weight" and model.tie_word_embeddings else local
+
+
 class _SavedOptimizer:
     """The AdamW states of a checkpoint's saved ranks by parameter: ``part(tp_rank, stage, field)`` is
     one saved (TP rank, stage)'s ``exp_avg``, ``exp_avg_sq`` or float32 ``main`` copies under the
     parameters' local names, over the files of every data-parallel replica and expert-parallel rank
-    that holds a part of them (memory-mapped)."""
+    that holds a part of them (memory-mapped); ``steps`` each parameter's AdamW step count."""
 
-    def __init__(self, iter_dir: Path, saved: dict[str, Any]) -> None:
-        self.iter_dir, self.saved = iter_dir, saved
-        self._blobs: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    def __init__(self, iter_dir: Path, saved: dict[str, Any], model: Any) -> None:
+        self.iter_dir, self.saved, self.model = iter_dir, saved, model
+        self._blobs: dict[tuple[int, int], tuple[dict[str, torch.Tensor], list[dict[str, Any]]]] = {}
 
-    def _states(self, tp_rank: int, stage: int) -> list[dict[str, Any]]:
-        """Each AdamW state dict of the (TP rank, stage): replica 0's, and each other replica's part of
-        a sharded state, or each other expert-parallel rank's (an ExpertSplitAdamW's two parts apart)."""
+    def _states(self, tp_rank: int, stage: int) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        """The (TP rank, stage)'s weights and each of its AdamW state dicts: replica 0's, and each other
+        replica's part of a sharded state, or each other expert-parallel rank's (an ExpertSplitAdamW's
+        two parts apart)."""
         if (tp_rank, stage) not in self._blobs:
             d = self.iter_dir / shard_dir_name(tp_rank, stage, self.saved["pipeline_model_parallel_size"])
             dp, ep = self.saved["data_parallel_size"], self.saved["expert_model_parallel_size"]
@@ -217,33 +227,42 @@ class _SavedOptimizer:
                 files += [d / OPTIMIZER_SHARD_FILE.format(dp=r) for r in range(1, dp)]
             else:
                 files += [d / EXPERT_OPTIMIZER_FILE.format(ep=r) for r in range(1, ep)]
-            states = []
+            weights, states = None, []
             for f in files:
                 if not f.is_file():
                     raise FileNotFoundError(f"{f} is missing; the checkpoint is incomplete")
-                optim = torch.load(f, map_location="cpu", weights_only=False, mmap=True)["optimizer"]
+                blob = torch.load(f, map_location="cpu", weights_only=False, mmap=True)
+                weights = weights if weights is not None else blob["model"]
+                optim = blob["optimizer"]
                 states += [optim["dense"], optim["experts"]] if "dense" in optim else [optim]
-            self._blobs[tp_rank, stage] = states
+            self._blobs[tp_rank, stage] = weights, states
         return self._blobs[tp_rank, stage]
 
     def part(self, tp_rank: int, stage: int, field: str) -> dict[str, torch.Tensor]:
+        weights, states = self._states(tp_rank, stage)
         out: dict[str, torch.Tensor] = {}
-        for optim in self._states(tp_rank, stage):
+        for optim in states:
             if field == "main":
                 out.update(zip(optim[MAIN_NAMES], optim[MAIN_PARAMS]))
             else:
-                out.update((name, optim["state"][i][field]) for i, name in enumerate(optim[STATE_NAMES]))
+                out.update((name, optim["state"][i][field]) for i, name in enumerate(optim[STATE_NAMES])
+                           if i in optim["state"])
+        # (a parameter AdamW holds no state for, never stepped: zeros in its place, for the full form;
+        # its step count, absent from :meth:`steps`, leaves it without state in the new layout too)
+        return {**{k: torch.zeros_like(v) for k, v in weights.items() if k not in out}, **out}
+
+    def steps(self) -> dict[str, float]:
+        """Each parameter's AdamW step count (the full form's names; a parameter without state: none)."""
+        split = self.saved["pipeline_stage_layers"]
+        out: dict[str, float] = {}
+        for stage in range(len(split)):
+            for optim in self._states(0, stage)[1]:
+                out.update((_full_name(name, sum(split[:stage]), self.model), float(optim["state"][i]["step"]))
+                           for i, name in enumerate(optim[STATE_NAMES]) if i in optim["state"])
         return out
 
-    def steps(self) -> Optional[float]:
-        """AdamW's step count (one for every parameter: each takes every step); None: no step yet."""
-        counts = {float(s["step"]) for optim in self._states(0, 0) for s in optim["state"].values()}
-        if len(counts) > 1:
-            raise ValueError(f"{self.iter_dir}: the parameters' AdamW step counts differ ({sorted(counts)})")
-        return counts.pop() if counts else None
-
     def has_main(self) -> bool:
-        return any(MAIN_PARAMS in optim for optim in self._states(0, 0))
+        return any(MAIN_PARAMS in optim for optim in self._states(0, 0)[1])
 
 
 def _load_resharded(iter_dir: Path, saved: dict[str, Any], policy: Any, optimizer: Any) -> None:
@@ -254,17 +273,19 @@ def _load_resharded(iter_dir: Path, saved: dict[str, Any], policy: Any, optimize
     if why is not None:
         raise ValueError(f"{iter_dir} was saved in another parallel layout: {why}")
     out = iter_dir.parent
-    here = (ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank, ctx.stage_layers(model.num_layers))
+    split = ctx.stage_layers(model.num_layers)
+    here = (ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank, split)
     policy.load_local_state_dict(local_state_dict(MegatronCheckpointReader(out, iteration=iter_dir), model, *here))
-    states = _SavedOptimizer(iter_dir, saved)
+    states = _SavedOptimizer(iter_dir, saved, model)
 
     def field(name: str) -> dict[str, torch.Tensor]:
         full = MegatronCheckpointReader(out, iteration=iter_dir, shards=lambda t, s: states.part(t, s, name))
         return local_state_dict(full, model, *here)
 
-    steps = states.steps()
-    if steps is not None:  # (a checkpoint whose every step was skipped has no state to load)
-        optimizer.load_named_state({k: field(k) for k in ("exp_avg", "exp_avg_sq")}, steps,
-                                   field("main") if states.has_main() else None)
+    saved_steps = states.steps()
+    steps = {n: saved_steps[f] for n in optimizer.names
+             if (f := _full_name(n, sum(split[:ctx.pp_rank]), model)) in saved_steps}
+    optimizer.load_named_state({k: field(k) for k in ("exp_avg", "exp_avg_sq")}, steps,
+                               field("main") if states.has_main() else None)
     rng = iter_dir / shard_dir_name(0, 0, saved["pipeline_model_parallel_size"]) / "model_optim_rng.pt"
     torch.set_rng_state(torch.load(rng, map_location="cpu", weights_only=False, mmap=True)["rng"])

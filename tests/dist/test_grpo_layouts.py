@@ -405,7 +405,7 @@ def test_a_bfloat16_run_resumed_in_another_layout_keeps_its_float32_main_weights
     """A bfloat16 policy's float32 main copies, saved as TP=2 shards, come back whole at TP=1: each
     rounds to the weight loaded from the same checkpoint, and carries the bits below bfloat16's (were
     they lost, the run would continue from the rounding). Its AdamW moments come back too (a step's
-    worth of gradient, nonzero)."""
+    worth of gradient, nonzero), and a parameter saved without them stays without."""
     from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
     from specroll_mcore.config import TrainConfig, load_config
     from specroll_mcore.rl.trainer import GRPOTrainer
@@ -414,6 +414,11 @@ def test_a_bfloat16_run_resumed_in_another_layout_keeps_its_float32_main_weights
     ckpt = convert_hf_to_mcore(tmp_path / "hf", tmp_path / "bf16", params_dtype="bfloat16")
     run(ckpt, tmp_path / "tp2", 2, 1, 2, "--set=steps=1")
     weights = load_full_state_dict(tmp_path / "tp2")
+    # a parameter AdamW holds no state for (one that has not taken a step yet) stays without one
+    for shard in (tmp_path / "tp2" / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt"):
+        blob = torch.load(shard, weights_only=False)
+        blob["optimizer"]["state"].pop(blob["optimizer"]["state_names"].index("decoder.final_layernorm.weight"))
+        torch.save(blob, shard)
     trainer = GRPOTrainer(load_config(TrainConfig, None, grpo_worker.overrides(ckpt, tmp_path / "tp2", 1, 1)
                                       + ["resume=true"]))
     opt = trainer.optimizer
@@ -426,5 +431,8 @@ def test_a_bfloat16_run_resumed_in_another_layout_keeps_its_float32_main_weights
         assert torch.equal(named[name].detach(), weights[full]), name
         if m.numel() > 64:
             assert (m != named[name].detach().float()).float().mean() > 0.5, name
+        if name == "decoder.final_layernorm.weight":
+            assert m not in opt.optimizer.state
+            continue
         state = opt.optimizer.state[m]
         assert float(state["step"]) == 1 and (state["exp_avg"] != 0).any(), name

@@ -172,7 +172,7 @@ def test_a_state_loaded_by_name_continues_as_the_saved_one():
     """The state dict names each state's parameter (decayed and undecayed groups hold them in another
     order than the parameters); the states loaded by name, into an optimizer over the same parameters
     listed in another order, continue bit for bit as the saved optimizer does; so do float32 parameters
-    beside bfloat16 ones (no main copy)."""
+    beside bfloat16 ones (no main copy). Step counts are each parameter's."""
     def params():
         return [bf16_param(64, 0), torch.nn.Parameter(torch.zeros(8).bfloat16()),
                 torch.nn.Parameter(bf16_param(32, 2).detach().float())]
@@ -203,15 +203,20 @@ def test_a_state_loaded_by_name_continues_as_the_saved_one():
     order = [2, 0, 1]
     qs = [torch.nn.Parameter(saved[i].clone()) for i in order]
     other = MainParamAdamW(qs, names=[names[i] for i in order], **one_d)
-    other.load_named_state(by_name, 3, main)
+    other.load_named_state(by_name, dict.fromkeys(names, 3), main)
     steps(other, qs, order, 2)
     for q, i in zip(qs, order):
         assert torch.equal(q.detach(), ps[i].detach()), names[i]
     assert torch.equal(other.main[1], opt.main[0])  # a's float32 main copy
     with pytest.raises(ValueError, match="without its parameters' names"):
-        MainParamAdamW(params(), **ADAMW).load_named_state(by_name, 3, main)
+        MainParamAdamW(params(), **ADAMW).load_named_state(by_name, dict.fromkeys(names, 3), main)
     with pytest.raises(ValueError, match="3 names for 2 parameters"):
         MainParamAdamW(params()[:2], names=names, **ADAMW)
     short = {k: {n: t[:4] if n == "a.weight" else t for n, t in v.items()} for k, v in by_name.items()}
     with pytest.raises(ValueError, match=r"a.weight: the optimizer state has shape \(4,\), the parameter \(64,\)"):
-        MainParamAdamW(params(), names=names, **ADAMW).load_named_state(short, 3, main)
+        MainParamAdamW(params(), names=names, **ADAMW).load_named_state(short, dict.fromkeys(names, 3), main)
+    # a parameter without a step count keeps no state (one that never took a step)
+    fresh = MainParamAdamW(params(), names=names, **ADAMW)
+    fresh.load_named_state(by_name, {"a.weight": 3, "b.weight": 2}, main)
+    assert [float(fresh.optimizer.state[m]["step"]) if m in fresh.optimizer.state else None
+            for m in fresh.main] == [3.0, None, 2.0]
