@@ -98,7 +98,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                           args.first_stage_layers, args.last_stage_layers)
     elif args.direction == "mcore-to-hf":
         out = convert.convert_mcore_to_hf(Path(args.src), Path(args.out), args.overwrite,
-                                          parse_size(args.max_shard_size, "--max-shard-size"))
+                                          parse_size(args.max_shard_size, "--max-shard-size"), args.iteration)
     else:  # smollm2
         from specroll_mcore.checkpoint.smollm2 import default_checkpoint
 
@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], help="output dtype")
     c.add_argument("--max-shard-size", default="5GB", help="mcore-to-hf: largest safetensors file written, e.g. 5GB "
                    "or 500MB (a larger model gets several, with model.safetensors.index.json)")
+    c.add_argument("--iteration", type=int, help="mcore-to-hf of a training run: the iteration to export (default: "
+                   "the latest)")
     c.add_argument("--cache", help="cache directory for `smollm2` (default $SPECROLL_CACHE or ~/.cache/specroll_mcore)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     c.set_defaults(func=cmd_convert)
@@ -232,6 +234,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "convert" and args.direction != "smollm2" and not (args.src and args.out):
         parser.error(f"convert {args.direction} needs SRC and OUT")
+    if args.command == "convert" and args.direction != "mcore-to-hf" and args.iteration is not None:
+        parser.error(f"--iteration selects the training iteration mcore-to-hf exports; convert {args.direction} "
+                     "reads no training run")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:

@@ -20,7 +20,8 @@ import torch
 
 from specroll_mcore.checkpoint.hf import (FUSED_PROJECTIONS, HFToFull, gate_up_table, hf_architecture, hf_tensors,
                                          layer_table, model_config_from_hf)
-from specroll_mcore.checkpoint.megatron import MegatronCheckpointReader, atomic_directory, write_checkpoint_files
+from specroll_mcore.checkpoint.megatron import (MegatronCheckpointReader, atomic_directory, saved_iteration,
+                                                write_checkpoint_files)
 from specroll_mcore.config import ModelConfig, ParallelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -199,8 +200,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
 
 
 def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False,
-                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Convert a Megatron checkpoint (any TP/PP) back into a HF directory ``transformers`` loads.
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, iteration: Optional[int] = None) -> Path:
+    """Convert a Megatron checkpoint (any TP/PP) back into a HF directory ``transformers`` loads: the
+    iteration its tracker names, or a training run's iteration ``iteration``.
 
     Streaming: the checkpoint is read tensor by tensor in stage order (MegatronCheckpointReader,
     memory-mapped) and written in safetensors shards of at most ``max_shard_bytes`` (a tensor larger
@@ -211,7 +213,8 @@ def convert_mcore_to_hf(ckpt_dir: Path, out_dir: Path, overwrite: bool = False,
 
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-    full = MegatronCheckpointReader(Path(ckpt_dir))
+    full = MegatronCheckpointReader(Path(ckpt_dir), iteration=saved_iteration(Path(ckpt_dir), iteration)
+                                    if iteration is not None else None)
     model = full.model
     hf_config = dict(full.meta.get("hf_config") or _hf_config_from_model(model))
     arch = hf_architecture(hf_config)

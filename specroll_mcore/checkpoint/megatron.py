@@ -303,6 +303,17 @@ def iteration_dir(ckpt_dir: Path) -> Path:
     return Path(ckpt_dir) / ("release" if it == "release" else f"iter_{int(it):07d}")
 
 
+def saved_iteration(ckpt_dir: Path, iteration: int) -> Path:
+    """The directory of training iteration ``iteration`` of a run (one its ``keep_last`` kept)."""
+    d = Path(ckpt_dir) / f"iter_{iteration:07d}"
+    if not d.is_dir():
+        held = sorted(int(p.name[5:]) for p in Path(ckpt_dir).glob("iter_*") if p.name[5:].isdigit() and p.is_dir())
+        raise FileNotFoundError(f"{ckpt_dir} holds no iteration {iteration}; it holds "
+                                f"{', '.join(map(str, held)) if held else 'none'} (TrainConfig.keep_last keeps the "
+                                "last ones)")
+    return d
+
+
 def _load_shard(iteration: Path, tp_rank: int, pp_rank: int, pp_size: int, mmap: bool = False
                 ) -> dict[str, torch.Tensor]:
     path = iteration / shard_dir_name(tp_rank, pp_rank, pp_size) / "model_optim_rng.pt"

@@ -613,3 +613,11 @@ def test_export_names_a_tensor_the_checkpoint_lacks_or_misshapes(tmp_path):
     with pytest.raises(ValueError, match=r"decoder.final_layernorm.weight has shape \(7,\) but the model config"):
         convert.convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
     assert not (tmp_path / "back").exists()
+
+
+def test_iteration_is_for_exporting_a_training_run(tmp_path, capsys):
+    from specroll_mcore.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mcore"), "--iteration", "3"])
+    assert "--iteration selects the training iteration mcore-to-hf exports; convert hf-to-mcore" in capsys.readouterr().err

@@ -402,6 +402,20 @@ def test_resume_after_sigkill_equals_uninterrupted(tiny_ckpt, tmp_path):
 
     hf = convert_mcore_to_hf(tmp_path / "full", tmp_path / "hf-out")
     assert (hf / "model.safetensors").is_file()
+    # and any iteration it kept (keep_last 2: steps 3 and 4), as saved
+    from safetensors.torch import load_file
+
+    from specroll_mcore.cli import main
+
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "full"), str(tmp_path / "hf-3"), "--iteration", "3"]) == 0
+    saved = {i: torch.load(tmp_path / "full" / f"iter_000000{i}" / "mp_rank_00" / "model_optim_rng.pt",
+                           weights_only=False)["model"]["decoder.final_layernorm.weight"] for i in (3, 4)}
+    assert not torch.equal(saved[3], saved[4])
+    for d, i in (("hf-out", 4), ("hf-3", 3)):
+        assert torch.equal(load_file(tmp_path / d / "model.safetensors")["model.norm.weight"], saved[i]), d
+    with pytest.raises(FileNotFoundError, match=r"full holds no iteration 1; it holds 3, 4 \(TrainConfig.keep_last"):
+        convert_mcore_to_hf(tmp_path / "full", tmp_path / "hf-1", iteration=1)
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "full"), str(tmp_path / "hf-1"), "--iteration", "1"]) == 2
 
 
 def test_sigterm_ends_the_run_after_its_step_with_a_checkpoint(tiny_ckpt, tmp_path):
