@@ -41,11 +41,32 @@ def shard_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable (a file created, renamed or removed in it): a
+    rename is only as durable as its directory, after a crash of the machine rather than the process.
+    A file system that cannot fsync a directory is left to its own guarantees."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
+    """Every file under ``root``, then every directory, deepest first, and ``root`` itself."""
+    paths = sorted(root.rglob("*"))
+    for path in paths:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+    for path in sorted((p for p in paths if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(path)
+    fsync_dir(root)
 
 
 def _umask() -> int:
@@ -94,6 +115,7 @@ def write_text_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -122,9 +144,11 @@ def atomic_directory(out_dir: Path, write: Callable[[Path], None], overwrite: bo
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, old)
             os.replace(tmp, out_dir)
+            fsync_dir(out_dir.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out_dir)
+            fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -212,6 +236,7 @@ def save_atomic(obj: Any, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

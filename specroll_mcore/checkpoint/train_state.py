@@ -14,10 +14,11 @@ Layout (a Megatron-LM checkpoint directory, so `specroll convert mcore-to-hf` re
     OUT/iter_000000N/engine_state_dpR.pt            SpecRoll engine: slow-path records, monitor, time
                                                     accounts, tree-size calibration (per DP replica)
 
-Every rank writes its files into ``OUT/.iter_000000N.tmp``; after a barrier rank 0 fsyncs the tree,
-renames it into place, then replaces the tracker file (temp file + rename) and removes iterations
-beyond ``keep_last``. A kill at any moment leaves either the previous complete checkpoint or the
-new one, never a partial directory that the tracker points at.
+Every rank writes its files into ``OUT/.iter_000000N.tmp``; after a barrier rank 0 fsyncs the tree
+(files, then directories), renames it into place and fsyncs ``OUT``, then replaces the tracker file
+(temp file + rename, ``OUT`` fsynced again) and removes iterations beyond ``keep_last``. A kill at
+any moment, or a crash of the machine, leaves either the previous complete checkpoint or the new
+one, never a partial directory that the tracker points at.
 
 A run resumes at the layout it was saved in by loading each rank's files as they are. At another
 layout (TP, PP and its split of the layers, EP, DP with the optimizer states sharded, sharded or not)
@@ -38,7 +39,7 @@ from typing import Any, Optional
 import torch
 
 from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, LAYOUT_FILE, TRACKER_FILE,
-                                                MegatronCheckpointReader, _fsync_tree, iteration_dir,
+                                                MegatronCheckpointReader, _fsync_tree, fsync_dir, iteration_dir,
                                                 iteration_layout, shard_dir_name, write_text_atomic)
 from specroll_mcore.checkpoint.shard import _LAYER, local_state_dict
 from specroll_mcore.optimizer import MAIN_NAMES, MAIN_PARAMS, STATE_NAMES
@@ -127,6 +128,7 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        fsync_dir(out_dir)  # (the iteration's new name is durable before the tracker names it)
         write_text_atomic(out_dir / TRACKER_FILE, str(step))
         iters = sorted(p for p in out_dir.glob("iter_*") if p.is_dir())
         for old in iters[:-keep_last]:

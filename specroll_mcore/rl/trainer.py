@@ -104,8 +104,9 @@ class GRPOTrainer:
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer,
                                      pipeline_groups=groups) if cfg.compare_vanilla_every else None
         # (named as checkpoints hold them: a run in another layout loads AdamW's states by these names)
-        names, params = zip(*[(expert_global_name(n, self.policy.config.num_experts, self.ctx.ep_size, self.ctx.ep_rank),
-                               p) for n, p in self.policy.gpt.named_parameters() if p.requires_grad])
+        experts = (self.policy.config.num_experts, self.ctx.ep_size, self.ctx.ep_rank)
+        names, params = zip(*[(expert_global_name(n, *experts), p) for n, p in self.policy.gpt.named_parameters()
+                              if p.requires_grad])
         adamw = dict(no_weight_decay=lambda p: p.ndim < 2, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                      weight_decay=cfg.weight_decay)
         if cfg.shard_optimizer and self.ctx.ep_size > 1:  # experts' state over the ranks holding them alike

@@ -620,4 +620,29 @@ def test_iteration_is_for_exporting_a_training_run(tmp_path, capsys):
 
     with pytest.raises(SystemExit):
         main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mcore"), "--iteration", "3"])
-    assert "--iteration selects the training iteration mcore-to-hf exports; convert hf-to-mcore" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--iteration selects the training iteration mcore-to-hf exports; convert hf-to-mcore" in err
+
+
+def test_atomic_writes_make_their_new_name_durable(tmp_path, monkeypatch):
+    """A rename survives a crash of the machine only once its directory is fsynced: each atomic write
+    fsyncs the directory after its rename (and a written directory's own entries before)."""
+    import os
+
+    from specroll_mcore.checkpoint.megatron import atomic_directory, save_atomic, write_json_atomic
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), replace(a, b))[1])
+    def tree(d):
+        (d / "sub").mkdir()
+        (d / "sub" / "x").write_text("x")
+
+    for name, write in [("a.json", lambda p: write_json_atomic(p, {"a": 1})), ("b.pt", lambda p: save_atomic({}, p)),
+                        ("c", lambda p: atomic_directory(p, tree))]:
+        events.clear()
+        write(tmp_path / name)
+        assert events[-2:] == [("replace", str(tmp_path / name)), ("fsync", str(tmp_path))], (name, events)
+    assert any(e[0] == "fsync" and e[1].endswith("/sub") for e in events)  # (inside the temporary directory)

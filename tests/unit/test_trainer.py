@@ -640,10 +640,39 @@ def test_the_layout_of_a_resume_is_the_latest_iterations(tiny_ckpt, tmp_path, ct
     assert GRPOTrainer(load_config(TrainConfig, None, resumed)).state["step"] == 1
     meta_file.write_text(json.dumps(meta))
     (tmp_path / "run" / "iter_0000001" / "layout.json").unlink()
-    with pytest.raises(ValueError, match=r"was trained in another parallel layout \(pipeline_model_parallel_size 2 -> 1; "
-                                         r"pipeline_stage_layers \[1, 1\] -> \[2\]\): it was written before "
-                                         r"checkpoints recorded their layout; resume with the parallel config"):
+    with pytest.raises(ValueError, match=r"was trained in another parallel layout \(pipeline_model_parallel_size "
+                                         r"2 -> 1; pipeline_stage_layers \[1, 1\] -> \[2\]\): it was written "
+                                         r"before checkpoints recorded their layout; resume with the parallel config"):
         GRPOTrainer(load_config(TrainConfig, None, resumed))
+
+
+def test_a_checkpoint_is_durable_before_the_tracker_names_it(tiny_ckpt, tmp_path, ctx, monkeypatch):
+    """After a crash of the machine (not only of the process) the tracker must not name an iteration
+    whose files or directory entries were lost: every file and directory of the iteration is fsynced
+    before its rename, the run's directory after it (the new name), and again after the tracker's."""
+    out = tmp_path / "run"
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, out, "engine=vanilla")))
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def logged_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def logged_replace(a, b):
+        events.append(("replace", str(a), str(b)))
+        replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "replace", logged_replace)
+    final = trainer.save()
+    tmp = out / f".{final.name}.tmp"
+    renamed = events.index(("replace", str(tmp), str(final)))
+    synced = {e[1] for e in events[:renamed] if e[0] == "fsync"}
+    held = [str(p).replace(str(final), str(tmp)) for p in [final, *final.rglob("*")]]
+    assert len(held) > 4 and set(held) <= synced, sorted(set(held) - synced)
+    tracker = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2].endswith("_iteration.txt"))
+    assert ("fsync", str(out)) in events[renamed:tracker] and events[tracker + 1:] == [("fsync", str(out))]
 
 
 @pytest.mark.parametrize("name", ["specroll_config.json", "metrics.jsonl"])
