@@ -4,6 +4,8 @@
 # Each node runs 8 processes (one per GPU); TP/PP come from the config, DP = world size / (TP x PP).
 # A run continues with --resume on as many nodes as are left, or more: its checkpoint is resharded for
 # the new layout (checkpoint/train_state.py); with fewer nodes, lower TP/PP with --set where they must.
+# Under a time limit (SLURM's --time), pass --set exit_duration_in_mins=M with M the limit less the longest
+# step and a save: the run checkpoints and ends itself before it is killed.
 set -euo pipefail
 CONFIG=${1:?usage: launch_multinode.sh CONFIG.yaml [--set key=value ...]}
 shift

@@ -1079,6 +1079,12 @@ class TrainConfig:
     of it is saved and the run returns; a second one acts at once (the signal's own action). null:
     the signal's own action at the first (the last periodic checkpoint is what a resume finds)."""
 
+    exit_duration_in_mins: Optional[float] = None
+    """End the run cleanly after the first step that ends this many minutes after the trainer started
+    (Megatron-LM's ``--exit-duration-in-mins``; any rank's clock): a checkpoint of it is saved and the
+    run returns. Under a job scheduler's time limit, the limit less the longest step and a save, so that
+    the job ends itself rather than being killed. null: no limit."""
+
     compare_vanilla_every: int = 0
     """Also run the vanilla engine on the same step's prompts every N steps (timing; identical tokens
     are checked). 0 disables."""
@@ -1153,6 +1159,8 @@ class TrainConfig:
                                             and self.exit_signal not in ("SIGKILL", "SIGSTOP")),
                f"TrainConfig.exit_signal must name a signal a process can catch (SIGTERM, SIGUSR1, ...) or be null, "
                f"got {self.exit_signal!r}")
+        _check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
+               f"TrainConfig.exit_duration_in_mins must be > 0 minutes or null, got {self.exit_duration_in_mins}")
         _check(self.save_every >= 1 and self.keep_last >= 1,
                f"TrainConfig.save_every and keep_last must be >= 1, got {self.save_every}, {self.keep_last}")
         _check(self.compare_vanilla_every >= 0,

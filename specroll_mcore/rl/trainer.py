@@ -54,6 +54,7 @@ from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats, over_repl
 
 class GRPOTrainer:
     def __init__(self, cfg: TrainConfig) -> None:
+        self.started = time.monotonic()  # (TrainConfig.exit_duration_in_mins counts from here)
         import transformers
 
         self.cfg = cfg
@@ -600,6 +601,15 @@ class GRPOTrainer:
                     self.writer.add_scalar(k, v, row["step"])
             self.writer.flush()
 
+    def _exit_conditions(self, received: bool) -> tuple[bool, float]:
+        """(whether any rank got TrainConfig.exit_signal, the most minutes any rank has run), agreed by
+        every rank in one all-reduce (none where neither ends a run)."""
+        if self.cfg.exit_signal is None and self.cfg.exit_duration_in_mins is None:
+            return False, 0.0
+        flags = self.ctx.all_reduce_max(torch.tensor([float(received), (time.monotonic() - self.started) / 60],
+                                                     dtype=torch.float64, device=self.ctx.device)).tolist()
+        return bool(flags[0]), flags[1]
+
     def run(self, stop_after: Optional[int] = None) -> list[dict[str, Any]]:
         from tqdm import tqdm
 
@@ -620,15 +630,18 @@ class GRPOTrainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", gen=f"{row['generation_s']:.0f}s",
                                 train=f"{row['training_s']:.0f}s")
-                # every rank stops after the same step, whichever ranks the signal reached
-                stop = self.cfg.exit_signal is not None and bool(self.ctx.all_reduce_max(
-                    torch.tensor([float(received())], device=self.ctx.device)).item())
+                # every rank stops after the same step, whichever ranks the signal reached or ran out of time
+                signalled, minutes = self._exit_conditions(received())
+                timed_out = self.cfg.exit_duration_in_mins is not None and minutes >= self.cfg.exit_duration_in_mins
+                stop = signalled or timed_out
                 if stop or self.state["step"] % self.cfg.save_every == 0 or self.state["step"] == self.cfg.steps:
                     path = self.save()
                 if stop:
                     if self.ctx.rank == 0:
-                        print(f"\n{self.cfg.exit_signal} received: saved {path} after step {self.state['step']}; "
-                              f"continue with --resume")
+                        limit = self.cfg.exit_duration_in_mins
+                        why = (f"{self.cfg.exit_signal} received" if signalled else
+                               f"exit_duration_in_mins ({limit:g}) reached at {minutes:.2f} min")
+                        print(f"\n{why}: saved {path} after step {self.state['step']}; continue with --resume")
                     break
                 if stop_after is not None and len(rows) >= stop_after:
                     break

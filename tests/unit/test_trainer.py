@@ -418,6 +418,27 @@ def test_resume_after_sigkill_equals_uninterrupted(tiny_ckpt, tmp_path):
     assert main(["convert", "mcore-to-hf", str(tmp_path / "full"), str(tmp_path / "hf-1"), "--iteration", "1"]) == 2
 
 
+def test_a_run_out_of_time_ends_after_its_step_with_a_checkpoint(tiny_ckpt, tmp_path, ctx, capsys):
+    """exit_duration_in_mins (Megatron-LM's --exit-duration-in-mins): the first step that ends past it
+    is saved and the run returns; --resume continues from there, as the uninterrupted run does."""
+    out = tmp_path / "run"
+    cfg = overrides(tiny_ckpt, out, "engine=vanilla", "save_every=100")
+    minutes = 1e-6  # (the first step ends past it)
+    rows = GRPOTrainer(load_config(TrainConfig, None, cfg + [f"exit_duration_in_mins={minutes}"])).run()
+    assert [r["step"] for r in rows] == [1]
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    said = capsys.readouterr().out
+    assert f"exit_duration_in_mins ({minutes:g}) reached at " in said and f"saved {out / 'iter_0000001'}" in said
+    resumed = GRPOTrainer(load_config(TrainConfig, None, cfg + ["resume=true"])).run()
+    full = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "full", "engine=vanilla"))).run()
+    assert [r["step"] for r in resumed] == [2, 3]
+    for a, b in zip(full[1:], resumed):
+        assert (a["reward_mean"], a["response_len"]) == (b["reward_mean"], b["response_len"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+    with pytest.raises(ValueError, match=r"TrainConfig.exit_duration_in_mins must be > 0 minutes or null, got 0"):
+        load_config(TrainConfig, None, cfg + ["exit_duration_in_mins=0"])
+
+
 def test_sigterm_ends_the_run_after_its_step_with_a_checkpoint(tiny_ckpt, tmp_path):
     """SLURM and torchrun send SIGTERM before they kill: the run finishes the step under way, saves it
     (though it is not a periodic checkpoint's step) and returns, and --resume continues from it."""
