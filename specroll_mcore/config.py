@@ -1070,6 +1070,12 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 10
     keep_last: int = 2
+    async_save: bool = False
+    """Write periodic checkpoints in the background (Megatron-LM's ``--async-save``): each rank copies
+    its tensors to host memory (a checkpoint's size more of it, until written) and a thread writes
+    them while training goes on; the checkpoint is renamed into place and named by the tracker after
+    the first step at whose end every rank has written its files (a kill before then leaves the
+    previous one, as during a synchronous save). The last step's and an exit's are written at once."""
     resume: bool = False
     """Continue from the latest complete checkpoint in output_dir."""
 

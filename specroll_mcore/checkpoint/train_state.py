@@ -30,9 +30,11 @@ engine state gets its own back, a new one starts without.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -84,11 +86,16 @@ def reshard_refusal(saved: dict[str, Any], here: dict[str, Any]) -> Optional[str
 def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: Any,
                              trainer_state: dict[str, Any], heads: Optional[dict[str, torch.Tensor]],
                              heads_meta: dict[str, Any], keep_last: int,
-                             engine_state: Optional[dict[str, Any]] = None) -> Path:
+                             engine_state: Optional[dict[str, Any]] = None, background: bool = False
+                             ) -> Path | PendingCheckpoint:
     """One training checkpoint, atomically (written to a temporary directory, fsynced, renamed).
     ``heads`` are the full (TP-gathered) head weights; ``engine_state`` this replica's SpecRoll engine
     state (slow-path records, monitor, time accounts, tree-size calibration: identical on the TP ranks
-    of the last stage; each data-parallel replica keeps its own)."""
+    of the last stage; each data-parallel replica keeps its own). A collective: every rank calls it.
+
+    ``background``: this rank's files are copied (on the host) and written by a thread while training
+    goes on (Megatron-LM's ``--async-save``); the checkpoint is renamed into place and named by the
+    tracker only by :meth:`PendingCheckpoint.commit`, once every rank's files are written."""
     ctx = policy.ctx
     out_dir = Path(out_dir)
     tmp = out_dir / f".{_iter_name(step)}.tmp"
@@ -96,6 +103,7 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     ctx.barrier()
+    writes: list[tuple[Any, Path]] = []  # (object, file) this rank writes
     d = tmp / shard_dir_name(ctx.tp_rank, ctx.pp_rank, ctx.pp_size)
     experts = (ctx.ep_rank, ctx.ep_size)
     # data-parallel replicas hold identical weights (and optimizer states, unless sharded), but for the experts
@@ -103,38 +111,96 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
     # without EP), and each of its ranks keeps its experts' optimizer state
     model = policy.expert_state_dict() if ctx.expert_dp_rank == 0 else None
     if ctx.dp_rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
         model = {k: v.cpu() for k, v in model.items()}
-        torch.save({"model": model, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-                    "iteration": step, "checkpoint_version": CHECKPOINT_VERSION, "experts": experts},
-                   d / "model_optim_rng.pt")
+        writes.append(({"model": model, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+                        "iteration": step, "checkpoint_version": CHECKPOINT_VERSION, "experts": experts},
+                       d / "model_optim_rng.pt"))
     elif getattr(optimizer, "shard", None) is not None:  # this replica's shard of the optimizer state
-        d.mkdir(parents=True, exist_ok=True)  # (and, under expert parallelism, of its experts')
-        torch.save({"optimizer": optimizer.state_dict()}, d / OPTIMIZER_SHARD_FILE.format(dp=ctx.dp_rank))
+        # (and, under expert parallelism, of its experts')
+        writes.append(({"optimizer": optimizer.state_dict()}, d / OPTIMIZER_SHARD_FILE.format(dp=ctx.dp_rank)))
     elif ctx.expert_dp_rank == 0:  # an expert-parallel rank > 0: its experts' optimizer state
-        d.mkdir(parents=True, exist_ok=True)
-        torch.save({"optimizer": optimizer.state_dict(), "experts": experts},
-                   d / EXPERT_OPTIMIZER_FILE.format(ep=ctx.ep_rank))
+        writes.append(({"optimizer": optimizer.state_dict(), "experts": experts},
+                       d / EXPERT_OPTIMIZER_FILE.format(ep=ctx.ep_rank)))
     if heads is not None and ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0:
-        torch.save({"heads": heads, "meta": heads_meta}, tmp / HEADS_FILE)
+        writes.append(({"heads": heads, "meta": heads_meta}, tmp / HEADS_FILE))
     if engine_state is not None and ctx.is_last_stage and ctx.tp_rank == 0:  # one per data-parallel replica
-        torch.save(engine_state, tmp / ENGINE_STATE_FILE.format(dp=ctx.dp_rank))
+        writes.append((engine_state, tmp / ENGINE_STATE_FILE.format(dp=ctx.dp_rank)))
     if ctx.rank == 0:
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
         (tmp / LAYOUT_FILE).write_text(json.dumps(training_layout(policy, optimizer), indent=2))
-    ctx.barrier()
-    final = out_dir / _iter_name(step)
-    if ctx.rank == 0:
-        _fsync_tree(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(out_dir)  # (the iteration's new name is durable before the tracker names it)
-        write_text_atomic(out_dir / TRACKER_FILE, str(step))
-        iters = sorted(p for p in out_dir.glob("iter_*") if p.is_dir())
-        for old in iters[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    ctx.barrier()
-    return final
+    pending = PendingCheckpoint(ctx, out_dir, step, keep_last, writes if not background else
+                                [(_host_copy(obj), path) for obj, path in writes], background)
+    if background:
+        return pending
+    return pending.commit()
+
+
+def _host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to the host, so that training can go on changing the originals."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class PendingCheckpoint:
+    """A training checkpoint whose files this rank writes (in a thread, when in the background) before
+    :meth:`commit` renames it into place: a kill or crash before then leaves the previous checkpoint
+    the tracker names, as a synchronous save's would."""
+
+    def __init__(self, ctx: Any, out_dir: Path, step: int, keep_last: int, writes: list[tuple[Any, Path]],
+                 background: bool) -> None:
+        self.ctx, self.out_dir, self.step, self.keep_last = ctx, out_dir, step, keep_last
+        self.path = out_dir / _iter_name(step)
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        if background:
+            self._thread = threading.Thread(target=self._background, args=(writes,), name=f"save-{step}",
+                                            daemon=True)
+            self._thread.start()
+        else:
+            self._write(writes)
+
+    @staticmethod
+    def _write(writes: list[tuple[Any, Path]]) -> None:
+        for obj, path in writes:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(obj, path)
+
+    def _background(self, writes: list[tuple[Any, Path]]) -> None:
+        try:
+            self._write(writes)
+        except BaseException as e:  # (raised by commit, in the training thread)
+            self._error = e
+
+    def written(self) -> bool:
+        """Whether this rank's files are written (commit would not wait for them)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def commit(self) -> Path:
+        """Wait for this rank's files, then (every rank: a collective) rename the checkpoint into place,
+        name it in the tracker and remove iterations beyond ``keep_last``."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"writing checkpoint {self.path} failed: {self._error}") from self._error
+        ctx, out_dir = self.ctx, self.out_dir
+        ctx.barrier()
+        if ctx.rank == 0:
+            tmp = out_dir / f".{self.path.name}.tmp"
+            _fsync_tree(tmp)
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.replace(tmp, self.path)
+            fsync_dir(out_dir)  # (the iteration's new name is durable before the tracker names it)
+            write_text_atomic(out_dir / TRACKER_FILE, str(self.step))
+            iters = sorted(p for p in out_dir.glob("iter_*") if p.is_dir())
+            for old in iters[:-self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        ctx.barrier()
+        return self.path
 
 
 def latest_training_checkpoint(out_dir: Path) -> Optional[Path]:

@@ -35,8 +35,9 @@ from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, iteration_layout, load_policy, model_config_of,
                                                 read_checkpoint_config, stage_layers_of, stop_token_ids,
                                                 write_text_atomic)
-from specroll_mcore.checkpoint.train_state import (latest_training_checkpoint, layout_changes, load_training_checkpoint,
-                                                   reshard_refusal, save_training_checkpoint, training_layout)
+from specroll_mcore.checkpoint.train_state import (PendingCheckpoint, latest_training_checkpoint, layout_changes,
+                                                   load_training_checkpoint, reshard_refusal, save_training_checkpoint,
+                                                   training_layout)
 from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW
@@ -55,6 +56,7 @@ from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats, over_repl
 class GRPOTrainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.started = time.monotonic()  # (TrainConfig.exit_duration_in_mins counts from here)
+        self.pending: Optional[PendingCheckpoint] = None  # a checkpoint written in the background
         import transformers
 
         self.cfg = cfg
@@ -583,12 +585,27 @@ class GRPOTrainer:
             swap()
 
     # -- loop ---------------------------------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self, background: bool = False) -> Path:
+        """A checkpoint of this step (a collective); ``background``: written while training goes on
+        (TrainConfig.async_save), named by the tracker once :meth:`commit_pending` renames it into place.
+        A checkpoint still being written is committed first."""
+        self.commit_pending()
         heads = full_head_state(self.policy) if self.policy.heads is not None else None  # TP-gathered
         meta = {**self.heads_meta, "policy_version": self.state["policy_version"]}
         engine = self.engine.state_dict() if isinstance(self.engine, SpeculativeEngine) else None
-        return save_training_checkpoint(self.out, self.state["step"], self.policy, self.optimizer, dict(self.state),
-                                        heads, meta, self.cfg.keep_last, engine_state=engine)
+        saved = save_training_checkpoint(self.out, self.state["step"], self.policy, self.optimizer, dict(self.state),
+                                         heads, meta, self.cfg.keep_last, engine_state=engine, background=background)
+        if isinstance(saved, PendingCheckpoint):
+            self.pending = saved
+            return saved.path
+        return saved
+
+    def commit_pending(self) -> None:
+        """Rename the checkpoint written in the background into place, once this rank's files are
+        written (a collective)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.commit()
 
     def log(self, row: dict[str, Any]) -> None:
         if self.ctx.rank != 0:
@@ -601,14 +618,17 @@ class GRPOTrainer:
                     self.writer.add_scalar(k, v, row["step"])
             self.writer.flush()
 
-    def _exit_conditions(self, received: bool) -> tuple[bool, float]:
-        """(whether any rank got TrainConfig.exit_signal, the most minutes any rank has run), agreed by
-        every rank in one all-reduce (none where neither ends a run)."""
-        if self.cfg.exit_signal is None and self.cfg.exit_duration_in_mins is None:
-            return False, 0.0
-        flags = self.ctx.all_reduce_max(torch.tensor([float(received), (time.monotonic() - self.started) / 60],
-                                                     dtype=torch.float64, device=self.ctx.device)).tolist()
-        return bool(flags[0]), flags[1]
+    def _agree(self, received: bool) -> tuple[bool, float, bool]:
+        """(whether any rank got TrainConfig.exit_signal, the most minutes any rank has run, whether every
+        rank has written its files of the checkpoint saved in the background), agreed by every rank in
+        one all-reduce (none where nothing asks for one)."""
+        if self.cfg.exit_signal is None and self.cfg.exit_duration_in_mins is None and self.pending is None:
+            return False, 0.0, True
+        unwritten = self.pending is not None and not self.pending.written()
+        flags = self.ctx.all_reduce_max(torch.tensor([float(received), (time.monotonic() - self.started) / 60,
+                                                      float(unwritten)], dtype=torch.float64,
+                                                     device=self.ctx.device)).tolist()
+        return bool(flags[0]), flags[1], not flags[2]
 
     def run(self, stop_after: Optional[int] = None) -> list[dict[str, Any]]:
         from tqdm import tqdm
@@ -631,11 +651,14 @@ class GRPOTrainer:
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", gen=f"{row['generation_s']:.0f}s",
                                 train=f"{row['training_s']:.0f}s")
                 # every rank stops after the same step, whichever ranks the signal reached or ran out of time
-                signalled, minutes = self._exit_conditions(received())
+                signalled, minutes, written = self._agree(received())
+                if written:  # (a checkpoint saved in the background, its files now written on every rank)
+                    self.commit_pending()
                 timed_out = self.cfg.exit_duration_in_mins is not None and minutes >= self.cfg.exit_duration_in_mins
                 stop = signalled or timed_out
-                if stop or self.state["step"] % self.cfg.save_every == 0 or self.state["step"] == self.cfg.steps:
-                    path = self.save()
+                last = self.state["step"] == self.cfg.steps
+                if stop or last or self.state["step"] % self.cfg.save_every == 0:
+                    path = self.save(background=self.cfg.async_save and not (stop or last))
                 if stop:
                     if self.ctx.rank == 0:
                         limit = self.cfg.exit_duration_in_mins
@@ -645,6 +668,7 @@ class GRPOTrainer:
                     break
                 if stop_after is not None and len(rows) >= stop_after:
                     break
+        self.commit_pending()
         bar.close()
         if self.ctx.rank == 0 and rows:
             print(summary_table(rows))

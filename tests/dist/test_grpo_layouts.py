@@ -229,13 +229,16 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
     the step-1 checkpoint (each replica loading its own part) ends with the same weights. With weight
     decay: AdamW's two parameter groups (matrices, and the 1-D parameters that take none) sharded. A
     replicated checkpoint resumes sharded and a sharded one replicated (each replica's part of the
-    states gathered by name): a third step gives the uninterrupted replicated run's weights."""
+    states gathered by name): a third step gives the uninterrupted replicated run's weights. The sharded
+    run writes its step-1 checkpoint in the background (TrainConfig.async_save)."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     two = ["--set=steps=2", "--set=weight_decay=0.1"]
     sharded = ["--set=shard_optimizer=true", "--set=save_every=1", "--set=keep_last=2"]
-    run_jobs(ckpt, 2, (tmp_path / "replicated", 1, 1, *two), (tmp_path / "sharded", 1, 1, *two, *sharded),
+    run_jobs(ckpt, 2, (tmp_path / "replicated", 1, 1, *two),
+             (tmp_path / "sharded", 1, 1, *two, *sharded, "--set=async_save=true"),  # (step 1's in the background)
              (tmp_path / "resumed", 1, 1, "--set=steps=1", "--set=weight_decay=0.1", *sharded),
              (tmp_path / "three", 1, 1, "--set=steps=3", "--set=weight_decay=0.1"))
+    assert (tmp_path / "sharded" / "iter_0000001" / "mp_rank_00" / "optim_dp1.pt").is_file()
     run(ckpt, tmp_path / "resumed", 1, 1, 2, *two, *sharded, "--set=resume=true")  # (in fresh processes)
     ref = load_full_state_dict(tmp_path / "replicated")
     start = load_full_state_dict(ckpt)

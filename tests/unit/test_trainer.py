@@ -696,6 +696,66 @@ def test_a_checkpoint_is_durable_before_the_tracker_names_it(tiny_ckpt, tmp_path
     assert ("fsync", str(out)) in events[renamed:tracker] and events[tracker + 1:] == [("fsync", str(out))]
 
 
+def test_checkpoints_saved_in_the_background_equal_the_synchronous_ones(tiny_ckpt, tmp_path, ctx, monkeypatch):
+    """TrainConfig.async_save: a thread writes each periodic checkpoint while the next step runs, from
+    host copies the step cannot change; every kept iteration then holds what a synchronous save
+    writes (weights, AdamW's states, trainer state), and the metrics are the same. The tracker names a
+    checkpoint only once its files are written: until then a kill would leave the previous one."""
+    def contents(it):
+        blob = torch.load(it / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+        return blob["model"], blob["optimizer"], json.loads((it / "trainer_state.json").read_text())
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return torch.equal(a, b)
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    import specroll_mcore.rl.trainer as trainer_module
+
+    runs, background = {}, []
+    saver = trainer_module.save_training_checkpoint
+    monkeypatch.setattr(trainer_module, "save_training_checkpoint",
+                        lambda *a, **k: (background.append(k["background"]), saver(*a, **k))[1])
+    for mode in ("sync", "async"):
+        cfg = overrides(tiny_ckpt, tmp_path / mode, "engine=vanilla", "steps=4", "keep_last=4",
+                        f"async_save={mode == 'async'}")
+        runs[mode] = GRPOTrainer(load_config(TrainConfig, None, cfg)).run()
+    assert background == [False] * 4 + [True, True, True, False]  # (the last step's is written at once)
+    for k in ("reward_mean", "loss", "grad_norm"):
+        assert [r[k] for r in runs["sync"]] == [r[k] for r in runs["async"]], k
+    for step in (1, 2, 3, 4):
+        a, b = (contents(tmp_path / mode / f"iter_000000{step}") for mode in ("sync", "async"))
+        assert same(a, b), step
+    assert not list((tmp_path / "async").glob(".iter_*"))  # (every one renamed into place)
+
+    # named only once written: the files of a background save wait here until the test lets them go
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_ckpt, tmp_path / "async", "engine=vanilla",
+                                                                   "steps=5", "resume=true", "async_save=true")))
+    go = __import__("threading").Event()
+    save = torch.save
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (go.wait(60), save(*a, **k))[1])
+    trainer.state["step"] = 5
+    assert trainer.save(background=True) == tmp_path / "async" / "iter_0000005"
+    assert not trainer.pending.written() and not (tmp_path / "async" / "iter_0000005").exists()
+    assert (tmp_path / "async" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    go.set()
+    trainer.commit_pending()
+    assert (tmp_path / "async" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert same(contents(tmp_path / "async" / "iter_0000005")[0], contents(tmp_path / "async" / "iter_0000004")[0])
+
+    # a write that fails is reported when the checkpoint is committed, and the tracker keeps the last one
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("No space left on device")))
+    trainer.state["step"] = 6
+    trainer.save(background=True)
+    with pytest.raises(RuntimeError, match=r"writing checkpoint .*iter_0000006 failed: No space left on device"):
+        trainer.commit_pending()
+    assert (tmp_path / "async" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+
+
 @pytest.mark.parametrize("name", ["specroll_config.json", "metrics.jsonl"])
 def test_a_resume_killed_while_rewriting_a_run_file_leaves_it_whole(tiny_ckpt, tmp_path, ctx, monkeypatch, name):
     """On resume rank 0 rewrites the run's config (which the other ranks read meanwhile) and drops the
