@@ -166,9 +166,14 @@ class PendingCheckpoint:
 
     @staticmethod
     def _write(writes: list[tuple[Any, Path]]) -> None:
+        """Each file, fsynced by the rank that wrote it (another node's fsync would not flush this one's
+        cache; in the background, the wait for the disk is the thread's)."""
         for obj, path in writes:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(obj, path)
+            with open(path, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
 
     def _background(self, writes: list[tuple[Any, Path]]) -> None:
         try:

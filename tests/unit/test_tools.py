@@ -327,6 +327,18 @@ def test_bench_rollout_smoke(tmp_path):
     assert all(r["speed_ratio_ours_over_hf"] > 0 for r in report["throughput"])
 
 
+def test_bench_checkpoint_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "c.json"
+    run_tool("bench_checkpoint.py", "--checkpoint", tiny_ckpt, "--steps", 2, "--reps", 2, "--set",
+             "sampling.max_new_tokens=6", "--out", out)
+    report = json.loads(out.read_text())
+    assert report["identical_checkpoints"] and report["checkpoint_bytes"] > 0
+    assert len(report["paired_ratios"]) == 2 and all(len(report["runs"][m]) == 2 for m in ("at_once", "background"))
+    assert report["median"]["background"]["run_s"] > 0
+    code, err = refused(capsys, "bench_checkpoint.py", "--steps", "1")
+    assert code != 0 and "--steps must be >= 2 (the last step's checkpoint is written at once)" in err
+
+
 def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "u.json"
     run_tool("bench_update.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 3, "--max-new-tokens", 6,
