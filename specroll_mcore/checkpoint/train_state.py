@@ -111,7 +111,8 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
     # without EP), and each of its ranks keeps its experts' optimizer state
     model = policy.expert_state_dict() if ctx.expert_dp_rank == 0 else None
     if ctx.dp_rank == 0:
-        model = {k: v.cpu() for k, v in model.items()}
+        if not background:  # (in the background the host copy below is the one copy)
+            model = {k: v.cpu() for k, v in model.items()}
         writes.append(({"model": model, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
                         "iteration": step, "checkpoint_version": CHECKPOINT_VERSION, "experts": experts},
                        d / "model_optim_rng.pt"))
