@@ -57,10 +57,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
-    """Every file under ``root``, then every directory, deepest first, and ``root`` itself."""
+def _fsync_tree(root: Path, files: bool = True) -> None:
+    """Every file under ``root`` (not with ``files`` False: each fsynced by its writer), then every
+    directory, deepest first, and ``root`` itself."""
     paths = sorted(root.rglob("*"))
-    for path in paths:
+    for path in paths if files else ():
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
@@ -319,18 +320,23 @@ def model_config_of(ckpt_dir: Path, params_dtype: Optional[str] = None,
     return ModelConfig.from_dict(d)
 
 
+def iteration_name(step: int) -> str:
+    """A training iteration's directory name (Megatron-LM's ``iter_NNNNNNN``)."""
+    return f"iter_{step:07d}"
+
+
 def iteration_dir(ckpt_dir: Path) -> Path:
     """The directory the tracker file points at: ``release`` or ``iter_NNNNNNN`` (Megatron-LM's rule)."""
     tracker = Path(ckpt_dir) / TRACKER_FILE
     if not tracker.is_file():
         raise FileNotFoundError(f"{tracker} is missing: {ckpt_dir} holds no complete checkpoint")
     it = tracker.read_text().strip()
-    return Path(ckpt_dir) / ("release" if it == "release" else f"iter_{int(it):07d}")
+    return Path(ckpt_dir) / ("release" if it == "release" else iteration_name(int(it)))
 
 
 def saved_iteration(ckpt_dir: Path, iteration: int) -> Path:
     """The directory of training iteration ``iteration`` of a run (one its ``keep_last`` kept)."""
-    d = Path(ckpt_dir) / f"iter_{iteration:07d}"
+    d = Path(ckpt_dir) / iteration_name(iteration)
     if not d.is_dir():
         held = sorted(int(p.name[5:]) for p in Path(ckpt_dir).glob("iter_*") if p.name[5:].isdigit() and p.is_dir())
         raise FileNotFoundError(f"{ckpt_dir} holds no iteration {iteration}; it holds "

@@ -171,6 +171,16 @@ def local_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig, tp_si
     return out
 
 
+def full_name(local: str, stage_start: int, model: ModelConfig) -> str:
+    """Inverse of :func:`local_state_dict`'s naming: a stage's tensor name (local layer numbers; the stage's
+    first layer is ``stage_start``) -> its full-form name (the last stage's copy of a tied embedding is
+    the embedding)."""
+    m = _LAYER.match(local)
+    if m:
+        return f"decoder.layers.{int(m.group(1)) + stage_start}.{m.group(2)}"
+    return "embedding.word_embeddings.weight" if local == "output_layer.weight" and model.tie_word_embeddings else local
+
+
 def expected_full_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the full form (for validation and random init)."""
     h, d, f = model.hidden_size, model.kv_channels, model.ffn_hidden_size

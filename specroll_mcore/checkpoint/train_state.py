@@ -14,8 +14,8 @@ Layout (a Megatron-LM checkpoint directory, so `specroll convert mcore-to-hf` re
     OUT/iter_000000N/engine_state_dpR.pt            SpecRoll engine: slow-path records, monitor, time
                                                     accounts, tree-size calibration (per DP replica)
 
-Every rank writes its files into ``OUT/.iter_000000N.tmp``; after a barrier rank 0 fsyncs the tree
-(files, then directories), renames it into place and fsyncs ``OUT``, then replaces the tracker file
+Every rank writes its files into ``OUT/.iter_000000N.tmp`` and fsyncs them; after a barrier rank 0
+fsyncs the tree's directories, renames it into place and fsyncs ``OUT``, then replaces the tracker file
 (temp file + rename, ``OUT`` fsynced again) and removes iterations beyond ``keep_last``. A kill at
 any moment, or a crash of the machine, leaves either the previous complete checkpoint or the new
 one, never a partial directory that the tracker points at.
@@ -42,8 +42,9 @@ import torch
 
 from specroll_mcore.checkpoint.megatron import (CHECKPOINT_VERSION, HEADS_FILE, LAYOUT_FILE, TRACKER_FILE,
                                                 MegatronCheckpointReader, _fsync_tree, fsync_dir, iteration_dir,
-                                                iteration_layout, shard_dir_name, write_text_atomic)
-from specroll_mcore.checkpoint.shard import _LAYER, local_state_dict
+                                                iteration_layout, iteration_name, shard_dir_name,
+                                                write_text_atomic)
+from specroll_mcore.checkpoint.shard import full_name, local_state_dict
 from specroll_mcore.optimizer import MAIN_NAMES, MAIN_PARAMS, STATE_NAMES
 
 STATE_FILE = "trainer_state.json"
@@ -51,10 +52,6 @@ ENGINE_STATE_FILE = "engine_state_dp{dp}.pt"
 OPTIMIZER_SHARD_FILE = "optim_dp{dp}.pt"  # a sharded optimizer's state on data-parallel replica dp > 0
 EXPERT_OPTIMIZER_FILE = "optim_ep{ep}.pt"  # the optimizer state of expert-parallel rank ep > 0
 OLD_ENGINE_STATE_FILE = "slow_path_dp{dp}.pt"  # checkpoints written before the tree-size calibration
-
-
-def _iter_name(step: int) -> str:
-    return f"iter_{step:07d}"
 
 
 def training_layout(policy: Any, optimizer: Any) -> dict[str, Any]:
@@ -98,7 +95,7 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
     tracker only by :meth:`PendingCheckpoint.commit`, once every rank's files are written."""
     ctx = policy.ctx
     out_dir = Path(out_dir)
-    tmp = out_dir / f".{_iter_name(step)}.tmp"
+    tmp = out_dir / f".{iteration_name(step)}.tmp"
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -127,8 +124,8 @@ def save_training_checkpoint(out_dir: Path, step: int, policy: Any, optimizer: A
     if engine_state is not None and ctx.is_last_stage and ctx.tp_rank == 0:  # one per data-parallel replica
         writes.append((engine_state, tmp / ENGINE_STATE_FILE.format(dp=ctx.dp_rank)))
     if ctx.rank == 0:
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
-        (tmp / LAYOUT_FILE).write_text(json.dumps(training_layout(policy, optimizer), indent=2))
+        writes += [(json.dumps(trainer_state, indent=2), tmp / STATE_FILE),
+                   (json.dumps(training_layout(policy, optimizer), indent=2), tmp / LAYOUT_FILE)]
     pending = PendingCheckpoint(ctx, out_dir, step, keep_last, writes if not background else
                                 [(_host_copy(obj), path) for obj, path in writes], background)
     if background:
@@ -155,7 +152,7 @@ class PendingCheckpoint:
     def __init__(self, ctx: Any, out_dir: Path, step: int, keep_last: int, writes: list[tuple[Any, Path]],
                  background: bool) -> None:
         self.ctx, self.out_dir, self.step, self.keep_last = ctx, out_dir, step, keep_last
-        self.path = out_dir / _iter_name(step)
+        self.path = out_dir / iteration_name(step)
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         if background:
@@ -169,10 +166,13 @@ class PendingCheckpoint:
     def _write(writes: list[tuple[Any, Path]]) -> None:
         """Each file, fsynced by the rank that wrote it (another node's fsync would not flush this one's
         cache; in the background, the wait for the disk is the thread's)."""
-        for obj, path in writes:
+        for obj, path in writes:  # (a str is a JSON file's text)
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as f:
-                torch.save(obj, f)
+                if isinstance(obj, str):
+                    f.write(obj.encode())
+                else:
+                    torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
 
@@ -197,7 +197,7 @@ class PendingCheckpoint:
         ctx.barrier()
         if ctx.rank == 0:
             tmp = out_dir / f".{self.path.name}.tmp"
-            _fsync_tree(tmp)
+            _fsync_tree(tmp, files=False)  # (each rank fsynced its files)
             shutil.rmtree(self.path, ignore_errors=True)
             os.replace(tmp, self.path)
             fsync_dir(out_dir)  # (the iteration's new name is durable before the tracker names it)
@@ -270,18 +270,9 @@ def _load_own_shard(iter_dir: Path, policy: Any, optimizer: Any) -> None:
     torch.set_rng_state(blob["rng"])
 
 
-def _full_name(local: str, stage_start: int, model: Any) -> str:
-    """A stage's parameter name in the full form (global layer numbers; the last stage's copy of a
-    tied embedding is the embedding)."""
-    m = _LAYER.match(local)
-    if m:
-        return f"decoder.layers.{int(m.group(1)) + stage_start}.{m.group(2)}"
-    return "embedding.word_embeddings.weight" if local == "output_layer.weight" and model.tie_word_embeddings else local
-
-
 class _SavedOptimizer:
     """The AdamW states of a checkpoint's saved ranks by parameter: ``part(tp_rank, stage, field)`` is
-    one saved (TP rank, stage)'s ``exp_avg``, ``exp_avg_sq`` or float32 ``main`` copies under the
+    one saved (TP rank, stage)'s ``weights``, ``exp_avg``, ``exp_avg_sq`` or float32 ``main`` copies under the
     parameters' local names, over the files of every data-parallel replica and expert-parallel rank
     that holds a part of them (memory-mapped); ``steps`` each parameter's AdamW step count."""
 
@@ -314,6 +305,8 @@ class _SavedOptimizer:
 
     def part(self, tp_rank: int, stage: int, field: str) -> dict[str, torch.Tensor]:
         weights, states = self._states(tp_rank, stage)
+        if field == "weights":
+            return weights
         out: dict[str, torch.Tensor] = {}
         for optim in states:
             if field == "main":
@@ -331,7 +324,7 @@ class _SavedOptimizer:
         out: dict[str, float] = {}
         for stage in range(len(split)):
             for optim in self._states(0, stage)[1]:
-                out.update((_full_name(name, sum(split[:stage]), self.model), float(optim["state"][i]["step"]))
+                out.update((full_name(name, sum(split[:stage]), self.model), float(optim["state"][i]["step"]))
                            for i, name in enumerate(optim[STATE_NAMES]) if i in optim["state"])
         return out
 
@@ -349,16 +342,16 @@ def _load_resharded(iter_dir: Path, saved: dict[str, Any], policy: Any, optimize
     out = iter_dir.parent
     split = ctx.stage_layers(model.num_layers)
     here = (ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank, split)
-    policy.load_local_state_dict(local_state_dict(MegatronCheckpointReader(out, iteration=iter_dir), model, *here))
     states = _SavedOptimizer(iter_dir, saved, model)
 
-    def field(name: str) -> dict[str, torch.Tensor]:
+    def field(name: str) -> dict[str, torch.Tensor]:  # (weights, or one of AdamW's fields) for this rank
         full = MegatronCheckpointReader(out, iteration=iter_dir, shards=lambda t, s: states.part(t, s, name))
         return local_state_dict(full, model, *here)
 
+    policy.load_local_state_dict(field("weights"))
     saved_steps = states.steps()
     steps = {n: saved_steps[f] for n in optimizer.names
-             if (f := _full_name(n, sum(split[:ctx.pp_rank]), model)) in saved_steps}
+             if (f := full_name(n, sum(split[:ctx.pp_rank]), model)) in saved_steps}
     optimizer.load_named_state({k: field(k) for k in ("exp_avg", "exp_avg_sq")}, steps,
                                field("main") if states.has_main() else None)
     rng = iter_dir / shard_dir_name(0, 0, saved["pipeline_model_parallel_size"]) / "model_optim_rng.pt"

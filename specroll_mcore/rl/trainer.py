@@ -32,9 +32,9 @@ from specroll_mcore import parallel
 from specroll_mcore.checkpoint.convert import TOKENIZER_FILES
 from specroll_mcore.checkpoint.shard import expert_global_name
 from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
-from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, iteration_layout, load_policy, model_config_of,
-                                                read_checkpoint_config, stage_layers_of, stop_token_ids,
-                                                write_text_atomic)
+from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, LAYOUT_KEYS, iteration_layout, load_policy,
+                                                model_config_of, read_checkpoint_config, stage_layers_of,
+                                                stop_token_ids, write_text_atomic)
 from specroll_mcore.checkpoint.train_state import (PendingCheckpoint, latest_training_checkpoint, layout_changes,
                                                    load_training_checkpoint, reshard_refusal, save_training_checkpoint,
                                                    training_layout)
@@ -139,18 +139,15 @@ class GRPOTrainer:
         return evaluate(self.engine, self.eval_set, self.cfg.eval, self.scorer, self.ctx)
 
     def _prepare_output(self) -> None:
-        has_checkpoint = latest_training_checkpoint(self.out) is not None
-        if not self.cfg.resume and has_checkpoint:
+        latest = latest_training_checkpoint(self.out)
+        if not self.cfg.resume and latest is not None:
             raise FileExistsError(f"{self.out} already holds a training checkpoint; pass --resume to continue it "
                                   f"or choose another TrainConfig.output_dir")
-        layout = {"tensor_model_parallel_size": self.ctx.tp_size, "pipeline_model_parallel_size": self.ctx.pp_size,
-                  "pipeline_stage_layers": self.ctx.stage_layers(self.policy.config.num_layers)}
+        here = training_layout(self.policy, self.optimizer)
         settings = json.loads(json.dumps(self.cfg, default=vars))  # (as the run's config records them)
-        if has_checkpoint:
+        if latest is not None:
             meta = read_checkpoint_config(self.out)
-            saved = {k: meta.get(k) for k in layout}
-            saved["pipeline_stage_layers"] = stage_layers_of(meta, self.policy.config)  # (older runs: even)
-            self._check_layout(saved, layout)
+            self._check_layout(latest, meta, here)
             # a longer run or another lr is legitimate, but never silent: the exact continuation needs the same
             # seed, data and sampling settings
             changed = changed_settings(meta.get("train_config") or {}, settings)
@@ -162,7 +159,7 @@ class GRPOTrainer:
             if not self.cfg.resume and (self.out / "metrics.jsonl").is_file():
                 (self.out / "metrics.jsonl").unlink()  # a fresh run: no rows from an earlier, unsaved one
             meta = read_checkpoint_config(self.source)
-            meta.update(**layout, trained_from=str(self.source), train_config=settings)
+            meta.update(**{k: here[k] for k in LAYOUT_KEYS}, trained_from=str(self.source), train_config=settings)
             # (other ranks may be reading it meanwhile; a kill leaves the old one whole)
             write_text_atomic(self.out / CONFIG_FILE, json.dumps(meta, indent=2, default=str))
             for name in TOKENIZER_FILES:
@@ -170,20 +167,23 @@ class GRPOTrainer:
                     shutil.copy2(self.source / name, self.out / name)
         self.ctx.barrier()
 
-    def _check_layout(self, saved: dict[str, Any], layout: dict[str, Any]) -> None:
+    def _check_layout(self, latest: Path, meta: dict[str, Any], here: dict[str, Any]) -> None:
         """A resume at another layout reshards the latest checkpoint (checkpoint/train_state.py), one of
         a run that records its layout and names its optimizer state; anything else is refused here,
-        before this run's layout is written over the saved one."""
-        iteration = latest_training_checkpoint(self.out)
-        recorded = iteration_layout(iteration)
-        here = training_layout(self.policy, self.optimizer)
-        changes = layout_changes(recorded, here) if recorded is not None else (
-            [f"{k} {saved[k]} -> {layout[k]}" for k in layout if saved[k] != layout[k]])
+        before this run's layout is written over the saved one. ``meta``: the run's config (the layout
+        of iterations saved before they recorded their own)."""
+        recorded = iteration_layout(latest)
+        if recorded is not None:
+            changes = layout_changes(recorded, here)
+            why = reshard_refusal(recorded, here)
+        else:
+            saved = {**{k: meta.get(k) for k in LAYOUT_KEYS},
+                     "pipeline_stage_layers": stage_layers_of(meta, self.policy.config)}  # (older runs: even)
+            changes = [f"{k} {saved[k]} -> {here[k]}" for k in LAYOUT_KEYS if saved[k] != here[k]]
+            why = ("it was written before checkpoints recorded their layout; resume with the parallel config it "
+                   "was saved with (ParallelConfig)")
         if not changes:
             return
-        why = reshard_refusal(recorded, here) if recorded is not None else (
-            "it was written before checkpoints recorded their layout; resume with the parallel config it was "
-            "saved with (ParallelConfig)")
         if why is not None:
             raise ValueError(f"{self.out} was trained in another parallel layout ({'; '.join(changes)}): {why}")
         if self.ctx.rank == 0:
