@@ -692,6 +692,13 @@ class GenerateConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     """The speculative engine's settings (num_heads comes from the saved heads)."""
 
+    max_num_seqs: Optional[int] = None
+    """The most responses a rollout decodes at once (vLLM's ``max_num_seqs``): a call's prompts go in
+    waves of whole prompts, one after another, each holding the KV cache of its own responses only.
+    null: all at once. At least ``sampling.num_samples``. Tokens do not depend on it. A rollout whose KV
+    cache does not fit in the memory a rank has free is refused before anything is allocated, naming
+    the largest value that fits."""
+
     output: Optional[str] = None
     """Write one JSON line per response here."""
 
@@ -699,7 +706,17 @@ class GenerateConfig:
         _check(self.engine in ("vanilla", "specroll"),
                f"GenerateConfig.engine must be 'vanilla' or 'specroll', got {self.engine!r}")
         _check(len(self.prompts) > 0, "GenerateConfig.prompts is empty; give at least one prompt")
+        _check_max_num_seqs(self.max_num_seqs, [self.sampling], "GenerateConfig")
         _check_template_kwargs(self.chat_template_kwargs, "GenerateConfig")
+
+
+def _check_max_num_seqs(value: Any, samplings: Sequence[SamplingConfig], owner: str) -> None:
+    _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+           f"{owner}.max_num_seqs must be a positive number of responses (or null: all at once), got {value!r}")
+    need = max(sp.num_samples for sp in samplings)
+    _check(value is None or value >= need,
+           f"{owner}.max_num_seqs ({value}) is below the {need} samples of a prompt, which are decoded together; "
+           f"raise it to at least {need}")
 
 
 def _one_of(names: Sequence[str]) -> str:
@@ -1091,6 +1108,13 @@ class TrainConfig:
     run returns. Under a job scheduler's time limit, the limit less the longest step and a save, so that
     the job ends itself rather than being killed. null: no limit."""
 
+    max_num_seqs: Optional[int] = None
+    """The most responses a rollout decodes at once (vLLM's ``max_num_seqs``): a call's prompts go in
+    waves of whole prompts, one after another, each holding the KV cache of its own responses only.
+    null: all at once. At least ``sampling.num_samples``. Tokens do not depend on it. A rollout whose KV
+    cache does not fit in the memory a rank has free is refused before anything is allocated, naming
+    the largest value that fits."""
+
     compare_vanilla_every: int = 0
     """Also run the vanilla engine on the same step's prompts every N steps (timing; identical tokens
     are checked). 0 disables."""
@@ -1104,6 +1128,7 @@ class TrainConfig:
         _check(self.reward_fn is None or (isinstance(self.reward_fn, str) and all(self.reward_fn.partition(":")[::2])),
                f"TrainConfig.reward_fn must look like 'module:function', got {self.reward_fn!r}")
         _check(self.prompts_per_step >= 1, f"TrainConfig.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        _check_max_num_seqs(self.max_num_seqs, [self.sampling, self.eval.sampling], "TrainConfig")
         _check(self.micro_batch_size >= 1, f"TrainConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         # GRPO's advantages compare a prompt's responses with each other: alike responses teach nothing
         _check(self.sampling.num_samples >= 2,

@@ -271,9 +271,9 @@ class ParallelContext:
             self._all_reduce(tensor, self.dp_group)
         return tensor
 
-    def all_reduce_pp(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce_pp(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.pp_size > 1:
-            self._all_reduce(tensor, self.pp_group)
+            self._all_reduce(tensor, self.pp_group, getattr(dist.ReduceOp, op.upper()))
         return tensor
 
     def all_reduce_embedding_group(self, tensor: torch.Tensor) -> torch.Tensor:

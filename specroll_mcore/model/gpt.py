@@ -276,15 +276,27 @@ class PolicyModel(torch.nn.Module):
         batch-invariant policy's steps read whole key blocks (model/attention.py); where the
         step-attention kernel runs them (its dtypes and head dimensions), keys are stored position-major
         for it."""
-        kernel = False
-        if self.batch_invariant:
-            capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
-            kernel = (self.dtype in STEP_ATTENTION_DTYPES and self.config.kv_channels in STEP_ATTENTION_HEAD_DIMS
-                      and step_attention_kernels() is not None)
+        kernel = (self.batch_invariant and self.dtype in STEP_ATTENTION_DTYPES
+                  and self.config.kv_channels in STEP_ATTENTION_HEAD_DIMS and step_attention_kernels() is not None)
         layers = [layer.self_attention.layer_number for layer in self.gpt.decoder.layers]
-        topk = self.config.moe_router_topk if self.record_routing and self.routers else 0
-        return KVCache(num_slots, capacity, self.ctx.device, self.dtype, layers, position_major_keys=kernel,
-                       routing_topk=topk)
+        return KVCache(num_slots, self._cache_capacity(capacity), self.ctx.device, self.dtype, layers,
+                       position_major_keys=kernel, routing_topk=self._routing_topk())
+
+    def kv_cache_bytes(self, num_slots: int, capacity: int) -> int:
+        """The memory :meth:`new_cache` ``(num_slots, capacity)`` takes on this rank once written: the keys
+        and values of this stage's layers for this TP rank's query groups (and the experts each token was
+        routed to, where routing is recorded)."""
+        attention = self.gpt.decoder.layers[0].self_attention
+        per_position = (2 * attention.num_query_groups_per_partition * attention.hidden_size_per_attention_head
+                        * self.dtype.itemsize + 2 * self._routing_topk())  # (routing: int16)
+        return len(self.gpt.decoder.layers) * num_slots * self._cache_capacity(capacity) * per_position
+
+    def _cache_capacity(self, capacity: int) -> int:
+        """A cache's positions per slot: a batch-invariant policy's steps read whole key blocks."""
+        return -(-capacity // KEY_BLOCK) * KEY_BLOCK if self.batch_invariant else capacity
+
+    def _routing_topk(self) -> int:
+        return self.config.moe_router_topk if self.record_routing and self.routers else 0
 
     @property
     def batch_invariant(self) -> bool:

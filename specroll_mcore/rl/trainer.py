@@ -101,11 +101,11 @@ class GRPOTrainer:
                                      math_verify) if cfg.eval.enabled else None
         self.scorer = make_scorer(cfg, self.tokenizer, self.reward_fn)
 
-        groups = cfg.parallel.rollout_groups
+        scheduling = {"pipeline_groups": cfg.parallel.rollout_groups, "max_num_seqs": cfg.max_num_seqs}
         self.engine = engine_for(cfg.engine, self.policy, cfg.spec, self.source, eos_token_ids=self.eos,
-                                 tokenizer=self.tokenizer, pipeline_groups=groups)
+                                 tokenizer=self.tokenizer, **scheduling)
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer,
-                                     pipeline_groups=groups) if cfg.compare_vanilla_every else None
+                                     **scheduling) if cfg.compare_vanilla_every else None
         # (named as checkpoints hold them: a run in another layout loads AdamW's states by these names)
         experts = (self.policy.config.num_experts, self.ctx.ep_size, self.ctx.ep_rank)
         names, params = zip(*[(expert_global_name(n, *experts), p) for n, p in self.policy.gpt.named_parameters()

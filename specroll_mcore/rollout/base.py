@@ -103,6 +103,110 @@ class FinishRules:
         return None
 
 
+def check_max_num_seqs(max_num_seqs: Optional[int]) -> Optional[int]:
+    """An engine's ``max_num_seqs``: None, or a positive number of responses."""
+    if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
+                                     or max_num_seqs < 1):
+        raise ValueError(f"max_num_seqs must be a positive number of responses (or None: all at once), "
+                         f"got {max_num_seqs!r}")
+    return max_num_seqs
+
+
+def plan_waves(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, rules: FinishRules,
+               extra_capacity: int, max_num_seqs: Optional[int]) -> list[slice]:
+    """The prompts a rollout decodes together, one wave after another: all of them, or with
+    ``max_num_seqs`` (vLLM's name: the most responses in flight) as many consecutive whole prompts as
+    keep their responses within it (a prompt is prefilled once for its ``num_samples`` responses).
+
+    Before anything is allocated, the KV cache of the largest wave is checked against the memory this
+    rank has free (:func:`available_memory`); where it does not fit on one rank of the model-parallel
+    group, every rank of the group raises the same error, naming how many responses would fit. (A collective of the
+    tensor-, pipeline- and expert-parallel groups: one rank's out-of-memory would leave the others
+    waiting in the forward's collectives.) Tokens do not depend on the waves: the sampling noise is keyed
+    by prompt id, sample and position."""
+    G, P = sampling.num_samples, len(prompts)
+    if max_num_seqs is not None and max_num_seqs < G:
+        raise ValueError(f"max_num_seqs ({max_num_seqs}) is below sampling.num_samples ({G}): a prompt's responses "
+                         f"are decoded together (its prompt is prefilled once for all of them); raise max_num_seqs "
+                         f"to at least {G}")
+    per = P if max_num_seqs is None else max(1, max_num_seqs // G)
+    waves = [slice(s, min(s + per, P)) for s in range(0, P, per)]
+    capacity = max(len(p) + rules.limit(len(p)) for p in prompts) + extra_capacity
+    need = model.kv_cache_bytes(min(P, per) * G, capacity)
+    per_response = model.kv_cache_bytes(1, capacity)
+    free = available_memory(model.ctx.device)
+    fits = (free // per_response) // G * G if free is not None else 1 << 40  # whole prompts' responses
+    ctx = model.ctx
+    verdict = torch.tensor([float(free is not None and need > free), -float(fits)], dtype=torch.float64,
+                           device=ctx.device)
+    ctx.all_reduce_tp(verdict, "max")
+    ctx.all_reduce_pp(verdict, "max")
+    ctx.all_reduce_ep(verdict, "max")
+    if verdict[0] > 0:
+        gib = 1 << 30
+        here = (f"{need / gib:.2f} GiB on this rank, which has {free / gib:.2f} GiB free"
+                if free is not None and need > free else "more memory than another rank of its model-parallel "
+                                                         "group has free")
+        fit = int(-verdict[1])
+        advice = (f"set max_num_seqs to at most {fit} (the responses decoded at once)" if fit >= G else
+                  "not even one prompt's responses fit: lower sampling.max_new_tokens or num_samples, or spread the "
+                  "model over more ranks")
+        raise ValueError(f"the KV cache of {min(P, per) * G} responses of up to {capacity} positions needs {here}; "
+                          f"{advice}")
+    return waves
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes a new allocation can take on ``device``: on a GPU what the driver has free plus what torch's
+    caching allocator holds unused; on a Linux CPU the kernel's estimate of available memory
+    (``MemAvailable``), within the cgroup's limit where one is set (a container's); None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        free = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(0, free)
+
+
+def merge_outputs(outs: Sequence[RolloutOutput]) -> RolloutOutput:
+    """The outputs of a rollout's waves (consecutive prompts, :func:`plan_waves`) as one: responses in
+    order, counters and times summed, tau, tree size and acceptance over every wave's steps."""
+    if len(outs) == 1:
+        return outs[0]
+    stats = combined_stats([o.stats for o in outs])
+    for key in ("forwards", "tokens", "steps", "prefill_s", "total_s"):
+        if key in stats:
+            stats[key] = sum(o.stats[key] for o in outs)
+    if "time_split_s" in stats:
+        stats["time_split_s"] = {k: sum(o.stats["time_split_s"][k] for o in outs) for k in stats["time_split_s"]}
+    if "tau_per_row" in stats:
+        stats["tau_per_row"] = [t for o in outs for t in o.stats["tau_per_row"]]
+    stats.update(tokens_per_s=stats["tokens"] / max(stats["total_s"], 1e-9), waves=len(outs))
+
+    def joined(name: str) -> Any:
+        parts = [getattr(o, name) for o in outs]
+        return None if parts[0] is None else [x for part in parts for x in part]
+
+    return RolloutOutput(prompt_index=joined("prompt_index"), sample_index=joined("sample_index"),
+                         tokens=joined("tokens"), logprobs=joined("logprobs"), finish_reason=joined("finish_reason"),
+                         stats=stats, features=joined("features"), routing=joined("routing"))
+
+
 def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]],
             max_tokens_per_forward: int, return_hidden: bool = False):
     """Prefill prompt p into cache slot p; returns the logits at each prompt's last token

@@ -38,9 +38,10 @@ from specroll_mcore.cpu_gemm import contents_key
 from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vocab_parallel_logsumexp,
                                   vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
-from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         in_cache_order, keep_rows, nodes_per_row, num_groups, run_groups,
-                                         split_groups, tokens_per_step, validate_prompts)
+from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_max_num_seqs,
+                                         check_tokenizer_fits, in_cache_order, keep_rows, merge_outputs,
+                                         nodes_per_row, num_groups, plan_waves, run_groups, split_groups,
+                                         tokens_per_step, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens,
@@ -74,7 +75,7 @@ class SpeculativeEngine:
     def __init__(self, model: PolicyModel, spec: SpecConfig, eos_token_ids: Sequence[int] = (),
                  tokenizer: Any = None, max_prefill_tokens: int = 4096, seed: int = 0,
                  sync_timers: bool = False, latency: Optional[Latency] = None,
-                 pipeline_groups: Optional[int] = None) -> None:
+                 pipeline_groups: Optional[int] = None, max_num_seqs: Optional[int] = None) -> None:
         """``sync_timers``: on a GPU, wait for the device at every stage boundary so that
         ``time_split_s`` charges each stage its own kernels (slower: a profiling run, not a rollout);
         without it a stage's time is its host work plus whatever earlier GPU work it waits on.
@@ -84,6 +85,8 @@ class SpeculativeEngine:
         None: every step uses its whole budget.
         ``pipeline_groups``: groups of responses interleaved over the pipeline stages, each verifying
         under its own node budget (as :class:`VanillaEngine`; None: one per stage).
+        ``max_num_seqs``: the most responses verified at once, as :class:`VanillaEngine`'s (a wave's
+        trees grow as its responses finish, as in any rollout).
         :meth:`state_dict` holds what a resumed run needs to repeat the same rollout statistics."""
         if model.num_heads != spec.num_heads:
             raise ValueError(f"SpecConfig.num_heads ({spec.num_heads}) != heads of the policy ({model.num_heads}); "
@@ -106,6 +109,7 @@ class SpeculativeEngine:
         self.proposed_latency = self.latency.proposed() if isinstance(self.latency, StepCost) else self.latency
         self.calibration = DepthCalibration(spec.num_heads)  # how far the drafts' beliefs hold, per depth
         self.groups = num_groups(pipeline_groups, model.ctx.pp_size)
+        self.max_num_seqs = check_max_num_seqs(max_num_seqs)
 
     def state_dict(self) -> dict[str, Any]:
         """Speed-only state that outlives a rollout: the tree-size calibration and the slow path's."""
@@ -405,19 +409,25 @@ class SpeculativeEngine:
                 out.stats["tokens_per_s"] = out.stats["tokens"] / max(out.stats["total_s"], 1e-9)
         return out
 
-    @torch.inference_mode()
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int,
                   prompt_ids: Optional[Sequence[int]]) -> RolloutOutput:
+        """:meth:`generate` without the slow path's end of a batch: the rollout, in waves."""
         cfg = self.model.config
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
+        waves = plan_waves(self.model, prompts, sampling, rules, self.spec.n_max, self.max_num_seqs)
+        with self.model.expert_lockstep():  # (expert parallelism: forwards in step with the EP group)
+            return merge_outputs([self._wave(prompts[w], sampling, step, ids[w], rules) for w in waves])
+
+    @torch.inference_mode()
+    def _wave(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int, ids: list[int],
+              rules: FinishRules) -> RolloutOutput:
         rollout = _Rollout(self, sampling)
         self._draft_vocab = self.draft_vocab()  # (the output layer may have changed since the last rollout)
-        with self.model.expert_lockstep():  # (expert parallelism: forwards in step with the EP group)
-            state = RolloutState(self.model, prompts, ids, sampling, step, rules, extra_capacity=self.spec.n_max)
-            groups = rollout.start(state, prompts)
-            run_groups(lambda i: groups[i].slots.numel() > 0, len(groups), self.model.ctx,
-                       lambda i: rollout.forward(groups[i]), lambda i: rollout.advance(groups[i]))
+        state = RolloutState(self.model, prompts, ids, sampling, step, rules, extra_capacity=self.spec.n_max)
+        groups = rollout.start(state, prompts)
+        run_groups(lambda i: groups[i].slots.numel() > 0, len(groups), self.model.ctx,
+                   lambda i: rollout.forward(groups[i]), lambda i: rollout.advance(groups[i]))
         return state.output(rollout.stats())
 
 

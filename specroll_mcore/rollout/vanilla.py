@@ -18,9 +18,9 @@ import torch
 from specroll_mcore.config import SamplingConfig
 from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel
-from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         in_cache_order, keep_rows, num_groups, run_groups, sample_rows, split_groups,
-                                         validate_prompts)
+from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_max_num_seqs,
+                                         check_tokenizer_fits, in_cache_order, keep_rows, merge_outputs, num_groups,
+                                         plan_waves, run_groups, sample_rows, split_groups, validate_prompts)
 from specroll_mcore.sampling import top_distribution, upcast
 
 
@@ -39,10 +39,13 @@ class VanillaEngine:
 
     ``pipeline_groups``: how many groups of responses a rollout interleaves over the pipeline
     stages (:func:`run_groups`; None: one per stage, which keeps every stage busy; 1: the whole
-    batch per forward, stages one after another). Tokens do not depend on it."""
+    batch per forward, stages one after another). ``max_num_seqs``: the most responses decoded at
+    once (None: all of a call's), whole prompts in waves (:func:`plan_waves`). Tokens depend on
+    neither."""
 
     def __init__(self, model: PolicyModel, eos_token_ids: Sequence[int] = (), tokenizer: Any = None,
-                 max_prefill_tokens: int = 4096, pipeline_groups: Optional[int] = None) -> None:
+                 max_prefill_tokens: int = 4096, pipeline_groups: Optional[int] = None,
+                 max_num_seqs: Optional[int] = None) -> None:
         if tokenizer is not None:
             check_tokenizer_fits(tokenizer, model.config.vocab_size)
         self.model = model
@@ -50,6 +53,7 @@ class VanillaEngine:
         self.tokenizer = tokenizer
         self.max_prefill_tokens = max_prefill_tokens
         self.groups = num_groups(pipeline_groups, model.ctx.pp_size)
+        self.max_num_seqs = check_max_num_seqs(max_num_seqs)
 
     def held_out(self) -> contextlib.AbstractContextManager:
         """As :meth:`SpeculativeEngine.held_out`; this engine keeps nothing from one rollout to the next."""
@@ -70,14 +74,17 @@ class VanillaEngine:
         if features_topk < 0 or features_topk > self.model.config.vocab_size:
             raise ValueError(f"features_topk must be in [0, vocab size {self.model.config.vocab_size}], "
                              f"got {features_topk}")
-        with self.model.expert_lockstep():  # (expert parallelism: forwards in step with the EP group)
-            return self._generate(prompts, sampling, step, prompt_ids, features_topk)
-
-    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int,
-                  prompt_ids: Optional[Sequence[int]], features_topk: int) -> RolloutOutput:
-        model, cfg = self.model, self.model.config
+        cfg = self.model.config
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
+        waves = plan_waves(self.model, prompts, sampling, rules, 0, self.max_num_seqs)
+        with self.model.expert_lockstep():  # (expert parallelism: forwards in step with the EP group)
+            return merge_outputs([self._wave(prompts[w], sampling, step, ids[w], rules, features_topk)
+                                  for w in waves])
+
+    def _wave(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int, ids: list[int],
+              rules: FinishRules, features_topk: int) -> RolloutOutput:
+        model = self.model
         device = model.ctx.device
         t0 = time.perf_counter()
 

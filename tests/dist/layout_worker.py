@@ -126,9 +126,36 @@ def run(arch: str, dtype: str, ctx) -> dict:
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], pipeline_groups=3).generate(
             PROMPTS, sp, step=1)
         out["spec-groups3-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        # in waves of at most two prompts' responses
+        r = VanillaEngine(model, eos_token_ids=[3], max_num_seqs=2 * sp.num_samples).generate(PROMPTS, sp, step=1)
+        out["waves-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], max_num_seqs=sp.num_samples).generate(
+            PROMPTS, sp, step=1)
+        out["spec-waves-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+    out["refused"] = refused(model, ctx)
     out["adapt"] = adapt(model, ctx)
     out["draft_vocab"] = draft_vocab(model)
     return out
+
+
+def refused(model, ctx) -> str:
+    """The error every rank raises when the KV cache does not fit on one of them: the ranks but the one
+    whose results are saved see room for three responses only. (Each rank raising alone would leave
+    the others in the forward's collectives.)"""
+    from specroll_mcore.rollout import base
+
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=16, num_samples=2)
+    capacity = max(len(p) for p in PROMPTS) + sp.max_new_tokens
+    free = base.available_memory
+    if not (ctx.is_last_stage and ctx.tp_rank == 0):
+        base.available_memory = lambda device: 3 * model.kv_cache_bytes(1, capacity)
+    try:
+        VanillaEngine(model).generate(PROMPTS, sp)
+    except ValueError as e:
+        return str(e)
+    finally:
+        base.available_memory = free
+    return "not refused"
 
 
 def draft_vocab(model) -> dict:

@@ -339,6 +339,21 @@ def test_bench_checkpoint_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     assert code != 0 and "--steps must be >= 2 (the last step's checkpoint is written at once)" in err
 
 
+def test_bench_waves_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "w.json"
+    run_tool("bench_waves.py", "--checkpoint", tiny_ckpt, "--prompts", 3, "--samples", 2, "--max-new-tokens", 8,
+             "--max-num-seqs", 4, "--reps", 2, "--out", out)
+    report = json.loads(out.read_text())
+    for name in ("vanilla", "specroll"):
+        row = report["engines"][name]
+        assert row["identical"] and row["waves"] == 2 and len(row["paired_ratios"]) == 2
+        assert 0 < row["kv_cache_mib"]["waves"] < row["kv_cache_mib"]["together"]
+    code, err = refused(capsys, "bench_waves.py", "--prompts", 2, "--samples", 4, "--max-num-seqs", 8)
+    assert code != 0 and "fewer than the 8 responses (else there is one wave" in err
+    code, err = refused(capsys, "bench_waves.py", "--samples", 4, "--max-num-seqs", 3)
+    assert code != 0 and "--max-num-seqs must hold one prompt's 4 samples" in err
+
+
 def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "u.json"
     run_tool("bench_update.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--samples", 3, "--max-new-tokens", 6,

@@ -166,9 +166,10 @@ def test_chat_template_kwargs_reach_the_template(tiny_ckpt, tmp_path, ctx):
 
 
 def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
-    """The exactness contract at the RL level: same rollouts, rewards and losses for 3 steps."""
+    """The exactness contract at the RL level: same rollouts, rewards and losses for 3 steps (SpecRoll's
+    rollouts, and the vanilla ones timed beside them, in waves of one prompt's responses)."""
     a = run_rows(tiny_ckpt, tmp_path / "v", "engine=vanilla")
-    b = run_rows(tiny_ckpt, tmp_path / "s", "engine=specroll", "compare_vanilla_every=1")
+    b = run_rows(tiny_ckpt, tmp_path / "s", "engine=specroll", "compare_vanilla_every=1", "max_num_seqs=3")
     assert all(r["rollouts_identical"] and r["vanilla_gen_s"] > 0 for r in b)  # vanilla timed first at step 2
     assert all(0 <= r["update_padding"] < 1 for r in a)
     for ra, rb in zip(a, b):
@@ -179,6 +180,19 @@ def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
         for k in ("loss", "grad_norm", "clip_fraction"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (k, ra[k], rb[k])  # loss ~ 0 on-policy
     assert len({r["reward_mean"] for r in a}) > 1 or a[0]["grad_norm"] > 0  # there was a learning signal
+
+
+def test_max_num_seqs_reaches_the_rollouts_and_their_evaluation(tiny_ckpt, tmp_path, ctx, monkeypatch):
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(
+        tiny_ckpt, tmp_path, "steps=1", "engine=specroll", "compare_vanilla_every=1", "max_num_seqs=4",
+        "eval.every=1", "eval.sampling.num_samples=2", "eval.sampling.temperature=1.0", *EVAL)))
+    slots = []
+    new_cache = trainer.policy.new_cache
+    monkeypatch.setattr(trainer.policy, "new_cache",
+                        lambda num_slots, capacity: slots.append(num_slots) or new_cache(num_slots, capacity))
+    trainer.run()
+    # training: 2 prompts x 3 samples, one prompt a wave, in both engines; evaluation: 6 prompts x 2, two a wave
+    assert slots == [3, 3, 3, 3, 4, 4, 4]
 
 
 EVAL = ["eval.data.limit=6", "eval.sampling.max_new_tokens=10", "eval.batch_prompts=4"]

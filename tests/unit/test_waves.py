@@ -1,0 +1,155 @@
+"""Rollouts in waves (``max_num_seqs``): the same responses as one batch, the KV cache of a wave at a
+time, and a KV cache larger than the memory free refused before it is allocated."""
+
+import pytest
+import torch
+
+from conftest import make_policy
+from test_speculative import policy_with_heads
+from specroll_mcore.config import GenerateConfig, SamplingConfig, SpecConfig, TrainConfig, tiny_llama, tiny_qwen3_moe
+from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, base
+
+PROMPTS = [[11, 12, 13, 14], [21], [31, 32, 33, 34, 35, 36, 37], [41, 42], [51, 52, 53]]
+SAMPLING = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=30, num_samples=2, seed=5)
+
+
+def caches_made(model, monkeypatch):
+    """The KV caches ``model`` makes from now on, recorded."""
+    made, new_cache = [], model.new_cache
+
+    def spy(num_slots, capacity):
+        made.append(new_cache(num_slots, capacity))
+        made[-1].requested = (num_slots, capacity)
+        return made[-1]
+
+    monkeypatch.setattr(model, "new_cache", spy)
+    return made
+
+
+def same_rollout(a, b):
+    assert a.prompt_index == b.prompt_index and a.sample_index == b.sample_index
+    assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+    assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+
+
+@pytest.mark.parametrize("engine_name", ["vanilla", "specroll"])
+def test_waves_give_the_rollout_of_one_batch(ctx, monkeypatch, engine_name):
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    eos = VanillaEngine(model).generate(PROMPTS, SAMPLING, step=3).tokens[0][9]  # a token some response emits
+
+    def engine(max_num_seqs):
+        if engine_name == "vanilla":
+            return VanillaEngine(model, eos_token_ids=[eos], max_num_seqs=max_num_seqs)
+        return SpeculativeEngine(model, SpecConfig(c_hw=16), eos_token_ids=[eos], max_num_seqs=max_num_seqs)
+
+    ids = [7, 3, 9, 0, 4]
+    whole = engine(None).generate(PROMPTS, SAMPLING, step=3, prompt_ids=ids)
+    assert "eos" in whole.finish_reason and len({len(t) for t in whole.tokens}) > 1  # ragged, early EOS
+    made = caches_made(model, monkeypatch)
+    # 2 prompts' responses a wave (5 allows no third prompt's two), one prompt a wave, all in one
+    for max_num_seqs, slots in ((5, [4, 4, 2]), (2, [2] * 5), (10, [10])):
+        made.clear()
+        out = engine(max_num_seqs).generate(PROMPTS, SAMPLING, step=3, prompt_ids=ids)
+        same_rollout(out, whole)
+        assert [c.num_slots for c in made] == slots
+        assert out.stats.get("waves", 1) == len(slots)
+        assert out.stats["tokens"] == out.num_tokens
+        if engine_name == "specroll":  # tau and acceptance over every wave's steps
+            steps = out.stats["per_step"]
+            assert out.stats["tau"] == pytest.approx(sum(p["emitted"] for p in steps) / sum(p["active"] for p in steps))
+            assert len(out.stats["tau_per_row"]) == len(PROMPTS) * 2
+            assert sum(out.stats["tried_per_depth"]) > 0
+
+
+def test_waves_keep_features_and_expert_routing(ctx):
+    """What the policy update and head distillation read from a rollout survives the waves."""
+    model = make_policy(tiny_qwen3_moe(params_dtype="float64"), ctx, seed=2)
+    model.record_routing = True
+    try:
+        whole = VanillaEngine(model).generate(PROMPTS, SAMPLING, features_topk=4)
+        out = VanillaEngine(model, max_num_seqs=4).generate(PROMPTS, SAMPLING, features_topk=4)
+    finally:
+        model.record_routing = False
+    same_rollout(out, whole)
+    assert out.stats["waves"] == 3
+    for a, b in zip(out.routing, whole.routing):
+        assert torch.equal(a, b)
+    for a, b in zip(out.features, whole.features):  # (float64: rows of other batches agree to rounding)
+        assert torch.equal(a.top_ids, b.top_ids) and a.hidden.shape[0] == len(a.top_ids) > 0
+        assert torch.allclose(a.hidden, b.hidden, atol=1e-12) and torch.allclose(a.top_probs, b.top_probs, atol=1e-12)
+
+
+def test_kv_cache_bytes_is_what_the_cache_holds(ctx, monkeypatch):
+    # (bfloat16: on CPUs where it is batch-invariant, the cache holds whole key blocks of positions)
+    models = [make_policy(tiny_llama(), ctx), make_policy(tiny_qwen3_moe(), ctx),
+              make_policy(tiny_llama(params_dtype="bfloat16"), ctx)]
+    for model in models:
+        model.record_routing = True
+        made = caches_made(model, monkeypatch)
+        try:
+            VanillaEngine(model).generate(PROMPTS, SAMPLING)
+            cache = made[0]
+            held = sum(b.nbytes for b in cache._all_buffers())
+            assert held == model.kv_cache_bytes(*cache.requested) > 0
+            assert len(cache._all_buffers()) == (3 if model.config.num_experts else 2)  # keys, values (experts)
+        finally:
+            model.record_routing = False
+
+
+def test_a_kv_cache_larger_than_free_memory_is_refused_with_what_fits(ctx, monkeypatch):
+    model = make_policy(tiny_llama(), ctx)
+    capacity = max(len(p) for p in PROMPTS) + SAMPLING.max_new_tokens
+    per_response = model.kv_cache_bytes(1, capacity)
+    monkeypatch.setattr(base, "available_memory", lambda device: 5 * per_response + 1)
+    made = caches_made(model, monkeypatch)
+    with pytest.raises(ValueError, match=r"the KV cache of 10 responses of up to 37 positions needs .* GiB on this "
+                                         r"rank, which has .* GiB free; set max_num_seqs to at most 4 \(the responses"):
+        VanillaEngine(model).generate(PROMPTS, SAMPLING)
+    assert not made  # refused before anything was allocated
+    out = VanillaEngine(model, max_num_seqs=4).generate(PROMPTS, SAMPLING)  # what the error advised
+    assert out.stats["waves"] == 3 and max(c.num_slots for c in made) == 4
+    monkeypatch.setattr(base, "available_memory", lambda device: per_response)
+    with pytest.raises(ValueError, match="not even one prompt's responses fit: lower sampling.max_new_tokens"):
+        SpeculativeEngine(policy_with_heads(tiny_llama(), ctx), SpecConfig(c_hw=8)).generate(PROMPTS, SAMPLING)
+    monkeypatch.setattr(base, "available_memory", lambda device: None)  # unknown: not checked
+    VanillaEngine(model).generate(PROMPTS[:1], SAMPLING)
+
+
+def test_a_rank_that_cannot_tell_its_free_memory_follows_the_one_that_is_short(ctx, monkeypatch):
+    """The verdict of another rank of the model-parallel group (a tensor-parallel peer with room for 2
+    responses, here the all-reduce's result) refuses the rollout on this one too."""
+    model = make_policy(tiny_llama(), ctx)
+    monkeypatch.setattr(base, "available_memory", lambda device: None)
+
+    def peer_is_short(tensor, op="sum"):
+        tensor[0], tensor[1] = 1.0, max(float(tensor[1]), -2.0)
+        return tensor
+
+    monkeypatch.setattr(ctx, "all_reduce_tp", peer_is_short)
+    with pytest.raises(ValueError, match="needs more memory than another rank of its model-parallel group has free; "
+                                         "set max_num_seqs to at most 2"):
+        VanillaEngine(model).generate(PROMPTS, SAMPLING)
+
+
+def test_available_memory_on_this_cpu():
+    free = base.available_memory(torch.device("cpu"))
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    assert 0 < free <= total
+
+
+def test_max_num_seqs_errors(ctx):
+    model = make_policy(tiny_llama(), ctx)
+    for bad in (0, -2, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="max_num_seqs must be a positive number of responses"):
+            VanillaEngine(model, max_num_seqs=bad)
+    with pytest.raises(ValueError, match=r"max_num_seqs \(1\) is below sampling.num_samples \(2\): a prompt's "
+                                         r"responses are decoded together"):
+        VanillaEngine(model, max_num_seqs=1).generate(PROMPTS, SAMPLING)
+    with pytest.raises(ValueError, match=r"GenerateConfig.max_num_seqs \(3\) is below the 4 samples of a prompt"):
+        GenerateConfig(max_num_seqs=3, sampling=SamplingConfig(num_samples=4))
+    with pytest.raises(ValueError, match="GenerateConfig.max_num_seqs must be a positive number"):
+        GenerateConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match=r"TrainConfig.max_num_seqs \(2\) is below the 4 samples of a prompt"):
+        TrainConfig(max_num_seqs=2)  # (GRPO's default groups of 4)
+    assert TrainConfig(max_num_seqs=8).max_num_seqs == 8
