@@ -279,8 +279,10 @@ class GRPOTrainer:
             minis = self._mini_batches(seqs)
             norm, loss, parts, skipped, extra = self._update(minis)
             mbs = [mb for part in minis for mb in part]
-            real, positions = sum(int(mb.lengths.sum()) for mb in mbs), sum(mb.input_ids.numel() for mb in mbs)
-            extra["update_padding"] = 1.0 - real / positions  # this replica's share of padded positions
+            counts = torch.tensor([sum(float(mb.lengths.sum()) for mb in mbs), sum(mb.input_ids.numel() for mb in mbs)],
+                                  dtype=torch.float64)
+            real, positions = ctx.all_reduce_dp(counts).tolist()
+            extra["update_padding"] = 1.0 - real / positions  # the share of padded positions, every replica's
         else:  # dynamic sampling found too few groups with a learning signal: no update
             norm, loss, parts, skipped, extra = 0.0, 0.0, [], True, {}
             self.state["skipped_steps"] += 1

@@ -437,17 +437,24 @@ def combined_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 def over_replicas(stats: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """A speculative rollout's statistics (this data-parallel replica's) with tau, tree size and
-    acceptance per depth over every replica's verification steps, the Reflex gate's share averaged
-    over the replicas (a collective over the data-parallel group); other statistics unchanged."""
+    acceptance per depth over every replica's verification steps, the Reflex gate's share and the
+    slow path's shares of generation time averaged over the replicas, its records summed (a
+    collective over the data-parallel group); other statistics unchanged."""
     if ctx.dp_size == 1 or "tau" not in stats:
         return stats
-    steps = stats["per_step"]
+    steps, sp = stats["per_step"], stats.get("slow_path")
+    slow = [sp["records"], sp["time_share"], sp["monitor_share"]] if sp else [0.0] * 3
     local = torch.tensor([sum(p["emitted"] for p in steps), sum(p["active"] for p in steps),
                           sum(p["nodes_per_row"] * p["active"] for p in steps), stats.get("reflex_gate_open", 0.0),
-                          *stats["tried_per_depth"], *stats["accepted_per_depth"]], dtype=torch.float64)
-    emitted, rows, nodes, gate, *depths = ctx.all_reduce_dp(local.to(ctx.device)).tolist()
+                          *slow, *stats["tried_per_depth"], *stats["accepted_per_depth"]], dtype=torch.float64)
+    emitted, rows, nodes, gate, records, slow_share, monitor_share, *depths = ctx.all_reduce_dp(
+        local.to(ctx.device)).tolist()
     tried, accepted = depths[:len(depths) // 2], depths[len(depths) // 2:]
-    return dict(stats, tau=emitted / max(1.0, rows), nodes_per_row=nodes / max(1.0, rows),
-                reflex_gate_open=gate / ctx.dp_size, tried_per_depth=[int(t) for t in tried],
-                accepted_per_depth=[int(a) for a in accepted],
-                acceptance_per_depth=[a / max(1.0, t) for a, t in zip(accepted, tried)])
+    out = dict(stats, tau=emitted / max(1.0, rows), nodes_per_row=nodes / max(1.0, rows),
+               reflex_gate_open=gate / ctx.dp_size, tried_per_depth=[int(t) for t in tried],
+               accepted_per_depth=[int(a) for a in accepted],
+               acceptance_per_depth=[a / max(1.0, t) for a, t in zip(accepted, tried)])
+    if sp:
+        out["slow_path"] = dict(sp, records=int(records), time_share=slow_share / ctx.dp_size,
+                                monitor_share=monitor_share / ctx.dp_size)
+    return out

@@ -75,12 +75,22 @@ def run(a: argparse.Namespace) -> None:
             r = rollout_round(examples, step, *args, **kwargs)
             st = r.rollout.stats
             dumped.append({"step": step + 1, "gen_s": r.gen_s, "tried": st["tried_per_depth"],
-                           "accepted": st["accepted_per_depth"],
+                           "accepted": st["accepted_per_depth"], "slow_path": st.get("slow_path"),
                            "per_step": [{k: p[k] for k in ("emitted", "active", "nodes_per_row")}
                                         for p in st["per_step"]]})
             return r
 
         trainer._rollout_round = recorded_round
+        mini_batches = trainer._mini_batches
+
+        def recorded_mini_batches(seqs):  # each replica's positions in the update, and the real ones
+            parts = mini_batches(seqs)
+            mbs = [mb for part in parts for mb in part]
+            dumped.append({"step": trainer.state["step"] + 1, "update_real": sum(int(mb.lengths.sum()) for mb in mbs),
+                           "update_positions": sum(mb.input_ids.numel() for mb in mbs)})
+            return parts
+
+        trainer._mini_batches = recorded_mini_batches
     if a.sigterm_after_step is not None and trainer.ctx.rank == trainer.ctx.world_size - 1:
         step = trainer.step
 

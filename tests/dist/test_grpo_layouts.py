@@ -201,13 +201,14 @@ def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
     data-parallel replica ends with the same heads."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=True)
     rows = run(ckpt, tmp_path / "run", tp, 1, 2, "--specroll", "--dump-rollout-stats",
-               "--set=compare_vanilla_every=1")
+               "--set=compare_vanilla_every=1", "--set=prompts_per_step=4", "--set=micro_batch_size=6")
     assert rows[-1]["slow_path_events"] >= 2, rows
     assert json.loads((tmp_path / "run" / "heads_check.json").read_text())["dp_spread"] == 0.0
     # The logged rollout figures are every replica's (DP=2), as each rank recorded its own
     ranks = [json.loads((tmp_path / "run" / f"rollout_stats_rank{r}.json").read_text()) for r in range(2)]
     for row in rows:
-        mine = [[rec for rec in rank if rec["step"] == row["step"]] for rank in ranks]
+        updates = [[rec for rec in rank if rec["step"] == row["step"] and "update_real" in rec] for rank in ranks]
+        mine = [[rec for rec in rank if rec["step"] == row["step"] and "per_step" in rec] for rank in ranks]
         replicas = mine if tp == 1 else mine[:1]  # (TP=2: one replica, whose ranks record the same)
         steps = [p for recs in replicas for rec in recs for p in rec["per_step"]]
         assert row["tau"] == pytest.approx(sum(p["emitted"] for p in steps) / sum(p["active"] for p in steps))
@@ -218,8 +219,16 @@ def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
         assert row["acceptance_per_head"] == pytest.approx([a / max(1, t) for a, t in zip(accepted, tried)])
         if tp == 1:  # the step waits for the slower replica's generation
             assert row["generation_s"] == pytest.approx(max(sum(rec["gen_s"] for rec in recs) for recs in mine))
-        # every replica's tokens (2 prompts x 3 samples in all) over the time the step generated for
-        assert row["gen_tokens_per_s"] == pytest.approx(6 * row["response_len"] / row["generation_s"])
+        # every replica's tokens (4 prompts x 3 samples in all) over the time the step generated for
+        assert row["gen_tokens_per_s"] == pytest.approx(12 * row["response_len"] / row["generation_s"])
+        # the update's padding over every replica's micro-batches; the slow path's records summed over the
+        # replicas, its shares of the generation time averaged
+        real, positions = (sum(rec[k] for recs in updates[:len(replicas)] for rec in recs)
+                           for k in ("update_real", "update_positions"))
+        assert row["update_padding"] == pytest.approx(1 - real / positions) and real < positions
+        slow = [recs[-1]["slow_path"] for recs in replicas]
+        assert row["slow_path_records"] == sum(sp["records"] for sp in slow) > 0
+        assert row["slow_path_share"] == pytest.approx(sum(sp["time_share"] for sp in slow) / len(slow))
         assert row["rollouts_identical"] and row["vanilla_gen_s"] > 0
 
 
