@@ -1109,11 +1109,8 @@ class TrainConfig:
     the job ends itself rather than being killed. null: no limit."""
 
     max_num_seqs: Optional[int] = None
-    """The most responses a rollout decodes at once (vLLM's ``max_num_seqs``): a call's prompts go in
-    waves of whole prompts, one after another, each holding the KV cache of its own responses only.
-    null: all at once. At least ``sampling.num_samples``. Tokens do not depend on it. A rollout whose KV
-    cache does not fit in the memory a rank has free is refused before anything is allocated, naming
-    the largest value that fits."""
+    """:attr:`GenerateConfig.max_num_seqs`, for the rollouts (the vanilla engine's compared ones too) and
+    the evaluation; at least the samples of a prompt in either."""
 
     compare_vanilla_every: int = 0
     """Also run the vanilla engine on the same step's prompts every N steps (timing; identical tokens
