@@ -127,6 +127,9 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=2, help="continuations per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the most continuations sampled at once (VanillaEngine's max_num_seqs; default: a chunk's "
+                         "32 prompts x --samples): a bound on the KV cache's memory")
     ap.add_argument("--target-topk", type=int, default=32, help="the policy's top-K kept as each head's target")
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=256, help="positions per step (over all data-parallel replicas)")
@@ -145,6 +148,9 @@ def main() -> int:
         ap.error(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.steps < 2:
         ap.error(f"--steps must be >= 2 (a warm-up and a decay), got {args.steps}")
+    if args.max_num_seqs is not None and args.max_num_seqs < args.samples:
+        ap.error(f"--max-num-seqs must hold a prompt's {args.samples} continuations (--samples), "
+                 f"got {args.max_num_seqs}")
     try:
         data = (load_config(TrainConfig, args.config, args.set).data if args.config or args.set
                 else DataConfig(instruction=""))  # (the problems as the rollout benchmarks pose them)
@@ -182,7 +188,7 @@ def main() -> int:
         # 1-2. The policy's own continuations, with the hidden states and top-K distributions sampling
         # computed for each token: the distillation records (on the last stage). Prompts go round-robin
         # to the data-parallel replicas (training and held-out alike), in chunks of 32 per replica.
-        engine = VanillaEngine(policy, eos_token_ids=stop_token_ids(ckpt, tok))
+        engine = VanillaEngine(policy, eos_token_ids=stop_token_ids(ckpt, tok), max_num_seqs=args.max_num_seqs)
         sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_samples=args.samples,
                             seed=args.seed)
         train_parts, held_parts = [], []

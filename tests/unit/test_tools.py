@@ -420,7 +420,7 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path, capsys):
     ckpt = tiny_policy_checkpoint(tmp_path / "fresh", with_heads=False)
     out, cache = tmp_path / "h.json", tmp_path / "cache" / "records.pt"  # (its folder made)
     args = ["--checkpoint", ckpt, "--prompts", 4, "--samples", 1, "--max-new-tokens", 8, "--steps", 10, "--batch", 8,
-            "--save-every", 4, "--records-cache", cache, "--out", out]
+            "--save-every", 4, "--records-cache", cache, "--out", out, "--max-num-seqs", 3]
     run_tool("train_heads.py", *args)
     summary = json.loads(out.read_text())
     assert summary["train_positions"] > 0 and summary["heldout_positions"] > 0
@@ -450,6 +450,8 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path, capsys):
     assert code == 2 and "--steps must be >= 2" in err
     code, err = refused(capsys, "train_heads.py", "--num-heads", "0")
     assert code == 2 and "--num-heads must be >= 1, got 0" in err
+    code, err = refused(capsys, "train_heads.py", "--samples", "2", "--max-num-seqs", "1")
+    assert code == 2 and "--max-num-seqs must hold a prompt's 2 continuations (--samples), got 1" in err
 
 
 def test_train_heads_learns_on_a_runs_data(tiny_ckpt, tmp_path, capsys):
