@@ -120,10 +120,10 @@ def plan_waves(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: S
 
     Before anything is allocated, the KV cache of the largest wave is checked against the memory this
     rank has free (:func:`available_memory`); where it does not fit on one rank of the model-parallel
-    group, every rank of the group raises the same error, naming how many responses would fit. (A collective of the
-    tensor-, pipeline- and expert-parallel groups: one rank's out-of-memory would leave the others
-    waiting in the forward's collectives.) Tokens do not depend on the waves: the sampling noise is keyed
-    by prompt id, sample and position."""
+    group, every rank of the group raises the same error, naming how many responses would fit (a
+    collective of the tensor-, pipeline- and expert-parallel groups: one rank out of memory would leave
+    the others waiting in the forward's collectives). Tokens do not depend on the waves: the sampling
+    noise is keyed by prompt id, sample and position."""
     G, P = sampling.num_samples, len(prompts)
     if max_num_seqs is not None and max_num_seqs < G:
         raise ValueError(f"max_num_seqs ({max_num_seqs}) is below sampling.num_samples ({G}): a prompt's responses "
@@ -143,16 +143,15 @@ def plan_waves(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: S
     ctx.all_reduce_pp(verdict, "max")
     ctx.all_reduce_ep(verdict, "max")
     if verdict[0] > 0:
-        gib = 1 << 30
-        here = (f"{need / gib:.2f} GiB on this rank, which has {free / gib:.2f} GiB free"
-                if free is not None and need > free else "more memory than another rank of its model-parallel "
-                                                         "group has free")
-        fit = int(-verdict[1])
+        gib, fit = 1 << 30, int(-verdict[1])
+        short_here = free is not None and need > free
+        here = (f"{need / gib:.2f} GiB on this rank, which has {free / gib:.2f} GiB free" if short_here
+                else "more memory than another rank of its model-parallel group has free")
         advice = (f"set max_num_seqs to at most {fit} (the responses decoded at once)" if fit >= G else
                   "not even one prompt's responses fit: lower sampling.max_new_tokens or num_samples, or spread the "
                   "model over more ranks")
         raise ValueError(f"the KV cache of {min(P, per) * G} responses of up to {capacity} positions needs {here}; "
-                          f"{advice}")
+                         f"{advice}")
     return waves
 
 
