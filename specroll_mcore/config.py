@@ -710,9 +710,15 @@ class GenerateConfig:
         _check_template_kwargs(self.chat_template_kwargs, "GenerateConfig")
 
 
-def _check_max_num_seqs(value: Any, samplings: Sequence[SamplingConfig], owner: str) -> None:
+def check_max_num_seqs(value: Any, name: str = "max_num_seqs") -> Optional[int]:
+    """A ``max_num_seqs`` (a config's, an engine's): None, or a positive number of responses."""
     _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
-           f"{owner}.max_num_seqs must be a positive number of responses (or null: all at once), got {value!r}")
+           f"{name} must be a positive number of responses (or null: all at once), got {value!r}")
+    return value
+
+
+def _check_max_num_seqs(value: Any, samplings: Sequence[SamplingConfig], owner: str) -> None:
+    check_max_num_seqs(value, f"{owner}.max_num_seqs")
     need = max(sp.num_samples for sp in samplings)
     _check(value is None or value >= need,
            f"{owner}.max_num_seqs ({value}) is below the {need} samples of a prompt, which are decoded together; "

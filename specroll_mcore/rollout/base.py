@@ -103,15 +103,6 @@ class FinishRules:
         return None
 
 
-def check_max_num_seqs(max_num_seqs: Optional[int]) -> Optional[int]:
-    """An engine's ``max_num_seqs``: None, or a positive number of responses."""
-    if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
-                                     or max_num_seqs < 1):
-        raise ValueError(f"max_num_seqs must be a positive number of responses (or None: all at once), "
-                         f"got {max_num_seqs!r}")
-    return max_num_seqs
-
-
 def plan_waves(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, rules: FinishRules,
                extra_capacity: int, max_num_seqs: Optional[int]) -> list[slice]:
     """The prompts a rollout decodes together, one wave after another: all of them, or with
@@ -132,8 +123,8 @@ def plan_waves(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: S
     per = P if max_num_seqs is None else max(1, max_num_seqs // G)
     waves = [slice(s, min(s + per, P)) for s in range(0, P, per)]
     capacity = max(len(p) + rules.limit(len(p)) for p in prompts) + extra_capacity
-    need = model.kv_cache_bytes(min(P, per) * G, capacity)
-    per_response = model.kv_cache_bytes(1, capacity)
+    per_response = model.kv_cache_bytes(1, capacity)  # (a cache's bytes grow with its slots)
+    need = per_response * min(P, per) * G
     free = available_memory(model.ctx.device)
     fits = (free // per_response) // G * G if free is not None else 1 << 40  # whole prompts' responses
     ctx = model.ctx

@@ -32,16 +32,15 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from specroll_mcore.config import SamplingConfig, SpecConfig
+from specroll_mcore.config import SamplingConfig, SpecConfig, check_max_num_seqs
 from specroll_mcore import reflex
 from specroll_mcore.cpu_gemm import contents_key
 from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vocab_parallel_logsumexp,
                                   vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
-from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_max_num_seqs,
-                                         check_tokenizer_fits, in_cache_order, keep_rows, merge_outputs,
-                                         nodes_per_row, num_groups, plan_waves, run_groups, split_groups,
-                                         tokens_per_step, validate_prompts)
+from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
+                                         in_cache_order, keep_rows, merge_outputs, nodes_per_row, num_groups,
+                                         plan_waves, run_groups, split_groups, tokens_per_step, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens,

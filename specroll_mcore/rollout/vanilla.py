@@ -15,12 +15,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from specroll_mcore.config import SamplingConfig
+from specroll_mcore.config import SamplingConfig, check_max_num_seqs
 from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel
-from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_max_num_seqs,
-                                         check_tokenizer_fits, in_cache_order, keep_rows, merge_outputs, num_groups,
-                                         plan_waves, run_groups, sample_rows, split_groups, validate_prompts)
+from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
+                                         in_cache_order, keep_rows, merge_outputs, num_groups, plan_waves,
+                                         run_groups, sample_rows, split_groups, validate_prompts)
 from specroll_mcore.sampling import top_distribution, upcast
 
 
