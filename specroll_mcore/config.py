@@ -693,11 +693,12 @@ class GenerateConfig:
     """The speculative engine's settings (num_heads comes from the saved heads)."""
 
     max_num_seqs: Optional[int] = None
-    """The most responses a rollout decodes at once (vLLM's ``max_num_seqs``): a call's prompts go in
-    waves of whole prompts, one after another, each holding the KV cache of its own responses only.
-    null: all at once. At least ``sampling.num_samples``. Tokens do not depend on it. A rollout whose KV
-    cache does not fit in the memory a rank has free is refused before anything is allocated, naming
-    the largest value that fits."""
+    """The most responses a rollout decodes at once (vLLM's ``max_num_seqs``), its KV cache holding
+    that many: continuous batching, a waiting prompt's responses starting as soon as finished ones
+    leave them room (whole prompts, in order: a prompt is prefilled once for its samples). null: all
+    at once. At least ``sampling.num_samples``. Tokens do not depend on it. A rollout whose KV cache
+    does not fit in the memory a rank has free is refused before anything is allocated, naming the
+    largest value that fits."""
 
     output: Optional[str] = None
     """Write one JSON line per response here."""
@@ -721,7 +722,7 @@ def _check_max_num_seqs(value: Any, samplings: Sequence[SamplingConfig], owner: 
     check_max_num_seqs(value, f"{owner}.max_num_seqs")
     need = max(sp.num_samples for sp in samplings)
     _check(value is None or value >= need,
-           f"{owner}.max_num_seqs ({value}) is below the {need} samples of a prompt, which are decoded together; "
+           f"{owner}.max_num_seqs ({value}) is below the {need} samples of a prompt, which start together; "
            f"raise it to at least {need}")
 
 

@@ -271,8 +271,9 @@ class PolicyModel(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.config.torch_dtype
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
-        """A KV cache for this stage's layers, all in one buffer of keys and one of values. A
+    def new_cache(self, num_slots: int, capacity: int, num_rows: Optional[int] = None) -> KVCache:
+        """A KV cache for this stage's layers, all in one buffer of keys and one of values, for
+        ``num_slots`` responses of which ``num_rows`` (None: all) are held at once (KVCache.admit). A
         batch-invariant policy's steps read whole key blocks (model/attention.py); where the
         step-attention kernel runs them (its dtypes and head dimensions), keys are stored position-major
         for it."""
@@ -280,10 +281,11 @@ class PolicyModel(torch.nn.Module):
                   and self.config.kv_channels in STEP_ATTENTION_HEAD_DIMS and step_attention_kernels() is not None)
         layers = [layer.self_attention.layer_number for layer in self.gpt.decoder.layers]
         return KVCache(num_slots, self._cache_capacity(capacity), self.ctx.device, self.dtype, layers,
-                       position_major_keys=kernel, routing_topk=self._routing_topk())
+                       position_major_keys=kernel, routing_topk=self._routing_topk(), num_rows=num_rows)
 
     def kv_cache_bytes(self, num_slots: int, capacity: int) -> int:
-        """The memory :meth:`new_cache` ``(num_slots, capacity)`` takes on this rank once written: the keys
+        """The memory :meth:`new_cache` ``(num_slots, capacity)`` (or with ``num_rows=num_slots``) takes on
+        this rank once written: the keys
         and values of this stage's layers for this TP rank's query groups (and the experts each token was
         routed to, where routing is recorded)."""
         attention = self.gpt.decoder.layers[0].self_attention

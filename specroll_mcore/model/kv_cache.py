@@ -16,6 +16,11 @@ it in: only the rows that must move do (unfinished responses beyond the range sw
 inside it), and the forward takes the rows in the order they lie. :meth:`KVCache.rows` arranges any
 other request (in its own order) before the forward reads it.
 
+Made with ``num_rows``, a cache starts with every row free: a slot holds none until :meth:`admit`
+gives it one, and gives it back with :meth:`release` when its response finishes (its experts, where
+routing is recorded, stay readable through :meth:`routing`). With fewer rows than slots, that is
+continuous batching: a waiting response takes over the row of a finished one.
+
 With ``routing_topk`` the cache also keeps, per layer, the experts each token's forward routed it to
 (``[layers, slots, capacity, topk]``, int16), written beside its keys and moved with them by every
 commit, pack and copy: a response's routing for the policy update to replay (model/routing.py).
@@ -38,22 +43,32 @@ class KVCache:
     """Keys/values for the layers of one pipeline stage, for ``num_slots`` responses."""
 
     def __init__(self, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype,
-                 layers: Sequence[int], position_major_keys: bool = False, routing_topk: int = 0) -> None:
+                 layers: Sequence[int], position_major_keys: bool = False, routing_topk: int = 0,
+                 num_rows: Optional[int] = None) -> None:
         """``layers``: the layer numbers that use the cache (this pipeline stage's). All their keys live
         in one tensor and all their values in another, so that moving positions or rows (commit, pack,
         copy_slots) is one indexing operation for every layer. ``routing_topk`` > 0: also keep each
-        token's experts at every layer (:meth:`write_routing`)."""
+        token's experts at every layer (:meth:`write_routing`). ``num_rows``: the responses it holds at
+        once, each slot taking a row by :meth:`admit` (None: one row per slot, slot s in row s from the
+        start)."""
         if not layers:
             raise ValueError("a KV cache needs the layer numbers that use it (layers)")
+        admitting, num_rows = num_rows is not None, num_slots if num_rows is None else num_rows
+        if not 0 < num_rows <= num_slots:
+            raise ValueError(f"a KV cache of {num_slots} slots needs 1 to {num_slots} rows, got num_rows={num_rows}")
         self.num_slots = num_slots
+        self.num_rows = num_rows
         self.position_major_keys = position_major_keys
         self.capacity = capacity
         self.device = device
         self.dtype = dtype
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
         """Committed tokens per slot."""
-        self.row_of = torch.arange(num_slots, device=device)
-        """The buffers' row holding each slot."""
+        self.row_of = (torch.full((num_slots,), -1, dtype=torch.long, device=device) if admitting
+                       else torch.arange(num_slots, device=device))
+        """The buffers' row holding each slot (-1: none)."""
+        self._free = list(range(num_rows - 1, -1, -1)) if admitting else []  # rows no slot holds, lowest last
+        self._released: dict[int, torch.Tensor] = {}  # slot -> its experts, kept when it gave its row back
         self._extent = 0  # positions any forward has written: what a moved row carries
         self._index = {number: i for i, number in enumerate(layers)}  # layer number -> its index in the buffers
         # keys, values [layers, slots, capacity, groups, head_dim] (logical order), made at the first write
@@ -65,7 +80,7 @@ class KVCache:
     def _buffers(self, layer: int, groups: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values [slots, capacity, groups, head_dim] (views)."""
         if self._k is None:
-            shape = (len(self._index), self.num_slots, self.capacity, groups, head_dim)
+            shape = (len(self._index), self.num_rows, self.capacity, groups, head_dim)
             self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if self.position_major_keys:  # stored [layers, slots, groups, head_dim, capacity], viewed in order
                 self._k = torch.zeros(*shape[:2], groups, head_dim, self.capacity, dtype=self.dtype,
@@ -86,7 +101,7 @@ class KVCache:
         layer [s * b, topk] (megatron's token order), rows / row_index / write_index as for
         :meth:`write_and_read`."""
         if self._r is None:
-            self._r = torch.zeros(len(self._index), self.num_slots, self.capacity, self.routing_topk,
+            self._r = torch.zeros(len(self._index), self.num_rows, self.capacity, self.routing_topk,
                                   dtype=torch.int16, device=self.device)
         b, s = write_index.shape
         routed = torch.stack(list(experts)).view(len(experts), s, b, self.routing_topk).transpose(1, 2)
@@ -95,12 +110,40 @@ class KVCache:
 
     def routing(self, slots: torch.Tensor) -> list[torch.Tensor]:
         """Each slot's kept experts over its committed tokens, [length, layers, topk] int16 on the CPU
-        (one transfer); empty where none were written."""
+        (one transfer for the slots holding rows); empty where none were written."""
+        out = [self._released.get(s) for s in slots.tolist()]
+        held_slots = slots[torch.tensor([o is None for o in out], dtype=torch.bool)]
         if self._r is None:
-            return [torch.zeros(0, len(self._index), self.routing_topk, dtype=torch.int16) for _ in slots.tolist()]
-        lengths = self.lengths[slots].tolist()
-        held = self._r[:, self.row_of[slots], :max(lengths, default=0)].permute(1, 2, 0, 3).cpu()
-        return [h[:n] for h, n in zip(held, lengths)]
+            return [torch.zeros(0, len(self._index), self.routing_topk, dtype=torch.int16) if o is None else o
+                    for o in out]
+        lengths = self.lengths[held_slots].tolist()
+        held = iter(self._r[:, self.row_of[held_slots], :max(lengths, default=0)].permute(1, 2, 0, 3).cpu())
+        fresh = iter(lengths)
+        return [next(held)[:next(fresh)] if o is None else o for o in out]
+
+    def admit(self, slots: Sequence[int]) -> None:
+        """Give each of ``slots`` (holding no row) a free row, its committed length 0: a waiting response
+        enters the cache (:meth:`release` frees rows)."""
+        if len(slots) > len(self._free):
+            raise RuntimeError(f"KV cache: {len(slots)} slots to admit, {len(self._free)} of {self.num_rows} rows free")
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        if bool((self.row_of[index] >= 0).any()):
+            raise RuntimeError("KV cache: a slot admitted twice")
+        rows = [self._free.pop() for _ in slots]
+        self.row_of[index] = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.lengths[index] = 0
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Free the rows of ``slots`` (finished responses) for :meth:`admit`; their experts (where routing
+        is recorded) stay readable through :meth:`routing`, their keys and values do not."""
+        if not slots:
+            return
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        if self.routing_topk:
+            self._released.update(zip(slots, self.routing(index)))
+        self._free.extend(self.row_of[index].tolist())
+        self._free.sort(reverse=True)  # (the lowest rows first: a forward's rows stay near the start)
+        self.row_of[index] = -1
 
     def pack(self, slots: torch.Tensor) -> torch.Tensor:
         """Make the rows holding ``slots`` [b] a contiguous range with as few moves as possible: the
@@ -111,6 +154,8 @@ class KVCache:
             return torch.zeros(0, dtype=torch.long, device=slots.device)
         rows = self.row_of[slots]
         first = int(rows.min())
+        if first < 0:
+            raise RuntimeError("KV cache: a slot without a row (admit it first)")
         beyond = rows >= first + len(slots)
         if bool(beyond.any()):
             held = torch.zeros(len(slots), dtype=torch.bool, device=rows.device)
@@ -126,6 +171,8 @@ class KVCache:
             return 0, 0
         rows = self.row_of[slots]
         first = int(rows.min())
+        if first < 0:
+            raise RuntimeError("KV cache: a slot without a row (admit it first)")
         target = torch.arange(first, first + len(slots), device=rows.device)
         if not torch.equal(rows, target):
             self._place(slots, target)
@@ -136,20 +183,25 @@ class KVCache:
         rows = self.row_of[slots]
         asked = torch.zeros(self.num_slots, dtype=torch.bool, device=rows.device)
         asked[slots] = True
-        taken = torch.zeros(self.num_slots, dtype=torch.bool, device=rows.device)
+        taken = torch.zeros(self.num_rows, dtype=torch.bool, device=rows.device)
         taken[target] = True
-        slot_at = torch.empty_like(self.row_of)  # the inverse of row_of: the slot each row holds
-        slot_at[self.row_of] = torch.arange(self.num_slots, device=rows.device)
+        slot_at = torch.full((self.num_rows,), -1, dtype=torch.long, device=rows.device)  # each row's slot (-1: free)
+        holding = (self.row_of >= 0).nonzero().squeeze(1)
+        slot_at[self.row_of[holding]] = holding
         occupants = slot_at[target]
+        occupants = occupants[occupants >= 0]
         displaced = occupants[~asked[occupants]]
-        freed = rows[~taken[rows]]
+        freed = rows[~taken[rows]]  # as many as the displaced slots and the free rows in target together
         src = torch.cat([rows, self.row_of[displaced]])
-        dst = torch.cat([target, freed])
+        dst = torch.cat([target, freed[:len(displaced)]])
         n = self._extent
         for buf in self._all_buffers():  # gathered first, then written: overlapping moves are safe
             buf[:, dst, :n] = buf[:, src, :n]
         self.row_of[slots] = target
-        self.row_of[displaced] = freed
+        self.row_of[displaced] = freed[:len(displaced)]
+        if self._free:  # free rows in target are taken now, the rows left beyond the displaced are free
+            now_free = set(self._free) - set(target.tolist()) | set(freed[len(displaced):].tolist())
+            self._free = sorted(now_free, reverse=True)
 
     def write_and_read(self, layer: int, rows: tuple[int, int], row_index: torch.Tensor, write_index: torch.Tensor,
                        kv_len: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,10 +241,11 @@ class KVCache:
                                f"capacity is {self.capacity}")
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Duplicate whole slots (shared prompt prefill: one prompt, G samples)."""
+        """Duplicate whole slots (shared prompt prefill: one prompt, G samples); ``dst`` hold rows."""
         for buf in self._all_buffers():
             buf[:, self.row_of[dst]] = buf[:, self.row_of[src]]
         self.lengths[dst] = self.lengths[src]
 
     def reset(self) -> None:
         self.lengths.zero_()
+        self._released.clear()

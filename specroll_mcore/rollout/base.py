@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -103,30 +104,29 @@ class FinishRules:
         return None
 
 
-def plan_waves(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, rules: FinishRules,
-               extra_capacity: int, max_num_seqs: Optional[int]) -> list[slice]:
-    """The prompts a rollout decodes together, one wave after another: all of them, or with
-    ``max_num_seqs`` (vLLM's name: the most responses in flight) as many consecutive whole prompts as
-    keep their responses within it (a prompt is prefilled once for its ``num_samples`` responses).
+def plan_rows(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, rules: FinishRules,
+              extra_capacity: int, max_num_seqs: Optional[int]) -> int:
+    """The rows of a rollout's KV cache: every response's, or with ``max_num_seqs`` (vLLM's name: the
+    most responses in flight) at most that many, the rollout then continuously batched
+    (:class:`RolloutState`: a waiting prompt's responses take the rows of finished ones).
 
-    Before anything is allocated, the KV cache of the largest wave is checked against the memory this
-    rank has free (:func:`available_memory`); where it does not fit on one rank of the model-parallel
-    group, every rank of the group raises the same error, naming how many responses would fit (a
-    collective of the tensor-, pipeline- and expert-parallel groups: one rank out of memory would leave
-    the others waiting in the forward's collectives). Tokens do not depend on the waves: the sampling
-    noise is keyed by prompt id, sample and position."""
+    Before anything is allocated, the cache is checked against the memory this rank has free
+    (:func:`available_memory`); where it does not fit on one rank of the model-parallel group, every
+    rank of the group raises the same error, naming how many responses would fit (a collective of the
+    tensor-, pipeline- and expert-parallel groups: one rank out of memory would leave the others
+    waiting in the forward's collectives). Tokens do not depend on the rows: the sampling noise is
+    keyed by prompt id, sample and position."""
     G, P = sampling.num_samples, len(prompts)
     if max_num_seqs is not None and max_num_seqs < G:
         raise ValueError(f"max_num_seqs ({max_num_seqs}) is below sampling.num_samples ({G}): a prompt's responses "
-                         f"are decoded together (its prompt is prefilled once for all of them); raise max_num_seqs "
+                         f"start together (its prompt is prefilled once for all of them); raise max_num_seqs "
                          f"to at least {G}")
-    per = P if max_num_seqs is None else max(1, max_num_seqs // G)
-    waves = [slice(s, min(s + per, P)) for s in range(0, P, per)]
+    rows = P * G if max_num_seqs is None else min(P * G, max_num_seqs)
     capacity = max(len(p) + rules.limit(len(p)) for p in prompts) + extra_capacity
-    per_response = model.kv_cache_bytes(1, capacity)  # (a cache's bytes grow with its slots)
-    need = per_response * min(P, per) * G
+    per_response = model.kv_cache_bytes(1, capacity)  # (a cache's bytes grow with its rows)
+    need = per_response * rows
     free = available_memory(model.ctx.device)
-    fits = (free // per_response) // G * G if free is not None else 1 << 40  # whole prompts' responses
+    fits = free // per_response if free is not None else 1 << 40
     ctx = model.ctx
     verdict = torch.tensor([float(free is not None and need > free), -float(fits)], dtype=torch.float64,
                            device=ctx.device)
@@ -141,9 +141,8 @@ def plan_waves(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: S
         advice = (f"set max_num_seqs to at most {fit} (the responses decoded at once)" if fit >= G else
                   "not even one prompt's responses fit: lower sampling.max_new_tokens or num_samples, or spread the "
                   "model over more ranks")
-        raise ValueError(f"the KV cache of {min(P, per) * G} responses of up to {capacity} positions needs {here}; "
-                         f"{advice}")
-    return waves
+        raise ValueError(f"the KV cache of {rows} responses of up to {capacity} positions needs {here}; {advice}")
+    return rows
 
 
 def available_memory(device: torch.device) -> Optional[int]:
@@ -173,36 +172,12 @@ def available_memory(device: torch.device) -> Optional[int]:
     return max(0, free)
 
 
-def merge_outputs(outs: Sequence[RolloutOutput]) -> RolloutOutput:
-    """The outputs of a rollout's waves (consecutive prompts, :func:`plan_waves`) as one: responses in
-    order, counters and times summed, tau, tree size and acceptance over every wave's steps."""
-    if len(outs) == 1:
-        return outs[0]
-    stats = combined_stats([o.stats for o in outs])
-    for key in ("forwards", "tokens", "steps", "prefill_s", "total_s"):
-        if key in stats:
-            stats[key] = sum(o.stats[key] for o in outs)
-    if "time_split_s" in stats:
-        stats["time_split_s"] = {k: sum(o.stats["time_split_s"][k] for o in outs) for k in stats["time_split_s"]}
-    if "tau_per_row" in stats:
-        stats["tau_per_row"] = [t for o in outs for t in o.stats["tau_per_row"]]
-    stats.update(tokens_per_s=stats["tokens"] / max(stats["total_s"], 1e-9), waves=len(outs))
-
-    def joined(name: str) -> Any:
-        parts = [getattr(o, name) for o in outs]
-        return None if parts[0] is None else [x for part in parts for x in part]
-
-    return RolloutOutput(prompt_index=joined("prompt_index"), sample_index=joined("sample_index"),
-                         tokens=joined("tokens"), logprobs=joined("logprobs"), finish_reason=joined("finish_reason"),
-                         stats=stats, features=joined("features"), routing=joined("routing"))
-
-
 def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]],
-            max_tokens_per_forward: int, return_hidden: bool = False):
-    """Prefill prompt p into cache slot p; returns the logits at each prompt's last token
-    [P, vocab] on the last stage (None elsewhere), with the hidden states there [P, h] if
-    ``return_hidden``. Prompts go in chunks of at most ``max_tokens_per_forward`` padded tokens
-    (at least one prompt per forward)."""
+            max_tokens_per_forward: int, return_hidden: bool = False, slots: Optional[torch.Tensor] = None):
+    """Prefill prompt p into cache slot ``slots[p]`` (None: slot p); returns the logits at each
+    prompt's last token [P, vocab] on the last stage (None elsewhere), with the hidden states there
+    [P, h] if ``return_hidden``. Prompts go in chunks of at most ``max_tokens_per_forward`` padded
+    tokens (at least one prompt per forward)."""
     device = cache.device
     out: list[torch.Tensor] = []
     hiddens: list[torch.Tensor] = []
@@ -219,11 +194,11 @@ def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]]
         ids = torch.zeros(len(chunk), longest, dtype=torch.long, device=device)
         for r, p in enumerate(chunk):
             ids[r, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-        slots = torch.arange(start, end, device=device)
+        chunk_slots = torch.arange(start, end, device=device) if slots is None else slots[start:end]
         positions = torch.arange(longest, device=device)[None, :].expand(len(chunk), longest)
-        meta = model.metadata(positions, causal_mask(len(chunk), longest, device, lengths), cache, slots)
+        meta = model.metadata(positions, causal_mask(len(chunk), longest, device, lengths), cache, chunk_slots)
         result = model(ids, meta, logits_index=lengths - 1, return_hidden=True)  # last prompt token only
-        cache.commit(slots, lengths)
+        cache.commit(chunk_slots, lengths)
         if result is not None:
             logits, hidden = result  # [p, 1, V/tp], [1, p, h]
             out.append(model.full_logits(logits[:, 0]))
@@ -295,7 +270,9 @@ def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable
     has run by then because lead < k; the broadcasts happen in the same order on every stage, and a
     forward's send does not block (ParallelContext.post_forward). ``alive(g)`` changes only in
     advance(g), identically on every stage, so every stage skips the same steps of finished groups
-    and stops after the same advance."""
+    and stops after the same advance. For the same reason a group admits waiting prompts only in its
+    own advance (continuous batching): their prefill goes into its next forward, which every stage
+    runs after that advance; another group's next forward may already have run on an earlier stage."""
     lead = max(0, min(k, ctx.pp_size) - 1 - ctx.pp_rank)
     forwarded, j = 0, 0
     try:
@@ -312,19 +289,26 @@ def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable
 
 
 class RolloutState:
-    """What a rollout keeps per response: slots in the KV cache, sampling keys, tokens so far.
+    """What a rollout keeps per response: slots in the KV cache, sampling keys, tokens so far, and the
+    prompts still waiting for rows.
 
-    Slot ``s`` holds response ``s`` = (prompt s // G, sample s % G). Both engines start with
-    :meth:`start` (prefill once per prompt, share the cache with its G samples, sample each
-    response's first token) and record tokens through :meth:`append`, which applies the finish
-    rules token by token and drops whatever follows a finishing token.
+    Slot ``s`` holds response ``s`` = (prompt s // G, sample s % G). The KV cache has ``rows`` rows
+    (None: one per response): prompts take rows in order, whole (a prompt is prefilled once into its
+    first sample's slot and copied to the others), as many as fit; a response that finishes gives its
+    row back (:meth:`append`), and :meth:`admit` lets the next waiting prompts in as soon as their
+    responses fit: continuous batching, vLLM's ``max_num_seqs``. Both engines start with
+    :meth:`start` and, after each step, admit, :meth:`prefill` what they admitted in their next
+    forward and sample its first tokens (:meth:`first_tokens`); they record tokens through
+    :meth:`append`, which applies the finish rules token by token and drops whatever follows a
+    finishing token.
     """
 
     def __init__(self, model: PolicyModel, prompts: Sequence[Sequence[int]], prompt_ids: list[int],
-                 sampling: SamplingConfig, step: int, rules: FinishRules, extra_capacity: int) -> None:
+                 sampling: SamplingConfig, step: int, rules: FinishRules, extra_capacity: int,
+                 rows: Optional[int] = None) -> None:
         device = model.ctx.device
         G, P = sampling.num_samples, len(prompts)
-        self.model, self.sampling, self.step, self.rules = model, sampling, step, rules
+        self.model, self.prompts, self.sampling, self.step, self.rules = model, prompts, sampling, step, rules
         self.num = P * G
         self.slots = torch.arange(self.num, device=device)
         self.prompt_of = self.slots // G
@@ -333,22 +317,58 @@ class RolloutState:
         self.prompt_len = [len(prompts[int(p)]) for p in self.prompt_of]
         self.prompt_ids = prompt_ids
         capacity = max(len(p) + rules.limit(len(p)) for p in prompts) + extra_capacity
-        self.cache = model.new_cache(num_slots=self.num, capacity=capacity)
+        self.num_rows = self.num if rows is None else min(rows, self.num)
+        self.cache = model.new_cache(num_slots=self.num, capacity=capacity, num_rows=self.num_rows)
+        self.waiting = deque(range(P))  # prompts not admitted yet, in order
+        self.held = 0  # responses holding a row
         self.responses: list[list[int]] = [[] for _ in range(self.num)]
         self.logprobs: list[list[torch.Tensor]] = [[] for _ in range(self.num)]
         self.finish: list[Optional[str]] = [None] * self.num
 
-    def start(self, prompts: Sequence[Sequence[int]], max_prefill_tokens: int):
-        """Prefill and sample every response's first token. Returns tokens [n], their log-probs [n],
-        and on the last stage (None elsewhere) the hidden states [n, h] and full logits [n, V] they
-        were sampled from."""
-        last_logits, last_hidden = prefill(self.model, self.cache, prompts, max_prefill_tokens, return_hidden=True)
-        self.cache.copy_slots(self.prompt_of.flip(0), self.slots.flip(0))  # high slots first: sources intact
-        logits = last_logits[self.prompt_of] if last_logits is not None else None
-        tokens, logp = sample_rows(self.model, logits, self.keys(self.slots, torch.zeros_like(self.slots)),
-                                   self.sampling)
-        hidden = last_hidden[self.prompt_of] if last_hidden is not None else None
-        return tokens, logp, hidden, logits
+    def admit(self) -> list[int]:
+        """The next waiting prompts whose responses fit in the free rows, in order, whole; their slots
+        take rows (first samples first: a prefill's rows lie together)."""
+        G = self.sampling.num_samples
+        taken: list[int] = []
+        while self.waiting and self.held + G <= self.num_rows:
+            taken.append(self.waiting.popleft())
+            self.held += G
+        if taken:
+            self.cache.admit([p * G + j for j in range(G) for p in taken])
+        return taken
+
+    def prefill(self, admitted: Sequence[int], max_prefill_tokens: int):
+        """Prefill the ``admitted`` prompts into their first samples' slots and share that cache with
+        their other samples. Returns the logits [p, V] and hidden states [p, h] at each prompt's last
+        token on the last stage, (None, None) elsewhere."""
+        G = self.sampling.num_samples
+        first = torch.tensor([p * G for p in admitted], dtype=torch.long, device=self.slots.device)
+        out = prefill(self.model, self.cache, [self.prompts[p] for p in admitted], max_prefill_tokens,
+                      return_hidden=True, slots=first)
+        if G > 1:
+            others = first[:, None] + torch.arange(1, G, device=first.device)[None]
+            self.cache.copy_slots(first.repeat_interleave(G - 1), others.flatten())
+        return out
+
+    def first_tokens(self, admitted: Sequence[int], prefilled: tuple):
+        """Sample the first token of each response of the ``admitted`` prompts from their
+        :meth:`prefill`. Returns their slots [n], tokens [n] and log-probs [n], and on the last stage
+        (None elsewhere) the hidden states [n, h] and full logits [n, V] they were sampled from."""
+        G = self.sampling.num_samples
+        slots = torch.tensor([p * G + j for p in admitted for j in range(G)], dtype=torch.long,
+                             device=self.slots.device)
+        last_logits, last_hidden = prefilled
+        prompt_row = torch.arange(len(admitted), device=slots.device).repeat_interleave(G)
+        logits = last_logits[prompt_row] if last_logits is not None else None
+        tokens, logp = sample_rows(self.model, logits, self.keys(slots, torch.zeros_like(slots)), self.sampling)
+        hidden = last_hidden[prompt_row] if last_hidden is not None else None
+        return slots, tokens, logp, hidden, logits
+
+    def start(self, max_prefill_tokens: int):
+        """Admit the first prompts, prefill them and sample their responses' first tokens (as
+        :meth:`first_tokens`)."""
+        admitted = self.admit()
+        return self.first_tokens(admitted, self.prefill(admitted, max_prefill_tokens))
 
     def positions(self, slots: torch.Tensor) -> torch.Tensor:
         """[b] each response's length so far: the response index of the token sampled next."""
@@ -363,12 +383,14 @@ class RolloutState:
         return SampleKeys(self.sampling.seed, self.step, self.key_prompt[slots], self.key_sample[slots], positions)
 
     def append(self, slot: int, tokens: Sequence[int], logps: Sequence[torch.Tensor]) -> bool:
-        """Record tokens for a response until one finishes it; True if it goes on."""
+        """Record tokens for a response until one finishes it (its row is then free); True if it goes on."""
         for tok, lp in zip(tokens, logps):
             self.responses[slot].append(int(tok))
             self.logprobs[slot].append(lp)
             self.finish[slot] = self.rules.check(self.responses[slot], self.prompt_len[slot])
             if self.finish[slot] is not None:
+                self.cache.release([slot])
+                self.held -= 1
                 return False
         return True
 
@@ -377,6 +399,7 @@ class RolloutState:
         if self.cache.routing_topk:  # the tokens every rollout forward took in: prompt and response but the last
             routing = [r[:p + len(t) - 1] for r, p, t in zip(self.cache.routing(self.slots), self.prompt_len,
                                                           self.responses)]
+        stats["kv_cache_rows"] = self.num_rows
         return RolloutOutput(
             prompt_index=[self.prompt_ids[int(p)] for p in self.prompt_of],
             sample_index=self.key_sample.tolist(),

@@ -20,14 +20,15 @@ inference mode; its time is part of the batch's total).
 With pipeline parallelism the forward runs stage by stage; proposals, trees and acceptance happen
 on the last stage and are broadcast, so every stage commits the same path. The responses go in
 groups, one per stage, whose rounds interleave over the stages (rollout/base.run_groups); each
-group sizes its trees by its own unfinished responses.
+group sizes its trees by its own unfinished responses. With ``max_num_seqs`` a group takes waiting
+prompts in as its responses finish (continuous batching, rollout/base.RolloutState).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -39,8 +40,8 @@ from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vo
                                   vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         in_cache_order, keep_rows, merge_outputs, nodes_per_row, num_groups,
-                                         plan_waves, run_groups, split_groups, tokens_per_step, validate_prompts)
+                                         in_cache_order, keep_rows, nodes_per_row, num_groups, plan_rows,
+                                         run_groups, tokens_per_step, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens,
@@ -84,8 +85,9 @@ class SpeculativeEngine:
         None: every step uses its whole budget.
         ``pipeline_groups``: groups of responses interleaved over the pipeline stages, each verifying
         under its own node budget (as :class:`VanillaEngine`; None: one per stage).
-        ``max_num_seqs``: the most responses verified at once, as :class:`VanillaEngine`'s (a wave's
-        trees grow as its responses finish, as in any rollout).
+        ``max_num_seqs``: the most responses verified at once, continuously batched as with
+        :class:`VanillaEngine` (the prompts a group admits are prefilled in its next forward, before its
+        verification; their roots' hidden states come from that prefill).
         :meth:`state_dict` holds what a resumed run needs to repeat the same rollout statistics."""
         if model.num_heads != spec.num_heads:
             raise ValueError(f"SpecConfig.num_heads ({spec.num_heads}) != heads of the policy ({model.num_heads}); "
@@ -410,22 +412,23 @@ class SpeculativeEngine:
 
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int,
                   prompt_ids: Optional[Sequence[int]]) -> RolloutOutput:
-        """:meth:`generate` without the slow path's end of a batch: the rollout, in waves."""
+        """:meth:`generate` without the slow path's end of a batch: the rollout."""
         cfg = self.model.config
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
-        waves = plan_waves(self.model, prompts, sampling, rules, self.spec.n_max, self.max_num_seqs)
+        rows = plan_rows(self.model, prompts, sampling, rules, self.spec.n_max, self.max_num_seqs)
         with self.model.expert_lockstep():  # (expert parallelism: forwards in step with the EP group)
-            return merge_outputs([self._wave(prompts[w], sampling, step, ids[w], rules) for w in waves])
+            return self._rollout(prompts, sampling, step, ids, rules, rows)
 
     @torch.inference_mode()
-    def _wave(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int, ids: list[int],
-              rules: FinishRules) -> RolloutOutput:
+    def _rollout(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int, ids: list[int],
+                 rules: FinishRules, rows: int) -> RolloutOutput:
         rollout = _Rollout(self, sampling)
         self._draft_vocab = self.draft_vocab()  # (the output layer may have changed since the last rollout)
-        state = RolloutState(self.model, prompts, ids, sampling, step, rules, extra_capacity=self.spec.n_max)
-        groups = rollout.start(state, prompts)
-        run_groups(lambda i: groups[i].slots.numel() > 0, len(groups), self.model.ctx,
+        state = RolloutState(self.model, prompts, ids, sampling, step, rules, extra_capacity=self.spec.n_max,
+                             rows=rows)
+        groups = rollout.start(state)
+        run_groups(lambda i: groups[i].alive(), len(groups), self.model.ctx,
                    lambda i: rollout.forward(groups[i]), lambda i: rollout.advance(groups[i]))
         return state.output(rollout.stats())
 
@@ -454,6 +457,11 @@ class _VerifyGroup:
     hidden_all: Optional[torch.Tensor] = None
     prepare_s: float = 0.0  # its preparation's (proposing and building its trees)
     forward_s: float = 0.0  # its verification forward's
+    admitted: list[int] = field(default_factory=list)  # prompts that join it: prefilled in its next forward
+    prefilled: Any = None  # their prefill's logits and hidden states (last stage), until the group advances
+
+    def alive(self) -> bool:
+        return self.slots.numel() > 0 or bool(self.admitted)
 
 
 class _Rollout:
@@ -471,6 +479,7 @@ class _Rollout:
         self.t_start = self.clock()
         self.timers = dict(prefill=0.0, propose=0.0, build=0.0, verify=0.0, accept=0.0, commit=0.0, feedback=0.0)
         self.gate_open = self.gate_total = self.steps = 0
+        self.prefills = 1  # prefill forwards (the first one; each admission's after)
         self.tried = torch.zeros(H, dtype=torch.long, device=self.device)
         self.accepted = torch.zeros(H, dtype=torch.long, device=self.device)
         self.per_step: list[dict[str, Any]] = []
@@ -482,27 +491,36 @@ class _Rollout:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def start(self, state: RolloutState, prompts: Sequence[Sequence[int]]) -> list[_VerifyGroup]:
-        """Prefill, record the first tokens, split the unfinished responses into groups and prepare
-        each group's first step."""
+    def start(self, state: RolloutState) -> list[_VerifyGroup]:
+        """Prefill the prompts that fit, record the first tokens, split the unfinished responses into
+        groups and prepare each group's first step."""
         model, H = self.model, self.spec.num_heads
         self.state = state
-        roots, logp, hidden, _ = state.start(prompts, self.engine.max_prefill_tokens)
-        keep = torch.tensor([state.append(s, [roots[s]], [logp[s]]) for s in range(state.num)], dtype=torch.bool,
-                            device=self.device)
+        first, roots, logp, hidden, _ = state.start(self.engine.max_prefill_tokens)
         self.row_steps = torch.zeros(state.num, dtype=torch.long, device=self.device)
         self.row_emitted = torch.zeros(state.num, dtype=torch.long, device=self.device)
         if self.engine.reflex_cfg is not None and model.ctx.is_last_stage:
             self.rstate = reflex.ReflexState.new(state.num, H, model.config.hidden_size, self.device)
+        slots, roots, hidden = self.record_first(first, roots, logp, hidden)
         self.timers["prefill"] = self.clock() - self.t_start
         k = self.engine.groups
         groups = []
-        for slots in split_groups(state.slots[keep], k):
-            (slots,) = in_cache_order(state.cache, slots)
-            groups.append(_VerifyGroup(slots, roots[slots], hidden[slots] if hidden is not None else None))
-            if slots.numel() > 0:
-                self.prepare(groups[-1])
+        for i in range(k):  # (slot s to group s % k, as split_groups)
+            rows = (slots % k == i).nonzero().squeeze(1)
+            g = _VerifyGroup(*in_cache_order(state.cache, slots[rows], roots[rows],
+                                             hidden[rows] if hidden is not None else None))
+            g.admitted = state.admit()  # (rows the first tokens freed)
+            groups.append(g)
+            if g.slots.numel() > 0:
+                self.prepare(g)
         return groups
+
+    def record_first(self, slots: torch.Tensor, roots: torch.Tensor, logp: torch.Tensor,
+                     hidden: Optional[torch.Tensor]) -> tuple:
+        """Record joining responses' first tokens; returns those that go on, their roots and hidden states."""
+        new = roots.tolist()  # (one transfer)
+        keep = [self.state.append(s, [new[r]], [logp[r]]) for r, s in enumerate(slots.tolist())]
+        return keep_rows(keep, slots, roots, hidden)
 
     # -- 1-2. propose and build ------------------------------------------------------------------------
     def prepare(self, g: _VerifyGroup) -> None:
@@ -568,6 +586,13 @@ class _Rollout:
 
     # -- 3. verify -------------------------------------------------------------------------------------
     def forward(self, g: _VerifyGroup) -> None:
+        if g.admitted:  # the prompts joining the group: prefilled first
+            t = self.clock()
+            g.prefilled = self.state.prefill(g.admitted, self.engine.max_prefill_tokens)
+            self.timers["prefill"] += self.clock() - t
+            self.prefills += 1
+        if g.slots.numel() == 0:
+            return
         t = self.clock()
         g.logits, g.hidden_all = self.engine.verify(self.state, g.slots, g.tree)
         t = self.clock() - t
@@ -576,6 +601,26 @@ class _Rollout:
 
     # -- 4-6. accept, commit, feedback ---------------------------------------------------------------------
     def advance(self, g: _VerifyGroup) -> None:
+        """Accept, commit and feed back the group's step (if it verified one), let the responses of the
+        prompts it prefilled in, admit waiting prompts to its next forward, and prepare its next trees."""
+        slots, roots, hidden = g.slots, g.roots, g.hidden
+        if g.slots.numel() > 0:
+            slots, roots, hidden = self.settle(g)
+        if g.admitted:
+            t = self.clock()
+            first, new_roots, logp, new_hidden, _ = self.state.first_tokens(g.admitted, g.prefilled)
+            joined = self.record_first(first, new_roots, logp, new_hidden)
+            slots, roots = torch.cat([slots, joined[0]]), torch.cat([roots, joined[1]])
+            hidden = torch.cat([hidden, joined[2]]) if hidden is not None else None
+            self.timers["prefill"] += self.clock() - t
+        g.admitted, g.prefilled = self.state.admit(), None
+        g.slots, g.roots, g.hidden = in_cache_order(self.state.cache, slots, roots, hidden)
+        if g.slots.numel() > 0:
+            self.prepare(g)
+
+    def settle(self, g: _VerifyGroup) -> tuple:
+        """Steps 4-6 of the group's verified step; returns the responses that go on, their next roots and
+        the hidden states those were sampled from (last stage)."""
         engine, state, device, H = self.engine, self.state, self.device, self.spec.num_heads
         ctx, tree, slots = self.model.ctx, g.tree, g.slots
         b, slots_l = slots.numel(), slots.tolist()
@@ -630,10 +675,8 @@ class _Rollout:
                               "prepare_s": g.prepare_s, "forward_s": g.forward_s})
         self.steps += 1
         g.steps += 1
-        g.slots, g.roots, g.hidden = in_cache_order(state.cache, *keep_rows(keep, slots, last, next_hidden))
         g.logits = g.hidden_all = None
-        if g.slots.numel() > 0:
-            self.prepare(g)
+        return keep_rows(keep, slots, last, next_hidden)
 
     def sample(self, slots: torch.Tensor, keys: Optional[SampleKeys], position: torch.Tensor, logits: torch.Tensor,
                rows: torch.Tensor, positions: torch.Tensor):
@@ -653,7 +696,7 @@ class _Rollout:
         state, H, per_step = self.state, self.spec.num_heads, self.per_step
         num_tokens = sum(len(r) for r in state.responses)
         return {
-            "engine": "specroll", "forwards": self.steps + 1, "tokens": num_tokens, "steps": self.steps,
+            "engine": "specroll", "forwards": self.steps + self.prefills, "tokens": num_tokens, "steps": self.steps,
             "groups": self.engine.groups, "total_s": elapsed, "tokens_per_s": num_tokens / max(elapsed, 1e-9),
             "tau": tokens_per_step(per_step),
             "tau_per_row": (self.row_emitted.double() / self.row_steps.clamp(min=1).double()).tolist(),

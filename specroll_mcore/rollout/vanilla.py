@@ -3,14 +3,17 @@
 It is the reference the speculative engine must match token for token, and the baseline it is
 measured against. Every pipeline stage runs this same loop; the last stage samples and the tokens
 are broadcast, so all stages agree on what was committed. Under pipeline parallelism the responses
-go in groups, one per stage, whose forwards interleave over the stages (base.run_groups).
+go in groups, one per stage, whose forwards interleave over the stages (base.run_groups). With
+``max_num_seqs`` the rollout is continuously batched: where responses finish, a group takes waiting
+prompts in, prefilled in its next forward before its decoding step (every stage runs the same
+forwards in the same order, so the stages' sends and receives stay paired).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -19,8 +22,8 @@ from specroll_mcore.config import SamplingConfig, check_max_num_seqs
 from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         in_cache_order, keep_rows, merge_outputs, num_groups, plan_waves,
-                                         run_groups, sample_rows, split_groups, validate_prompts)
+                                         in_cache_order, keep_rows, num_groups, plan_rows, run_groups,
+                                         sample_rows, split_groups, validate_prompts)
 from specroll_mcore.sampling import top_distribution, upcast
 
 
@@ -32,6 +35,11 @@ class _DecodeGroup:
     last: torch.Tensor  # their last tokens, fed next
     out: Any = None  # the forward's output, until the group advances
     seconds: float = 0.0  # the forward's time
+    admitted: list[int] = field(default_factory=list)  # prompts that join it: prefilled in its next forward
+    prefilled: Any = None  # their prefill's logits and hidden states (last stage), until the group advances
+
+    def alive(self) -> bool:
+        return self.slots.numel() > 0 or bool(self.admitted)
 
 
 class VanillaEngine:
@@ -40,8 +48,8 @@ class VanillaEngine:
     ``pipeline_groups``: how many groups of responses a rollout interleaves over the pipeline
     stages (:func:`run_groups`; None: one per stage, which keeps every stage busy; 1: the whole
     batch per forward, stages one after another). ``max_num_seqs``: the most responses decoded at
-    once (None: all of a call's), whole prompts in waves (:func:`plan_waves`). Tokens depend on
-    neither."""
+    once (None: all of a call's), a waiting prompt's responses starting as soon as finished ones
+    leave them room (continuous batching, :class:`RolloutState`). Tokens depend on neither."""
 
     def __init__(self, model: PolicyModel, eos_token_ids: Sequence[int] = (), tokenizer: Any = None,
                  max_prefill_tokens: int = 4096, pipeline_groups: Optional[int] = None,
@@ -77,20 +85,19 @@ class VanillaEngine:
         cfg = self.model.config
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
-        waves = plan_waves(self.model, prompts, sampling, rules, 0, self.max_num_seqs)
+        rows = plan_rows(self.model, prompts, sampling, rules, 0, self.max_num_seqs)
         with self.model.expert_lockstep():  # (expert parallelism: forwards in step with the EP group)
-            return merge_outputs([self._wave(prompts[w], sampling, step, ids[w], rules, features_topk)
-                                  for w in waves])
+            return self._rollout(prompts, sampling, step, ids, rules, features_topk, rows)
 
-    def _wave(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int, ids: list[int],
-              rules: FinishRules, features_topk: int) -> RolloutOutput:
+    def _rollout(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, step: int, ids: list[int],
+                 rules: FinishRules, features_topk: int, rows: int) -> RolloutOutput:
         model = self.model
         device = model.ctx.device
         t0 = time.perf_counter()
 
-        # 1. Prefill each prompt once, share its cache with its G samples, sample the first tokens.
-        state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=0)
-        tokens, logp, hidden, logits = state.start(prompts, self.max_prefill_tokens)
+        # 1. Prefill each prompt that fits once, share its cache with its G samples, sample the first tokens.
+        state = RolloutState(model, prompts, ids, sampling, step, rules, extra_capacity=0, rows=rows)
+        first, tokens, logp, hidden, logits = state.start(self.max_prefill_tokens)
         t_prefill = time.perf_counter() - t0
         collect = features_topk > 0 and logits is not None
         steps: list[tuple[torch.Tensor, ...]] = []  # per step: (slots, hidden, top ids, top probs) of its tokens
@@ -107,32 +114,49 @@ class VanillaEngine:
             return keep_rows(keep, slots, tokens)
 
         # 2. Decode in groups: feed each unfinished response's last token at its committed length.
-        active, tokens = record(state.slots, tokens, logp, hidden, logits)
+        # Where responses finish, waiting prompts take their rows: prefilled in the group's next forward,
+        # their first tokens sampled with its tokens.
+        active, tokens = record(first, tokens, logp, hidden, logits)
         groups = [_DecodeGroup(*in_cache_order(state.cache, slots, tokens[active % self.groups == i]))
                   for i, slots in enumerate(split_groups(active, self.groups))]
+        for g in groups:
+            g.admitted = state.admit()  # (rows the first tokens freed)
 
         def forward(i: int) -> None:
-            g, t = groups[i], time.perf_counter()
-            b = g.slots.numel()
-            meta = model.metadata(state.cache.lengths[g.slots][:, None],
-                                  torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, g.slots,
-                                  step=True)
-            g.out = model(g.last[:, None], meta, return_hidden=collect)
-            state.cache.commit(g.slots, torch.ones(b, dtype=torch.long, device=device))
+            nonlocal forwards, t_prefill
+            g = groups[i]
+            if g.admitted:
+                t = time.perf_counter()
+                g.prefilled = state.prefill(g.admitted, self.max_prefill_tokens)
+                t_prefill, forwards = t_prefill + time.perf_counter() - t, forwards + 1
+            b, t = g.slots.numel(), time.perf_counter()
+            if b > 0:
+                meta = model.metadata(state.cache.lengths[g.slots][:, None],
+                                      torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, g.slots,
+                                      step=True)
+                g.out = model(g.last[:, None], meta, return_hidden=collect)
+                state.cache.commit(g.slots, torch.ones(b, dtype=torch.long, device=device))
+                forwards += 1
             g.seconds = time.perf_counter() - t
 
         def advance(i: int) -> None:
-            nonlocal forwards
             g, t = groups[i], time.perf_counter()
-            out, hidden = (g.out[0], g.out[1][0]) if collect else (g.out, None)
-            logits = model.full_logits(out[:, 0]) if out is not None else None
-            tokens, logp = sample_rows(model, logits, state.keys(g.slots, state.positions(g.slots)), sampling)
-            per_step.append({"active": g.slots.numel(), "tokens": g.slots.numel(),
-                             "seconds": g.seconds + time.perf_counter() - t})
-            g.slots, g.last = in_cache_order(state.cache, *record(g.slots, tokens, logp, hidden, logits))
-            g.out, forwards = None, forwards + 1
+            slots, last = g.slots[:0], g.last[:0]
+            if g.slots.numel() > 0:
+                out, hidden = (g.out[0], g.out[1][0]) if collect else (g.out, None)
+                logits = model.full_logits(out[:, 0]) if out is not None else None
+                tokens, logp = sample_rows(model, logits, state.keys(g.slots, state.positions(g.slots)), sampling)
+                per_step.append({"active": g.slots.numel(), "tokens": g.slots.numel(),
+                                 "seconds": g.seconds + time.perf_counter() - t})
+                slots, last = record(g.slots, tokens, logp, hidden, logits)
+            if g.admitted:  # the joining responses' first tokens
+                new, tokens, logp, hidden, logits = state.first_tokens(g.admitted, g.prefilled)
+                joined, tokens = record(new, tokens, logp, hidden, logits)
+                slots, last = torch.cat([slots, joined]), torch.cat([last, tokens])
+            g.admitted, g.prefilled, g.out = state.admit(), None, None
+            g.slots, g.last = in_cache_order(state.cache, slots, last)
 
-        run_groups(lambda i: groups[i].slots.numel() > 0, self.groups, model.ctx, forward, advance)
+        run_groups(lambda i: groups[i].alive(), self.groups, model.ctx, forward, advance)
 
         elapsed = time.perf_counter() - t0
         num_tokens = sum(len(r) for r in state.responses)

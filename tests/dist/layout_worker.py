@@ -126,12 +126,16 @@ def run(arch: str, dtype: str, ctx) -> dict:
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], pipeline_groups=3).generate(
             PROMPTS, sp, step=1)
         out["spec-groups3-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
-        # in waves of at most two prompts' responses
-        r = VanillaEngine(model, eos_token_ids=[3], max_num_seqs=2 * sp.num_samples).generate(PROMPTS, sp, step=1)
-        out["waves-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        # continuously batched: at most 3 responses in flight (a waiting prompt's two start when two
+        # rows are free), and one prompt's
+        r = VanillaEngine(model, eos_token_ids=[3], max_num_seqs=sp.num_samples + 1).generate(PROMPTS, sp, step=1)
+        out["continuous-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], max_num_seqs=sp.num_samples + 1).generate(
+            PROMPTS, sp, step=1)
+        out["spec-continuous-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], max_num_seqs=sp.num_samples).generate(
             PROMPTS, sp, step=1)
-        out["spec-waves-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        out["spec-one-prompt-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     out["refused"] = refused(model, ctx)
     out["adapt"] = adapt(model, ctx)
     out["draft_vocab"] = draft_vocab(model)

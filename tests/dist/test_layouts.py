@@ -82,8 +82,9 @@ def test_layout_matches_single_process(launched, reference, tp, pp, last_stage_l
         assert torch.equal(got[name]["heads_filter_kept"], ref["heads_filter_kept"]), name
         for key in ("t1", "greedy", "spec-t1", "spec-greedy", "spec-adaptive-t1", "spec-adaptive-greedy",
                     "spec-idle-t1", "spec-idle-greedy", "groups1-t1", "groups1-greedy", "spec-groups3-t1",
-                    "spec-groups3-greedy", "waves-t1", "waves-greedy", "spec-waves-t1", "spec-waves-greedy"):
-            if key.startswith(("spec-", "groups1-", "waves-")):  # equals the vanilla engine of TP=1/PP=1
+                    "spec-groups3-greedy", "continuous-t1", "continuous-greedy", "spec-continuous-t1",
+                    "spec-continuous-greedy", "spec-one-prompt-t1", "spec-one-prompt-greedy"):
+            if key.startswith(("spec-", "groups1-", "continuous-")):  # equals the vanilla engine of TP=1/PP=1
                 vanilla = ref[key.split("-")[-1]]
                 if name.endswith("float64") or key == "spec-greedy":
                     assert got[name][key]["tokens"] == vanilla["tokens"], (name, key)
@@ -100,7 +101,7 @@ def test_layout_matches_single_process(launched, reference, tp, pp, last_stage_l
         assert ref["refused"] == "not refused"
         assert got[name]["refused"].startswith("the KV cache of 6 responses of up to 23 positions needs more memory "
                                                "than another rank of its model-parallel group has free; set "
-                                               "max_num_seqs to at most 2"), got[name]["refused"]
+                                               "max_num_seqs to at most 3"), got[name]["refused"]
         # Reflex (gate forced open) and a slow-path consolidation of one TP-sharded head
         adapt, adapt_ref = got[name]["adapt"], ref["adapt"]
         assert adapt_ref["gate"] > 0 and adapt_ref["event"]["steps"] == 3

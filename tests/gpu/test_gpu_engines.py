@@ -178,9 +178,9 @@ def test_update_attention_and_log_probs_in_pieces_on_gpu(gpu_ctx, bonus):
         assert (a - b).norm() <= tol * a.norm() + 1e-6, (a - b).norm() / a.norm()
 
 
-def test_waves_and_the_kv_cache_memory_check_on_gpu(gpu_ctx):
+def test_continuous_batching_and_the_kv_cache_memory_check_on_gpu(gpu_ctx):
     """The memory a KV cache may take on this device (a GPU: the driver's free memory and torch's cached
-    blocks), what a cache takes, and rollouts in waves equal to one batch."""
+    blocks), what a cache takes, and a rollout continuously batched in 3 rows equal to one batch."""
     from specroll_mcore.config import SamplingConfig
     from specroll_mcore.rollout import VanillaEngine
     from specroll_mcore.rollout.base import available_memory
@@ -194,14 +194,15 @@ def test_waves_and_the_kv_cache_memory_check_on_gpu(gpu_ctx):
         assert available_memory(DEVICE) >= free - (1 << 20)
     made = []
     new_cache = model.new_cache
-    model.new_cache = lambda num_slots, capacity: made.append((num_slots, capacity)) or new_cache(num_slots, capacity)
+    model.new_cache = lambda num_slots, capacity, num_rows=None: made.append(
+        (num_rows or num_slots, capacity)) or new_cache(num_slots, capacity, num_rows)
     prompts = [[3, 4, 5], [6], [7, 8, 9, 10]]
     sp = SamplingConfig(temperature=1.0, max_new_tokens=12, num_samples=2, seed=1)
     whole = VanillaEngine(model).generate(prompts, sp)
     before = torch.cuda.memory_allocated(DEVICE) if DEVICE.type == "cuda" else None
-    out = VanillaEngine(model, max_num_seqs=2).generate(prompts, sp)
+    out = VanillaEngine(model, max_num_seqs=3).generate(prompts, sp)
     del model.new_cache
-    assert out.tokens == whole.tokens and out.stats["waves"] == 3 and [n for n, _ in made[1:]] == [2, 2, 2]
-    assert model.kv_cache_bytes(*made[0]) > 0
-    if DEVICE.type == "cuda":  # each wave's cache is freed when it ends
+    assert out.tokens == whole.tokens and out.stats["kv_cache_rows"] == 3 and [n for n, _ in made] == [6, 3]
+    assert model.kv_cache_bytes(*made[0]) == 2 * model.kv_cache_bytes(*made[1]) > 0
+    if DEVICE.type == "cuda":  # the rollout's cache is freed when it ends
         assert torch.cuda.memory_allocated(DEVICE) - before < model.kv_cache_bytes(*made[1])

@@ -195,6 +195,67 @@ def test_stacked_layers_move_together(position_major):
     assert values == expected[3]  # values: the negated keys written by layer 4
 
 
-def test_a_cache_needs_its_layers():
+@pytest.mark.parametrize("position_major", [False, True], ids=["keys-as-values", "position-major-keys"])
+def test_rows_are_recycled_from_finished_responses_to_waiting_ones(position_major):
+    """Continuous batching: 7 responses in 4 rows. Slots take free rows as they are admitted and give
+    them back when released; a forward over slots whose rows are scattered among free ones packs
+    them, moving only what it must; every held slot keeps its context through all of it, and the
+    experts of a released slot stay readable."""
+    cache = KVCache(num_slots=7, capacity=8, device=torch.device("cpu"), dtype=torch.float32,
+                    position_major_keys=position_major, layers=[1, 2], routing_topk=1, num_rows=4)
+    assert cache.row_of.tolist() == [-1] * 7 and cache._k is None
+
+    def step(slots, values):  # one token each, and the experts it was routed to (its value, as an int)
+        rows, *_ = _write(cache, slots, torch.tensor(values)[:, None])
+        _write(cache, slots, torch.tensor(values)[:, None], layer=2)
+        index = torch.tensor(slots)
+        write = cache.lengths[index][:, None]
+        experts = torch.tensor(values, dtype=torch.long)[:, None]
+        cache.write_routing(rows, torch.arange(len(slots))[:, None], write, [experts, experts])
+        cache.commit(index, torch.ones(len(slots), dtype=torch.long))
+        for s, v in zip(slots, values):
+            expected[s].append(v)
+
+    expected = {s: [] for s in range(7)}
+    cache.admit([0, 1, 2])
+    assert cache.row_of[:3].tolist() == [0, 1, 2]
+    step([0, 1, 2], [1.0, 2.0, 3.0])
+    cache.release([1])
+    cache.admit([3, 4])  # rows 1 (freed) and 3
+    assert sorted(cache.row_of[[3, 4]].tolist()) == [1, 3] and cache.lengths[[3, 4]].tolist() == [0, 0]
+    step([3, 4], [40.0, 50.0])  # not adjacent: one of them moves next to the other
+    step([0, 2, 3, 4], [11.0, 13.0, 41.0, 51.0])
+    cache.release([0, 3])
+    with pytest.raises(RuntimeError, match="3 slots to admit, 2 of 4 rows free"):
+        cache.admit([5, 6, 1])
+    cache.admit([5])
+    step([5, 2], [60.0, 14.0])
+    cache.admit([6])
+    perm = cache.pack(torch.tensor([6, 4, 2, 5]))
+    assert sorted(cache.row_of[[2, 4, 5, 6]].tolist()) == [0, 1, 2, 3] and len(perm) == 4
+    step([2, 4, 5, 6], [15.0, 52.0, 61.0, 70.0])
+    for s in (2, 4, 5, 6):
+        assert _context(cache, s) == expected[s] and _context(cache, s, 2) == expected[s]
+    cache.release([2, 4, 5, 6])
+    routing = cache.routing(torch.arange(7))
+    for s in range(7):  # [length, layers, topk]: the values written, at both layers
+        assert routing[s].shape == (len(expected[s]), 2, 1)
+        assert routing[s][:, 0, 0].tolist() == [int(v) for v in expected[s]] == routing[s][:, 1, 0].tolist()
+    assert cache.row_of.tolist() == [-1] * 7 and sorted(cache._free) == [0, 1, 2, 3]
+
+
+def test_cache_rows_errors():
+    def cache(**kw):
+        return KVCache(capacity=4, device=torch.device("cpu"), dtype=torch.float32, layers=[1], **kw)
+
     with pytest.raises(ValueError, match="needs the layer numbers that use it"):
         KVCache(num_slots=2, capacity=4, device=torch.device("cpu"), dtype=torch.float32, layers=[])
+    for rows in (0, 3):
+        with pytest.raises(ValueError, match=f"a KV cache of 2 slots needs 1 to 2 rows, got num_rows={rows}"):
+            cache(num_slots=2, num_rows=rows)
+    c = cache(num_slots=3, num_rows=2)
+    c.admit([0])
+    with pytest.raises(RuntimeError, match="a slot admitted twice"):
+        c.admit([0])
+    with pytest.raises(RuntimeError, match="a slot without a row"):
+        c.rows(torch.tensor([2, 0]))

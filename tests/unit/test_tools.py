@@ -339,18 +339,21 @@ def test_bench_checkpoint_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     assert code != 0 and "--steps must be >= 2 (the last step's checkpoint is written at once)" in err
 
 
-def test_bench_waves_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
+def test_bench_max_num_seqs_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "w.json"
-    run_tool("bench_waves.py", "--checkpoint", tiny_ckpt, "--prompts", 3, "--samples", 2, "--max-new-tokens", 8,
-             "--max-num-seqs", 4, "--reps", 2, "--out", out)
+    run_tool("bench_max_num_seqs.py", "--checkpoint", tiny_ckpt, "--prompts", 3, "--samples", 2, "--max-new-tokens", 8,
+             "--max-num-seqs", 3, "--reps", 3, "--out", out)
     report = json.loads(out.read_text())
+    assert report["static_batches"] == 3  # one prompt's two responses a batch
     for name in ("vanilla", "specroll"):
         row = report["engines"][name]
-        assert row["identical"] and row["waves"] == 2 and len(row["paired_ratios"]) == 2
-        assert 0 < row["kv_cache_mib"]["waves"] < row["kv_cache_mib"]["together"]
-    code, err = refused(capsys, "bench_waves.py", "--prompts", 2, "--samples", 4, "--max-num-seqs", 8)
-    assert code != 0 and "fewer than the 8 responses (else there is one wave" in err
-    code, err = refused(capsys, "bench_waves.py", "--samples", 4, "--max-num-seqs", 3)
+        assert row["identical"] and all(len(row[f"{k}_s"]) == 3 for k in ("together", "continuous", "static"))
+        assert 0 < row["kv_cache_mib"]["continuous"] < row["kv_cache_mib"]["together"]
+        assert row["kv_cache_mib"]["static"] < row["kv_cache_mib"]["continuous"]  # (2 rows against 3)
+        assert max(row["responses_per_step"]["continuous"]) <= 3 and row["speedup_continuous_over_static"] > 0
+    code, err = refused(capsys, "bench_max_num_seqs.py", "--prompts", 2, "--samples", 4, "--max-num-seqs", 8)
+    assert code != 0 and "fewer than the 8 responses (else all are in flight at once" in err
+    code, err = refused(capsys, "bench_max_num_seqs.py", "--samples", 4, "--max-num-seqs", 3)
     assert code != 0 and "--max-num-seqs must hold one prompt's 4 samples" in err
 
 

@@ -167,9 +167,10 @@ def test_chat_template_kwargs_reach_the_template(tiny_ckpt, tmp_path, ctx):
 
 def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
     """The exactness contract at the RL level: same rollouts, rewards and losses for 3 steps (SpecRoll's
-    rollouts, and the vanilla ones timed beside them, in waves of one prompt's responses)."""
+    rollouts, and the vanilla ones timed beside them, continuously batched in rows for 5 responses:
+    a prompt's 3 start when one of the other prompt's finishes)."""
     a = run_rows(tiny_ckpt, tmp_path / "v", "engine=vanilla")
-    b = run_rows(tiny_ckpt, tmp_path / "s", "engine=specroll", "compare_vanilla_every=1", "max_num_seqs=3")
+    b = run_rows(tiny_ckpt, tmp_path / "s", "engine=specroll", "compare_vanilla_every=1", "max_num_seqs=5")
     assert all(r["rollouts_identical"] and r["vanilla_gen_s"] > 0 for r in b)  # vanilla timed first at step 2
     assert all(0 <= r["update_padding"] < 1 for r in a)
     for ra, rb in zip(a, b):
@@ -186,13 +187,13 @@ def test_max_num_seqs_reaches_the_rollouts_and_their_evaluation(tiny_ckpt, tmp_p
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(
         tiny_ckpt, tmp_path, "steps=1", "engine=specroll", "compare_vanilla_every=1", "max_num_seqs=4",
         "eval.every=1", "eval.sampling.num_samples=2", "eval.sampling.temperature=1.0", *EVAL)))
-    slots = []
+    made = []
     new_cache = trainer.policy.new_cache
-    monkeypatch.setattr(trainer.policy, "new_cache",
-                        lambda num_slots, capacity: slots.append(num_slots) or new_cache(num_slots, capacity))
+    monkeypatch.setattr(trainer.policy, "new_cache", lambda num_slots, capacity, num_rows=None: made.append(
+        (num_slots, num_rows)) or new_cache(num_slots, capacity, num_rows))
     trainer.run()
-    # training: 2 prompts x 3 samples, one prompt a wave, in both engines; evaluation: 6 prompts x 2, two a wave
-    assert slots == [3, 3, 3, 3, 4, 4, 4]
+    # training: 2 prompts x 3 samples in 4 rows, in both engines; evaluation: 6 prompts x 2 in calls of 4 prompts
+    assert made == [(6, 4), (6, 4), (8, 4), (4, 4)]
 
 
 EVAL = ["eval.data.limit=6", "eval.sampling.max_new_tokens=10", "eval.batch_prompts=4"]

@@ -1,5 +1,6 @@
-"""Rollouts in waves (``max_num_seqs``): the same responses as one batch, the KV cache of a wave at a
-time, and a KV cache larger than the memory free refused before it is allocated."""
+"""Continuous batching (``max_num_seqs``): the same responses as one batch with at most that many in
+flight, waiting prompts taking the rows of finished responses, and a KV cache larger than the memory
+free refused before it is allocated."""
 
 import pytest
 import torch
@@ -14,13 +15,22 @@ SAMPLING = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=30, num_sam
 
 
 def caches_made(model, monkeypatch):
-    """The KV caches ``model`` makes from now on, recorded."""
+    """The KV caches ``model`` makes from now on, recorded, each with its admissions: per admission the
+    slots admitted and the responses then in flight (holding rows before it)."""
     made, new_cache = [], model.new_cache
 
-    def spy(num_slots, capacity):
-        made.append(new_cache(num_slots, capacity))
-        made[-1].requested = (num_slots, capacity)
-        return made[-1]
+    def spy(num_slots, capacity, num_rows=None):
+        cache = new_cache(num_slots, capacity, num_rows)
+        cache.requested, cache.admissions = (num_rows or num_slots, capacity), []
+        admit = cache.admit
+
+        def spy_admit(slots):
+            cache.admissions.append((list(slots), int((cache.row_of >= 0).sum())))
+            admit(slots)
+
+        cache.admit = spy_admit
+        made.append(cache)
+        return cache
 
     monkeypatch.setattr(model, "new_cache", spy)
     return made
@@ -33,47 +43,58 @@ def same_rollout(a, b):
 
 
 @pytest.mark.parametrize("engine_name", ["vanilla", "specroll"])
-def test_waves_give_the_rollout_of_one_batch(ctx, monkeypatch, engine_name):
+def test_continuous_batching_gives_the_rollout_of_one_batch(ctx, monkeypatch, engine_name):
     model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
     eos = VanillaEngine(model).generate(PROMPTS, SAMPLING, step=3).tokens[0][9]  # a token some response emits
 
-    def engine(max_num_seqs):
+    def engine(max_num_seqs, groups=None):
         if engine_name == "vanilla":
-            return VanillaEngine(model, eos_token_ids=[eos], max_num_seqs=max_num_seqs)
-        return SpeculativeEngine(model, SpecConfig(c_hw=16), eos_token_ids=[eos], max_num_seqs=max_num_seqs)
+            return VanillaEngine(model, eos_token_ids=[eos], max_num_seqs=max_num_seqs, pipeline_groups=groups)
+        return SpeculativeEngine(model, SpecConfig(c_hw=16), eos_token_ids=[eos], max_num_seqs=max_num_seqs,
+                                 pipeline_groups=groups)
 
     ids = [7, 3, 9, 0, 4]
     whole = engine(None).generate(PROMPTS, SAMPLING, step=3, prompt_ids=ids)
     assert "eos" in whole.finish_reason and len({len(t) for t in whole.tokens}) > 1  # ragged, early EOS
     made = caches_made(model, monkeypatch)
-    # 2 prompts' responses a wave (5 allows no third prompt's two), one prompt a wave, all in one
-    for max_num_seqs, slots in ((5, [4, 4, 2]), (2, [2] * 5), (10, [10])):
+    # 5 rows (a prompt's two responses wait for two free), one prompt's, 3 with two groups of responses, all
+    for max_num_seqs, groups in ((5, None), (2, None), (3, 2), (10, None)):
         made.clear()
-        out = engine(max_num_seqs).generate(PROMPTS, SAMPLING, step=3, prompt_ids=ids)
+        out = engine(max_num_seqs, groups).generate(PROMPTS, SAMPLING, step=3, prompt_ids=ids)
         same_rollout(out, whole)
-        assert [c.num_slots for c in made] == slots
-        assert out.stats.get("waves", 1) == len(slots)
+        (cache,) = made
+        assert cache.num_rows == out.stats["kv_cache_rows"] == max_num_seqs and cache.num_slots == 10
+        admitted = [s for slots, _ in cache.admissions for s in slots]
+        assert sorted(admitted) == list(range(10))  # every response once, whole prompts in order
+        assert all(sorted(slots) == list(range(min(slots), max(slots) + 1)) and len(slots) % 2 == 0
+                   for slots, _ in cache.admissions)
+        assert [min(slots) for slots, _ in cache.admissions] == sorted(min(slots) for slots, _ in cache.admissions)
+        assert all(held + len(slots) <= max_num_seqs for slots, held in cache.admissions)  # never over the rows
+        if 2 < max_num_seqs < 10:  # prompts joined responses still in flight (not one batch after another)
+            assert len(cache.admissions) > 1 and any(held > 0 for _, held in cache.admissions[1:])
         assert out.stats["tokens"] == out.num_tokens
-        if engine_name == "specroll":  # tau and acceptance over every wave's steps
+        assert out.stats["forwards"] == len(cache.admissions) + len(out.stats["per_step"])  # prefills and steps
+        if engine_name == "specroll":  # tau and acceptance over every step
             steps = out.stats["per_step"]
             assert out.stats["tau"] == pytest.approx(sum(p["emitted"] for p in steps) / sum(p["active"] for p in steps))
             assert len(out.stats["tau_per_row"]) == len(PROMPTS) * 2
             assert sum(out.stats["tried_per_depth"]) > 0
 
 
-def test_waves_keep_features_and_expert_routing(ctx):
-    """What the policy update and head distillation read from a rollout survives the waves."""
+def test_continuous_batching_keeps_features_and_expert_routing(ctx):
+    """What the policy update and head distillation read from a rollout survives rows that change
+    hands (the experts of a finished response are kept when it gives its row back)."""
     model = make_policy(tiny_qwen3_moe(params_dtype="float64"), ctx, seed=2)
     model.record_routing = True
     try:
         whole = VanillaEngine(model).generate(PROMPTS, SAMPLING, features_topk=4)
-        out = VanillaEngine(model, max_num_seqs=4).generate(PROMPTS, SAMPLING, features_topk=4)
+        out = VanillaEngine(model, max_num_seqs=3).generate(PROMPTS, SAMPLING, features_topk=4)
     finally:
         model.record_routing = False
     same_rollout(out, whole)
-    assert out.stats["waves"] == 3
+    assert out.stats["kv_cache_rows"] == 3
     for a, b in zip(out.routing, whole.routing):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b) and a.shape[0] > 0
     for a, b in zip(out.features, whole.features):  # (float64: rows of other batches agree to rounding)
         assert torch.equal(a.top_ids, b.top_ids) and a.hidden.shape[0] == len(a.top_ids) > 0
         assert torch.allclose(a.hidden, b.hidden, atol=1e-12) and torch.allclose(a.top_probs, b.top_probs, atol=1e-12)
@@ -90,7 +111,7 @@ def test_kv_cache_bytes_is_what_the_cache_holds(ctx, monkeypatch):
             VanillaEngine(model).generate(PROMPTS, SAMPLING)
             cache = made[0]
             held = sum(b.nbytes for b in cache._all_buffers())
-            assert held == model.kv_cache_bytes(*cache.requested) > 0
+            assert held == model.kv_cache_bytes(*cache.requested) > 0 and cache.requested[0] == 10
             assert len(cache._all_buffers()) == (3 if model.config.num_experts else 2)  # keys, values (experts)
         finally:
             model.record_routing = False
@@ -103,11 +124,11 @@ def test_a_kv_cache_larger_than_free_memory_is_refused_with_what_fits(ctx, monke
     monkeypatch.setattr(base, "available_memory", lambda device: 5 * per_response + 1)
     made = caches_made(model, monkeypatch)
     with pytest.raises(ValueError, match=r"the KV cache of 10 responses of up to 37 positions needs .* GiB on this "
-                                         r"rank, which has .* GiB free; set max_num_seqs to at most 4 \(the responses"):
+                                         r"rank, which has .* GiB free; set max_num_seqs to at most 5 \(the responses"):
         VanillaEngine(model).generate(PROMPTS, SAMPLING)
     assert not made  # refused before anything was allocated
-    out = VanillaEngine(model, max_num_seqs=4).generate(PROMPTS, SAMPLING)  # what the error advised
-    assert out.stats["waves"] == 3 and max(c.num_slots for c in made) == 4
+    out = VanillaEngine(model, max_num_seqs=5).generate(PROMPTS, SAMPLING)  # what the error advised
+    assert out.stats["kv_cache_rows"] == 5 and [c.num_rows for c in made] == [5]
     monkeypatch.setattr(base, "available_memory", lambda device: per_response)
     with pytest.raises(ValueError, match="not even one prompt's responses fit: lower sampling.max_new_tokens"):
         SpeculativeEngine(policy_with_heads(tiny_llama(), ctx), SpecConfig(c_hw=8)).generate(PROMPTS, SAMPLING)
@@ -144,7 +165,7 @@ def test_max_num_seqs_errors(ctx):
         with pytest.raises(ValueError, match="max_num_seqs must be a positive number of responses"):
             VanillaEngine(model, max_num_seqs=bad)
     with pytest.raises(ValueError, match=r"max_num_seqs \(1\) is below sampling.num_samples \(2\): a prompt's "
-                                         r"responses are decoded together"):
+                                         r"responses start together"):
         VanillaEngine(model, max_num_seqs=1).generate(PROMPTS, SAMPLING)
     with pytest.raises(ValueError, match=r"GenerateConfig.max_num_seqs \(3\) is below the 4 samples of a prompt"):
         GenerateConfig(max_num_seqs=3, sampling=SamplingConfig(num_samples=4))
