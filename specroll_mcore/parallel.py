@@ -166,7 +166,8 @@ class ParallelContext:
     sequence_parallel: bool = False
     """ParallelConfig.sequence_parallel: the policy update splits activations over the TP ranks along
     the sequence (PolicyModel.sequence_parallel)."""
-    _send_in_flight: Any = field(default=None, init=False, repr=False, compare=False)
+    _sends: list = field(default_factory=list, init=False, repr=False, compare=False)  # (work, tensor) in flight
+    _step_start: Optional[int] = field(default=None, init=False, repr=False, compare=False)  # see forward_step
 
     def stage_layers(self, num_layers: int) -> list[int]:
         """Layers per pipeline stage for a model of ``num_layers``, first stage first."""
@@ -191,17 +192,33 @@ class ParallelContext:
         Rollouts interleave groups of responses over the stages (rollout/base.run_groups): a stage
         sends one group's output, runs the next group's forward and then meets the other stages in
         the first group's broadcast, while the next stage is still busy; a blocking send would wait
-        for a receive that comes only after that broadcast. At most one send is in flight: the
-        previous one is waited for first (the next stage has long received it), and
-        :meth:`flush_sends` waits for the last one."""
-        self.flush_sends()
-        self._send_in_flight = (dist.isend(tensor.contiguous(), dst=self.pp_ranks[self.pp_rank + 1]), tensor)
+        for a receive that comes only after that broadcast. The sends before are waited for first
+        (the next stage has long received them) but those of the same :meth:`forward_step`, and
+        :meth:`flush_sends` waits for the last ones."""
+        keep = len(self._sends) if self._step_start is None else self._step_start
+        for work, _ in self._sends[:keep]:
+            work.wait()
+        self._sends = self._sends[keep:]
+        if self._step_start is not None:
+            self._step_start = 0
+        self._sends.append((dist.isend(tensor.contiguous(), dst=self.pp_ranks[self.pp_rank + 1]), tensor))
+
+    @contextlib.contextmanager
+    def forward_step(self) -> Iterator[None]:
+        """A group-step's forwards (rollout/base.run_groups), whose sends stay in flight together: a step
+        that prefills admitted prompts and then decodes sends twice, and the next stage receives both
+        in its own step, which may come after this stage's next broadcast."""
+        self._step_start = len(self._sends)
+        try:
+            yield
+        finally:
+            self._step_start = None
 
     def flush_sends(self) -> None:
-        """Wait for the send :meth:`post_forward` left in flight, if any."""
-        if self._send_in_flight is not None:
-            self._send_in_flight[0].wait()
-            self._send_in_flight = None
+        """Wait for the sends :meth:`post_forward` left in flight, if any."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
 
     def recv_forward(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Receive the previous stage's hidden states."""

@@ -240,11 +240,13 @@ class KVCache:
             raise RuntimeError(f"KV cache overflow: a slot holds {int(self.lengths.max())} tokens, "
                                f"capacity is {self.capacity}")
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Duplicate whole slots (shared prompt prefill: one prompt, G samples); ``dst`` hold rows."""
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, length: Optional[torch.Tensor] = None) -> None:
+        """Duplicate whole slots (shared prompt prefill: one prompt, G samples); ``dst`` hold rows. With
+        ``length`` [n], only the first ``length`` committed positions of each (a prompt's prefix)."""
+        n = self.capacity if length is None else int(length.max())
         for buf in self._all_buffers():
-            buf[:, self.row_of[dst]] = buf[:, self.row_of[src]]
-        self.lengths[dst] = self.lengths[src]
+            buf[:, self.row_of[dst], :n] = buf[:, self.row_of[src], :n]
+        self.lengths[dst] = self.lengths[src] if length is None else length.to(self.lengths.device)
 
     def reset(self) -> None:
         self.lengths.zero_()

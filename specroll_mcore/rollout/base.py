@@ -272,14 +272,17 @@ def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable
     advance(g), identically on every stage, so every stage skips the same steps of finished groups
     and stops after the same advance. For the same reason a group admits waiting prompts only in its
     own advance (continuous batching): their prefill goes into its next forward, which every stage
-    runs after that advance; another group's next forward may already have run on an earlier stage."""
+    runs after that advance; another group's next forward may already have run on an earlier stage.
+    Such a forward sends twice (ParallelContext.forward_step keeps both sends in flight: the next
+    stage takes them only in its own forward of the group)."""
     lead = max(0, min(k, ctx.pp_size) - 1 - ctx.pp_rank)
     forwarded, j = 0, 0
     try:
         while any(alive(g) for g in range(k)):
             while forwarded <= j + lead:
                 if alive(forwarded % k):
-                    forward(forwarded % k)
+                    with ctx.forward_step():  # (a prefill and a step: two sends in flight together)
+                        forward(forwarded % k)
                 forwarded += 1
             if alive(j % k):
                 advance(j % k)
@@ -293,14 +296,15 @@ class RolloutState:
     prompts still waiting for rows.
 
     Slot ``s`` holds response ``s`` = (prompt s // G, sample s % G). The KV cache has ``rows`` rows
-    (None: one per response): prompts take rows in order, whole (a prompt is prefilled once into its
-    first sample's slot and copied to the others), as many as fit; a response that finishes gives its
-    row back (:meth:`append`), and :meth:`admit` lets the next waiting prompts in as soon as their
-    responses fit: continuous batching, vLLM's ``max_num_seqs``. Both engines start with
-    :meth:`start` and, after each step, admit, :meth:`prefill` what they admitted in their next
-    forward and sample its first tokens (:meth:`first_tokens`); they record tokens through
-    :meth:`append`, which applies the finish rules token by token and drops whatever follows a
-    finishing token.
+    (None: one per response): responses take rows in order, as many as there are; a response that
+    finishes gives its row back (:meth:`append`), and :meth:`admit` lets the next waiting ones in:
+    continuous batching, vLLM's ``max_num_seqs``. A prompt is prefilled once, into the row of its
+    first response let in, copied to the others let in with it, and later ones copy its keys and
+    values from a row that still holds them (as vLLM's prefix caching shares a prompt's blocks
+    between its samples). Both engines start with :meth:`start`; after each step they admit, sample
+    the first tokens of the responses that joined (:meth:`first_tokens`), and :meth:`prefill` the
+    pending prompts in their next forward. They record tokens through :meth:`append`, which applies
+    the finish rules token by token and drops whatever follows a finishing token.
     """
 
     def __init__(self, model: PolicyModel, prompts: Sequence[Sequence[int]], prompt_ids: list[int],
@@ -319,56 +323,104 @@ class RolloutState:
         capacity = max(len(p) + rules.limit(len(p)) for p in prompts) + extra_capacity
         self.num_rows = self.num if rows is None else min(rows, self.num)
         self.cache = model.new_cache(num_slots=self.num, capacity=capacity, num_rows=self.num_rows)
-        self.waiting = deque(range(P))  # prompts not admitted yet, in order
+        self.waiting = deque(range(self.num))  # responses not admitted yet, in order
         self.held = 0  # responses holding a row
+        self.scheduled: set[int] = set()  # prompts whose prefill a group's next forward runs
+        self.kept: dict[int, tuple] = {}  # prompt -> its last token's (logits, hidden state) while it is needed
         self.responses: list[list[int]] = [[] for _ in range(self.num)]
         self.logprobs: list[list[torch.Tensor]] = [[] for _ in range(self.num)]
         self.finish: list[Optional[str]] = [None] * self.num
 
-    def admit(self) -> list[int]:
-        """The next waiting prompts whose responses fit in the free rows, in order, whole; their slots
-        take rows (first samples first: a prefill's rows lie together)."""
+    def admit(self) -> tuple[list[int], list[int]]:
+        """Let the next waiting responses in, in order, as many as there are free rows. Returns
+        ``joined``, responses of a prompt already prefilled whose keys and values another of its
+        responses still holds: their cache is that prefix, copied now, and their first tokens are
+        sampled from the prompt's kept logits (:meth:`first_tokens` without ``prefilled``); and
+        ``pending``, responses of prompts to prefill in the next forward (:meth:`prefill`; a new prompt,
+        or one none of whose responses holds a row any more). A response of a prompt whose prefill is
+        pending elsewhere waits for it, and so do the responses after it."""
         G = self.sampling.num_samples
-        taken: list[int] = []
-        while self.waiting and self.held + G <= self.num_rows:
-            taken.append(self.waiting.popleft())
-            self.held += G
-        if taken:
-            self.cache.admit([p * G + j for j in range(G) for p in taken])
-        return taken
+        joined: list[int] = []
+        pending: list[int] = []
+        sources: list[int] = []
+        new: list[int] = []  # prompts this call prefills
+        while self.waiting and self.held < self.num_rows:
+            slot = self.waiting[0]
+            p = slot // G
+            if p in new:
+                pending.append(slot)
+            elif p in self.scheduled:  # its prefill has not run yet
+                break
+            elif p in self.kept and (holder := self._holder(p)) is not None:
+                joined.append(slot)
+                sources.append(holder)
+            else:
+                pending.append(slot)
+                new.append(p)
+            self.waiting.popleft()
+            self.held += 1
+        if not pending and not joined:
+            return joined, pending
+        firsts = [min(s for s in pending if s // G == p) for p in new]
+        self.cache.admit(firsts + [s for s in pending if s not in firsts] + joined)  # (a prefill's rows together)
+        if joined:
+            index = torch.tensor(joined, dtype=torch.long, device=self.slots.device)
+            self.cache.copy_slots(torch.tensor(sources, dtype=torch.long, device=index.device), index,
+                                  length=torch.tensor([self.prompt_len[s] for s in joined], device=index.device))
+        self.scheduled.update(new)
+        return joined, pending
 
-    def prefill(self, admitted: Sequence[int], max_prefill_tokens: int):
-        """Prefill the ``admitted`` prompts into their first samples' slots and share that cache with
-        their other samples. Returns the logits [p, V] and hidden states [p, h] at each prompt's last
-        token on the last stage, (None, None) elsewhere."""
+    def _holder(self, prompt: int) -> Optional[int]:
+        """A response of ``prompt`` holding a row (its prompt's keys and values are that row's first)."""
         G = self.sampling.num_samples
-        first = torch.tensor([p * G for p in admitted], dtype=torch.long, device=self.slots.device)
-        out = prefill(self.model, self.cache, [self.prompts[p] for p in admitted], max_prefill_tokens,
-                      return_hidden=True, slots=first)
-        if G > 1:
-            others = first[:, None] + torch.arange(1, G, device=first.device)[None]
-            self.cache.copy_slots(first.repeat_interleave(G - 1), others.flatten())
-        return out
+        rows = self.cache.row_of[prompt * G:(prompt + 1) * G].tolist()
+        return next((prompt * G + j for j, r in enumerate(rows) if r >= 0), None)
 
-    def first_tokens(self, admitted: Sequence[int], prefilled: tuple):
-        """Sample the first token of each response of the ``admitted`` prompts from their
-        :meth:`prefill`. Returns their slots [n], tokens [n] and log-probs [n], and on the last stage
-        (None elsewhere) the hidden states [n, h] and full logits [n, V] they were sampled from."""
+    def prefill(self, pending: Sequence[int], max_prefill_tokens: int) -> tuple:
+        """Prefill the prompts of the ``pending`` responses (from :meth:`admit`), each into its first
+        pending response's slot, and share that cache with its other pending responses. Returns what
+        :meth:`first_tokens` samples from: the prompts, and on the last stage (None elsewhere) the
+        logits [p, V] and hidden states [p, h] at each one's last token."""
         G = self.sampling.num_samples
-        slots = torch.tensor([p * G + j for p in admitted for j in range(G)], dtype=torch.long,
-                             device=self.slots.device)
-        last_logits, last_hidden = prefilled
-        prompt_row = torch.arange(len(admitted), device=slots.device).repeat_interleave(G)
-        logits = last_logits[prompt_row] if last_logits is not None else None
-        tokens, logp = sample_rows(self.model, logits, self.keys(slots, torch.zeros_like(slots)), self.sampling)
-        hidden = last_hidden[prompt_row] if last_hidden is not None else None
-        return slots, tokens, logp, hidden, logits
+        prompts = list(dict.fromkeys(s // G for s in pending))
+        firsts = [min(s for s in pending if s // G == p) for p in prompts]
+        device = self.slots.device
+        logits, hidden = prefill(self.model, self.cache, [self.prompts[p] for p in prompts], max_prefill_tokens,
+                                 return_hidden=True, slots=torch.tensor(firsts, dtype=torch.long, device=device))
+        others = [s for s in pending if s not in firsts]
+        if others:
+            self.cache.copy_slots(torch.tensor([firsts[prompts.index(s // G)] for s in others], device=device),
+                                  torch.tensor(others, dtype=torch.long, device=device))
+        return prompts, logits, hidden
+
+    def first_tokens(self, slots: Sequence[int], prefilled: Optional[tuple] = None):
+        """Sample the first token of responses ``slots``: from their prompts' :meth:`prefill`
+        (``prefilled``), or from the logits kept of it (responses :meth:`admit` joined). Returns their
+        slots [n], tokens [n] and log-probs [n], and on the last stage (None elsewhere) the hidden states
+        [n, h] and full logits [n, V] they were sampled from. A prompt whose responses still wait keeps
+        its logits and hidden state for them."""
+        G = self.sampling.num_samples
+        if prefilled is not None:
+            prompts, last_logits, last_hidden = prefilled
+            for i, p in enumerate(prompts):
+                self.scheduled.discard(p)
+                self.kept[p] = (last_logits[i] if last_logits is not None else None,
+                                last_hidden[i] if last_hidden is not None else None)
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.slots.device)
+        per_prompt = [self.kept[s // G] for s in slots]
+        logits = torch.stack([k[0] for k in per_prompt]) if per_prompt[0][0] is not None else None
+        hidden = torch.stack([k[1] for k in per_prompt]) if per_prompt[0][1] is not None else None
+        head = self.waiting[0] // G if self.waiting else None
+        for p in {s // G for s in slots} - {head}:  # (none of its responses waits any more)
+            self.kept.pop(p, None)
+        tokens, logp = sample_rows(self.model, logits, self.keys(index, torch.zeros_like(index)), self.sampling)
+        return index, tokens, logp, hidden, logits
 
     def start(self, max_prefill_tokens: int):
-        """Admit the first prompts, prefill them and sample their responses' first tokens (as
+        """Admit the first responses, prefill their prompts and sample their first tokens (as
         :meth:`first_tokens`)."""
-        admitted = self.admit()
-        return self.first_tokens(admitted, self.prefill(admitted, max_prefill_tokens))
+        _, pending = self.admit()  # (nothing is prefilled yet: nothing joins)
+        return self.first_tokens(pending, self.prefill(pending, max_prefill_tokens))
 
     def positions(self, slots: torch.Tensor) -> torch.Tensor:
         """[b] each response's length so far: the response index of the token sampled next."""

@@ -457,11 +457,11 @@ class _VerifyGroup:
     hidden_all: Optional[torch.Tensor] = None
     prepare_s: float = 0.0  # its preparation's (proposing and building its trees)
     forward_s: float = 0.0  # its verification forward's
-    admitted: list[int] = field(default_factory=list)  # prompts that join it: prefilled in its next forward
-    prefilled: Any = None  # their prefill's logits and hidden states (last stage), until the group advances
+    pending: list[int] = field(default_factory=list)  # responses joining it, their prompts prefilled in its next forward
+    prefilled: Any = None  # that prefill's output (RolloutState.prefill), until the group advances
 
     def alive(self) -> bool:
-        return self.slots.numel() > 0 or bool(self.admitted)
+        return self.slots.numel() > 0 or bool(self.pending)
 
 
 class _Rollout:
@@ -507,13 +507,31 @@ class _Rollout:
         groups = []
         for i in range(k):  # (slot s to group s % k, as split_groups)
             rows = (slots % k == i).nonzero().squeeze(1)
-            g = _VerifyGroup(*in_cache_order(state.cache, slots[rows], roots[rows],
-                                             hidden[rows] if hidden is not None else None))
-            g.admitted = state.admit()  # (rows the first tokens freed)
+            g = _VerifyGroup(slots[rows], roots[rows], hidden[rows] if hidden is not None else None)
             groups.append(g)
-            if g.slots.numel() > 0:
-                self.prepare(g)
+            self.admit(g, g.slots, g.roots, g.hidden)  # (rows the first tokens freed)
         return groups
+
+    def admit(self, g: _VerifyGroup, slots: torch.Tensor, roots: torch.Tensor, hidden: Optional[torch.Tensor]) -> None:
+        """The group goes on with ``slots`` (their roots and hidden states) and the waiting responses that
+        take free rows: those joining now with their first tokens, the others after its next forward;
+        then its next trees."""
+        joined, g.pending = self.state.admit()
+        if joined:
+            t = self.clock()
+            first, new_roots, logp, new_hidden, _ = self.state.first_tokens(joined)
+            slots, roots, hidden = self.join(slots, roots, hidden, first, new_roots, logp, new_hidden)
+            self.timers["prefill"] += self.clock() - t
+        g.slots, g.roots, g.hidden = in_cache_order(self.state.cache, slots, roots, hidden)
+        if g.slots.numel() > 0:
+            self.prepare(g)
+
+    def join(self, slots: torch.Tensor, roots: torch.Tensor, hidden: Optional[torch.Tensor], first: torch.Tensor,
+             new_roots: torch.Tensor, logp: torch.Tensor, new_hidden: Optional[torch.Tensor]) -> tuple:
+        """A group's responses with joining ones (their first tokens recorded, those that finish left out)."""
+        first, new_roots, new_hidden = self.record_first(first, new_roots, logp, new_hidden)
+        return (torch.cat([slots, first]), torch.cat([roots, new_roots]),
+                torch.cat([hidden, new_hidden]) if hidden is not None else None)
 
     def record_first(self, slots: torch.Tensor, roots: torch.Tensor, logp: torch.Tensor,
                      hidden: Optional[torch.Tensor]) -> tuple:
@@ -586,9 +604,9 @@ class _Rollout:
 
     # -- 3. verify -------------------------------------------------------------------------------------
     def forward(self, g: _VerifyGroup) -> None:
-        if g.admitted:  # the prompts joining the group: prefilled first
+        if g.pending:  # the prompts of the responses joining the group: prefilled first
             t = self.clock()
-            g.prefilled = self.state.prefill(g.admitted, self.engine.max_prefill_tokens)
+            g.prefilled = self.state.prefill(g.pending, self.engine.max_prefill_tokens)
             self.timers["prefill"] += self.clock() - t
             self.prefills += 1
         if g.slots.numel() == 0:
@@ -601,22 +619,18 @@ class _Rollout:
 
     # -- 4-6. accept, commit, feedback ---------------------------------------------------------------------
     def advance(self, g: _VerifyGroup) -> None:
-        """Accept, commit and feed back the group's step (if it verified one), let the responses of the
-        prompts it prefilled in, admit waiting prompts to its next forward, and prepare its next trees."""
+        """Accept, commit and feed back the group's step (if it verified one), let in the responses whose
+        prompts it prefilled, admit waiting ones, and prepare its next trees."""
         slots, roots, hidden = g.slots, g.roots, g.hidden
         if g.slots.numel() > 0:
             slots, roots, hidden = self.settle(g)
-        if g.admitted:
+        if g.pending:
             t = self.clock()
-            first, new_roots, logp, new_hidden, _ = self.state.first_tokens(g.admitted, g.prefilled)
-            joined = self.record_first(first, new_roots, logp, new_hidden)
-            slots, roots = torch.cat([slots, joined[0]]), torch.cat([roots, joined[1]])
-            hidden = torch.cat([hidden, joined[2]]) if hidden is not None else None
+            first, new_roots, logp, new_hidden, _ = self.state.first_tokens(g.pending, g.prefilled)
+            slots, roots, hidden = self.join(slots, roots, hidden, first, new_roots, logp, new_hidden)
             self.timers["prefill"] += self.clock() - t
-        g.admitted, g.prefilled = self.state.admit(), None
-        g.slots, g.roots, g.hidden = in_cache_order(self.state.cache, slots, roots, hidden)
-        if g.slots.numel() > 0:
-            self.prepare(g)
+        g.prefilled = None
+        self.admit(g, slots, roots, hidden)
 
     def settle(self, g: _VerifyGroup) -> tuple:
         """Steps 4-6 of the group's verified step; returns the responses that go on, their next roots and

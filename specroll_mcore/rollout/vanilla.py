@@ -35,11 +35,11 @@ class _DecodeGroup:
     last: torch.Tensor  # their last tokens, fed next
     out: Any = None  # the forward's output, until the group advances
     seconds: float = 0.0  # the forward's time
-    admitted: list[int] = field(default_factory=list)  # prompts that join it: prefilled in its next forward
-    prefilled: Any = None  # their prefill's logits and hidden states (last stage), until the group advances
+    pending: list[int] = field(default_factory=list)  # responses joining it, their prompts prefilled in its next forward
+    prefilled: Any = None  # that prefill's output (RolloutState.prefill), until the group advances
 
     def alive(self) -> bool:
-        return self.slots.numel() > 0 or bool(self.admitted)
+        return self.slots.numel() > 0 or bool(self.pending)
 
 
 class VanillaEngine:
@@ -116,18 +116,28 @@ class VanillaEngine:
         # 2. Decode in groups: feed each unfinished response's last token at its committed length.
         # Where responses finish, waiting prompts take their rows: prefilled in the group's next forward,
         # their first tokens sampled with its tokens.
+        def admit(g: _DecodeGroup, slots: torch.Tensor, last: torch.Tensor) -> None:
+            """The group goes on with ``slots`` (last tokens ``last``) and the waiting responses that
+            take free rows: those joining now with their first tokens, the others after its next forward."""
+            joined, g.pending = state.admit()
+            if joined:
+                new, tokens, logp, hidden, logits = state.first_tokens(joined)
+                new, tokens = record(new, tokens, logp, hidden, logits)
+                slots, last = torch.cat([slots, new]), torch.cat([last, tokens])
+            g.slots, g.last = in_cache_order(state.cache, slots, last)
+
         active, tokens = record(first, tokens, logp, hidden, logits)
-        groups = [_DecodeGroup(*in_cache_order(state.cache, slots, tokens[active % self.groups == i]))
-                  for i, slots in enumerate(split_groups(active, self.groups))]
-        for g in groups:
-            g.admitted = state.admit()  # (rows the first tokens freed)
+        groups = []
+        for i, slots in enumerate(split_groups(active, self.groups)):
+            groups.append(_DecodeGroup(slots, tokens[active % self.groups == i]))
+            admit(groups[-1], groups[-1].slots, groups[-1].last)  # (rows the first tokens freed)
 
         def forward(i: int) -> None:
             nonlocal forwards, t_prefill
             g = groups[i]
-            if g.admitted:
+            if g.pending:
                 t = time.perf_counter()
-                g.prefilled = state.prefill(g.admitted, self.max_prefill_tokens)
+                g.prefilled = state.prefill(g.pending, self.max_prefill_tokens)
                 t_prefill, forwards = t_prefill + time.perf_counter() - t, forwards + 1
             b, t = g.slots.numel(), time.perf_counter()
             if b > 0:
@@ -149,12 +159,12 @@ class VanillaEngine:
                 per_step.append({"active": g.slots.numel(), "tokens": g.slots.numel(),
                                  "seconds": g.seconds + time.perf_counter() - t})
                 slots, last = record(g.slots, tokens, logp, hidden, logits)
-            if g.admitted:  # the joining responses' first tokens
-                new, tokens, logp, hidden, logits = state.first_tokens(g.admitted, g.prefilled)
-                joined, tokens = record(new, tokens, logp, hidden, logits)
-                slots, last = torch.cat([slots, joined]), torch.cat([last, tokens])
-            g.admitted, g.prefilled, g.out = state.admit(), None, None
-            g.slots, g.last = in_cache_order(state.cache, slots, last)
+            if g.pending:  # the first tokens of the responses whose prompts it prefilled
+                new, tokens, logp, hidden, logits = state.first_tokens(g.pending, g.prefilled)
+                new, tokens = record(new, tokens, logp, hidden, logits)
+                slots, last = torch.cat([slots, new]), torch.cat([last, tokens])
+            g.prefilled = g.out = None
+            admit(g, slots, last)
 
         run_groups(lambda i: groups[i].alive(), self.groups, model.ctx, forward, advance)
 

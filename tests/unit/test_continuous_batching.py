@@ -45,7 +45,8 @@ def same_rollout(a, b):
 @pytest.mark.parametrize("engine_name", ["vanilla", "specroll"])
 def test_continuous_batching_gives_the_rollout_of_one_batch(ctx, monkeypatch, engine_name):
     model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
-    eos = VanillaEngine(model).generate(PROMPTS, SAMPLING, step=3).tokens[0][9]  # a token some response emits
+    ids = [7, 3, 9, 0, 4]
+    eos = VanillaEngine(model).generate(PROMPTS, SAMPLING, step=3, prompt_ids=ids).tokens[0][9]  # (response 0's 10th)
 
     def engine(max_num_seqs, groups=None):
         if engine_name == "vanilla":
@@ -53,32 +54,66 @@ def test_continuous_batching_gives_the_rollout_of_one_batch(ctx, monkeypatch, en
         return SpeculativeEngine(model, SpecConfig(c_hw=16), eos_token_ids=[eos], max_num_seqs=max_num_seqs,
                                  pipeline_groups=groups)
 
-    ids = [7, 3, 9, 0, 4]
     whole = engine(None).generate(PROMPTS, SAMPLING, step=3, prompt_ids=ids)
     assert "eos" in whole.finish_reason and len({len(t) for t in whole.tokens}) > 1  # ragged, early EOS
     made = caches_made(model, monkeypatch)
-    # 5 rows (a prompt's two responses wait for two free), one prompt's, 3 with two groups of responses, all
+    prefills, prefill = [], base.prefill  # the prompts of each prefill forward
+
+    def spy(model, cache, prompts, *args, **kwargs):
+        prefills.append([PROMPTS.index(list(p)) for p in prompts])
+        return prefill(model, cache, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(base, "prefill", spy)
+    # 5 rows, one prompt's, 3 with two groups of responses, all
     for max_num_seqs, groups in ((5, None), (2, None), (3, 2), (10, None)):
         made.clear()
+        prefills.clear()
         out = engine(max_num_seqs, groups).generate(PROMPTS, SAMPLING, step=3, prompt_ids=ids)
         same_rollout(out, whole)
         (cache,) = made
         assert cache.num_rows == out.stats["kv_cache_rows"] == max_num_seqs and cache.num_slots == 10
-        admitted = [s for slots, _ in cache.admissions for s in slots]
-        assert sorted(admitted) == list(range(10))  # every response once, whole prompts in order
-        assert all(sorted(slots) == list(range(min(slots), max(slots) + 1)) and len(slots) % 2 == 0
-                   for slots, _ in cache.admissions)
-        assert [min(slots) for slots, _ in cache.admissions] == sorted(min(slots) for slots, _ in cache.admissions)
+        admitted = [s for slots, _ in cache.admissions for s in sorted(slots)]
+        assert admitted == list(range(10))  # every response once, in order
         assert all(held + len(slots) <= max_num_seqs for slots, held in cache.admissions)  # never over the rows
-        if 2 < max_num_seqs < 10:  # prompts joined responses still in flight (not one batch after another)
+        if groups is None:  # every row busy while responses wait (with more groups, one may wait for another's prefill)
+            assert all(held + len(slots) == max_num_seqs or 9 in slots for slots, held in cache.admissions)
+        if 2 < max_num_seqs < 10:  # responses joined others still in flight (not one batch after another)
             assert len(cache.admissions) > 1 and any(held > 0 for _, held in cache.admissions[1:])
+            assert any(len(slots) % 2 for slots, _ in cache.admissions)  # a prompt's samples in two admissions
+        assert sorted(p for ps in prefills for p in ps) == list(range(5))  # each prompt once
         assert out.stats["tokens"] == out.num_tokens
-        assert out.stats["forwards"] == len(cache.admissions) + len(out.stats["per_step"])  # prefills and steps
+        assert out.stats["forwards"] == len(prefills) + len(out.stats["per_step"])  # prefills and steps
         if engine_name == "specroll":  # tau and acceptance over every step
             steps = out.stats["per_step"]
             assert out.stats["tau"] == pytest.approx(sum(p["emitted"] for p in steps) / sum(p["active"] for p in steps))
             assert len(out.stats["tau_per_row"]) == len(PROMPTS) * 2
             assert sum(out.stats["tried_per_depth"]) > 0
+
+
+@pytest.mark.parametrize("engine_name", ["vanilla", "specroll"])
+def test_a_prompt_none_of_whose_responses_holds_a_row_is_prefilled_again(ctx, monkeypatch, engine_name):
+    """3 rows, 2 samples a prompt: prompt 1's first response takes the last row and finishes at its first
+    token (its EOS) while its second waits; no row holds prompt 1's keys any more, so the second gets
+    them from a new prefill."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    eos = VanillaEngine(model).generate(PROMPTS, SAMPLING).tokens[2][0]  # response 2 = prompt 1, sample 0
+
+    def engine(max_num_seqs):
+        if engine_name == "vanilla":
+            return VanillaEngine(model, eos_token_ids=[eos], max_num_seqs=max_num_seqs)
+        return SpeculativeEngine(model, SpecConfig(c_hw=16), eos_token_ids=[eos], max_num_seqs=max_num_seqs)
+
+    whole = engine(None).generate(PROMPTS, SAMPLING)
+    assert whole.tokens[2] == [eos] and whole.finish_reason[2] == "eos"
+    prefills, prefill = [], base.prefill
+
+    def spy(model, cache, prompts, *args, **kwargs):
+        prefills.append([PROMPTS.index(list(p)) for p in prompts])
+        return prefill(model, cache, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(base, "prefill", spy)
+    same_rollout(engine(3).generate(PROMPTS, SAMPLING), whole)
+    assert prefills[:2] == [[0, 1], [1]]  # (the second prefill: right after the first tokens)
 
 
 def test_continuous_batching_keeps_features_and_expert_routing(ctx):
