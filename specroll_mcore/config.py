@@ -694,8 +694,8 @@ class GenerateConfig:
 
     max_num_seqs: Optional[int] = None
     """The most responses a rollout decodes at once (vLLM's ``max_num_seqs``), its KV cache holding
-    that many: continuous batching, a waiting prompt's responses starting as soon as finished ones
-    leave them room (whole prompts, in order: a prompt is prefilled once for its samples). null: all
+    that many: continuous batching, a waiting response starting as soon as a finished one leaves it
+    room (in order; a prompt is prefilled once, its later samples copy its keys and values). null: all
     at once. At least ``sampling.num_samples``. Tokens do not depend on it. A rollout whose KV cache
     does not fit in the memory a rank has free is refused before anything is allocated, naming the
     largest value that fits."""

@@ -91,7 +91,8 @@ def main() -> None:
         def rollout(kind: str, rep: int) -> list:
             if kind != "static":
                 return [engines[kind].generate(prompts, sp, step=rep, prompt_ids=ids)]
-            return [engines["together"].generate(prompts[i:i + per_batch], sp, step=rep, prompt_ids=ids[i:i + per_batch])
+            return [engines["together"].generate(prompts[i:i + per_batch], sp, step=rep,
+                                                 prompt_ids=ids[i:i + per_batch])
                     for i in range(0, len(prompts), per_batch)]
 
         times: dict[str, list[float]] = {k: [] for k in kinds}

@@ -108,7 +108,7 @@ def plan_rows(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: Sa
               extra_capacity: int, max_num_seqs: Optional[int]) -> int:
     """The rows of a rollout's KV cache: every response's, or with ``max_num_seqs`` (vLLM's name: the
     most responses in flight) at most that many, the rollout then continuously batched
-    (:class:`RolloutState`: a waiting prompt's responses take the rows of finished ones).
+    (:class:`RolloutState`: a waiting response takes the row of a finished one).
 
     Before anything is allocated, the cache is checked against the memory this rank has free
     (:func:`available_memory`); where it does not fit on one rank of the model-parallel group, every
@@ -270,8 +270,8 @@ def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable
     has run by then because lead < k; the broadcasts happen in the same order on every stage, and a
     forward's send does not block (ParallelContext.post_forward). ``alive(g)`` changes only in
     advance(g), identically on every stage, so every stage skips the same steps of finished groups
-    and stops after the same advance. For the same reason a group admits waiting prompts only in its
-    own advance (continuous batching): their prefill goes into its next forward, which every stage
+    and stops after the same advance. For the same reason a group admits waiting responses only in its
+    own advance (continuous batching): their prompts' prefill goes into its next forward, which every stage
     runs after that advance; another group's next forward may already have run on an earlier stage.
     Such a forward sends twice (ParallelContext.forward_step keeps both sends in flight: the next
     stage takes them only in its own forward of the group)."""
@@ -293,7 +293,7 @@ def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable
 
 class RolloutState:
     """What a rollout keeps per response: slots in the KV cache, sampling keys, tokens so far, and the
-    prompts still waiting for rows.
+    responses still waiting for rows.
 
     Slot ``s`` holds response ``s`` = (prompt s // G, sample s % G). The KV cache has ``rows`` rows
     (None: one per response): responses take rows in order, as many as there are; a response that
@@ -362,7 +362,7 @@ class RolloutState:
         if not pending and not joined:
             return joined, pending
         firsts = [min(s for s in pending if s // G == p) for p in new]
-        self.cache.admit(firsts + [s for s in pending if s not in firsts] + joined)  # (a prefill's rows together)
+        self.cache.admit(firsts + [s for s in pending if s not in set(firsts)] + joined)  # (a prefill's rows together)
         if joined:
             index = torch.tensor(joined, dtype=torch.long, device=self.slots.device)
             self.cache.copy_slots(torch.tensor(sources, dtype=torch.long, device=index.device), index,

@@ -21,7 +21,7 @@ With pipeline parallelism the forward runs stage by stage; proposals, trees and 
 on the last stage and are broadcast, so every stage commits the same path. The responses go in
 groups, one per stage, whose rounds interleave over the stages (rollout/base.run_groups); each
 group sizes its trees by its own unfinished responses. With ``max_num_seqs`` a group takes waiting
-prompts in as its responses finish (continuous batching, rollout/base.RolloutState).
+responses in as its responses finish (continuous batching, rollout/base.RolloutState).
 """
 
 from __future__ import annotations
@@ -457,7 +457,7 @@ class _VerifyGroup:
     hidden_all: Optional[torch.Tensor] = None
     prepare_s: float = 0.0  # its preparation's (proposing and building its trees)
     forward_s: float = 0.0  # its verification forward's
-    pending: list[int] = field(default_factory=list)  # responses joining it, their prompts prefilled in its next forward
+    pending: list[int] = field(default_factory=list)  # responses joining it: prompts prefilled in its next forward
     prefilled: Any = None  # that prefill's output (RolloutState.prefill), until the group advances
 
     def alive(self) -> bool:

@@ -5,8 +5,8 @@ measured against. Every pipeline stage runs this same loop; the last stage sampl
 are broadcast, so all stages agree on what was committed. Under pipeline parallelism the responses
 go in groups, one per stage, whose forwards interleave over the stages (base.run_groups). With
 ``max_num_seqs`` the rollout is continuously batched: where responses finish, a group takes waiting
-prompts in, prefilled in its next forward before its decoding step (every stage runs the same
-forwards in the same order, so the stages' sends and receives stay paired).
+responses in, their prompts prefilled in its next forward before its decoding step (every stage
+runs the same forwards in the same order, so the stages' sends and receives stay paired).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class _DecodeGroup:
     last: torch.Tensor  # their last tokens, fed next
     out: Any = None  # the forward's output, until the group advances
     seconds: float = 0.0  # the forward's time
-    pending: list[int] = field(default_factory=list)  # responses joining it, their prompts prefilled in its next forward
+    pending: list[int] = field(default_factory=list)  # responses joining it: prompts prefilled in its next forward
     prefilled: Any = None  # that prefill's output (RolloutState.prefill), until the group advances
 
     def alive(self) -> bool:
@@ -48,8 +48,8 @@ class VanillaEngine:
     ``pipeline_groups``: how many groups of responses a rollout interleaves over the pipeline
     stages (:func:`run_groups`; None: one per stage, which keeps every stage busy; 1: the whole
     batch per forward, stages one after another). ``max_num_seqs``: the most responses decoded at
-    once (None: all of a call's), a waiting prompt's responses starting as soon as finished ones
-    leave them room (continuous batching, :class:`RolloutState`). Tokens depend on neither."""
+    once (None: all of a call's), a waiting response starting as soon as a finished one leaves it
+    room (continuous batching, :class:`RolloutState`). Tokens depend on neither."""
 
     def __init__(self, model: PolicyModel, eos_token_ids: Sequence[int] = (), tokenizer: Any = None,
                  max_prefill_tokens: int = 4096, pipeline_groups: Optional[int] = None,
@@ -114,8 +114,8 @@ class VanillaEngine:
             return keep_rows(keep, slots, tokens)
 
         # 2. Decode in groups: feed each unfinished response's last token at its committed length.
-        # Where responses finish, waiting prompts take their rows: prefilled in the group's next forward,
-        # their first tokens sampled with its tokens.
+        # Where responses finish, waiting ones take their rows (their prompts prefilled in the group's next
+        # forward, or copied from a row that holds them).
         def admit(g: _DecodeGroup, slots: torch.Tensor, last: torch.Tensor) -> None:
             """The group goes on with ``slots`` (last tokens ``last``) and the waiting responses that
             take free rows: those joining now with their first tokens, the others after its next forward."""
