@@ -400,17 +400,21 @@ class RolloutState:
         [n, h] and full logits [n, V] they were sampled from. A prompt whose responses still wait keeps
         its logits and hidden state for them."""
         G = self.sampling.num_samples
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.slots.device)
+        head = self.waiting[0] // G if self.waiting else None  # (the one prompt whose responses may still wait)
         if prefilled is not None:
             prompts, last_logits, last_hidden = prefilled
-            for i, p in enumerate(prompts):
-                self.scheduled.discard(p)
-                self.kept[p] = (last_logits[i] if last_logits is not None else None,
-                                last_hidden[i] if last_hidden is not None else None)
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.slots.device)
-        per_prompt = [self.kept[s // G] for s in slots]
-        logits = torch.stack([k[0] for k in per_prompt]) if per_prompt[0][0] is not None else None
-        hidden = torch.stack([k[1] for k in per_prompt]) if per_prompt[0][1] is not None else None
-        head = self.waiting[0] // G if self.waiting else None
+            self.scheduled.difference_update(prompts)
+            row = {p: i for i, p in enumerate(prompts)}
+            pick = torch.tensor([row[s // G] for s in slots], dtype=torch.long, device=index.device)
+            logits = last_logits[pick] if last_logits is not None else None
+            hidden = last_hidden[pick] if last_hidden is not None else None
+            if head in row:  # (copies: a view would keep the whole prefill's logits)
+                self.kept[head] = tuple(None if t is None else t[row[head]].clone() for t in (last_logits, last_hidden))
+        else:
+            per_prompt = [self.kept[s // G] for s in slots]
+            logits = torch.stack([k[0] for k in per_prompt]) if per_prompt[0][0] is not None else None
+            hidden = torch.stack([k[1] for k in per_prompt]) if per_prompt[0][1] is not None else None
         for p in {s // G for s in slots} - {head}:  # (none of its responses waits any more)
             self.kept.pop(p, None)
         tokens, logp = sample_rows(self.model, logits, self.keys(index, torch.zeros_like(index)), self.sampling)
