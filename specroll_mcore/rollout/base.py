@@ -361,14 +361,23 @@ class RolloutState:
             self.held += 1
         if not pending and not joined:
             return joined, pending
-        firsts = [min(s for s in pending if s // G == p) for p in new]
-        self.cache.admit(firsts + [s for s in pending if s not in set(firsts)] + joined)  # (a prefill's rows together)
+        firsts = self._firsts(pending)
+        self.cache.admit(list(firsts.values()) + [s for s in pending if firsts[s // G] != s] + joined)
         if joined:
             index = torch.tensor(joined, dtype=torch.long, device=self.slots.device)
             self.cache.copy_slots(torch.tensor(sources, dtype=torch.long, device=index.device), index,
                                   length=torch.tensor([self.prompt_len[s] for s in joined], device=index.device))
         self.scheduled.update(new)
         return joined, pending
+
+    def _firsts(self, pending: Sequence[int]) -> dict[int, int]:
+        """Each prompt of ``pending`` -> its first pending response: the slot its prefill goes into (those
+        take rows first, so that a prefill's rows lie together)."""
+        G = self.sampling.num_samples
+        firsts: dict[int, int] = {}
+        for s in pending:  # (in admission order: a prompt's first comes first)
+            firsts.setdefault(s // G, s)
+        return firsts
 
     def _holder(self, prompt: int) -> Optional[int]:
         """A response of ``prompt`` holding a row (its prompt's keys and values are that row's first)."""
@@ -382,14 +391,14 @@ class RolloutState:
         :meth:`first_tokens` samples from: the prompts, and on the last stage (None elsewhere) the
         logits [p, V] and hidden states [p, h] at each one's last token."""
         G = self.sampling.num_samples
-        prompts = list(dict.fromkeys(s // G for s in pending))
-        firsts = [min(s for s in pending if s // G == p) for p in prompts]
-        device = self.slots.device
+        firsts = self._firsts(pending)
+        prompts, device = list(firsts), self.slots.device
         logits, hidden = prefill(self.model, self.cache, [self.prompts[p] for p in prompts], max_prefill_tokens,
-                                 return_hidden=True, slots=torch.tensor(firsts, dtype=torch.long, device=device))
-        others = [s for s in pending if s not in firsts]
+                                 return_hidden=True,
+                                 slots=torch.tensor(list(firsts.values()), dtype=torch.long, device=device))
+        others = [s for s in pending if s != firsts[s // G]]
         if others:
-            self.cache.copy_slots(torch.tensor([firsts[prompts.index(s // G)] for s in others], device=device),
+            self.cache.copy_slots(torch.tensor([firsts[s // G] for s in others], device=device),
                                   torch.tensor(others, dtype=torch.long, device=device))
         return prompts, logits, hidden
 
