@@ -28,6 +28,14 @@ from specroll_mcore.rollout import VanillaEngine
 TESTS = Path(__file__).resolve().parent.parent
 
 
+def assert_grads_close(actual, expected, rel=1e-5):
+    """Float32 gradients summed in another order (pieces, micro-batches, padding): each tensor within
+    ``rel`` of its own largest entry. A large tensor's sums (the vocabulary projection's) round at that
+    scale, so an absolute bound alike for every tensor fails on CPUs whose kernels sum differently."""
+    for a, b in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=rel, atol=rel * float(b.abs().max()))
+
+
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     return tiny_policy_checkpoint(tmp_path_factory.mktemp("grpo"))
@@ -867,8 +875,7 @@ def test_log_probs_in_pieces_give_the_whole_spans_gradients_log_probs_and_entrop
 
     (whole, entropy, logps), (pieces, entropy_pieces, logps_pieces) = update(0), update(3)
     assert all(g.abs().sum() > 0 for g in whole[-2:])
-    for a, b in zip(whole, pieces):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert_grads_close(pieces, whole)
     assert entropy_pieces == pytest.approx(entropy, rel=1e-6)
     for a, b in zip(logps, logps_pieces):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -919,9 +926,8 @@ def test_token_budget_micro_batches_give_the_gradients_of_the_whole_batch(tiny_c
     padded = [pack_micro_batch(seqs, ctx.device, multiple=16)]
     assert padded[0].input_ids.shape[1] % 16 == 0 and padded[0].input_ids.shape[1] > whole[0].input_ids.shape[1]
     (split, clipped), (one, clipped_one), (eights, clipped_eights) = update(mbs), update(whole), update(padded)
-    for a, b, c in zip(split, one, eights):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-7)
+    assert_grads_close(split, one)
+    assert_grads_close(eights, one)
     assert clipped == pytest.approx(clipped_one) == pytest.approx(clipped_eights)
 
 
@@ -942,8 +948,7 @@ def test_overlong_filtered_sequences_are_left_out_of_the_update(tiny_ckpt, tmp_p
             policy_loss(lp, mb.old_logp, mb.advantages, mb.loss_mask, total_tokens=total).loss, {}), 1.0)
         return [p.grad.clone() for p in trainer.policy.gpt.parameters()]
 
-    for a, b in zip(grads(mbs), grads([pack_micro_batch(seqs, ctx.device)])):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert_grads_close(grads(mbs), grads([pack_micro_batch(seqs, ctx.device)]))
     cut = [(*s[:4], False, *s[5:]) for s in seqs]
     [[one]] = trainer._mini_batches(cut)
     assert len(one.lengths) == 1 and float(one.loss_mask.sum()) == 0
@@ -975,8 +980,7 @@ def test_the_update_computes_logits_over_the_responses_alone(tiny_ckpt, tmp_path
     reference = [p.grad.clone() for p in policy.gpt.parameters()]
     trainer.optimizer.zero_grad()
     forward_backward(policy, mbs, lambda mb, lp: (loss(mb, lp), {}), 1.0)
-    for a, b in zip(reference, [p.grad for p in policy.gpt.parameters()]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert_grads_close([p.grad for p in policy.gpt.parameters()], reference)
     with torch.no_grad():
         for mb, lp in zip(mbs, forward_logprobs(policy, mbs, 1.0)):
             torch.testing.assert_close(lp * mb.loss_mask, full_logprobs(mb), rtol=1e-5, atol=1e-6)
@@ -1013,8 +1017,7 @@ def test_the_entropy_bonus_gives_the_gradient_of_the_entropy_of_full_logits(tiny
     trainer.optimizer.zero_grad()
     parts = forward_backward(policy, mbs, lambda mb, lp, entropy: (loss(mb, lp, entropy), {}), temperature,
                              logprob_chunk=chunk, entropy_grad=True)
-    for a, b in zip(expected, [p.grad for p in policy.gpt.parameters()]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_grads_close([p.grad for p in policy.gpt.parameters()], expected)
     with torch.no_grad():
         logged = sum(float(reference(mb)[1].sum()) for mb in mbs)
     assert sum(p["entropy_sum"] for p in parts) == pytest.approx(logged, rel=1e-5)
