@@ -695,8 +695,9 @@ class GenerateConfig:
     max_num_seqs: Optional[int] = None
     """The most responses a rollout decodes at once (vLLM's ``max_num_seqs``), its KV cache holding
     that many: continuous batching, a waiting response starting as soon as a finished one leaves it
-    room (in order; a prompt is prefilled once, its later samples copy its keys and values). null: all
-    at once. At least ``sampling.num_samples``. Tokens do not depend on it. A rollout whose KV cache
+    room (in order; a prompt is prefilled once, its later samples copy its keys and values from a
+    sample that holds them, or prefill it again where none does: below ``sampling.num_samples``, a
+    prompt's samples need not be in flight together). null: all at once. Tokens do not depend on it. A rollout whose KV cache
     does not fit in the memory a rank has free is refused before anything is allocated, naming the
     largest value that fits."""
 
@@ -707,7 +708,7 @@ class GenerateConfig:
         _check(self.engine in ("vanilla", "specroll"),
                f"GenerateConfig.engine must be 'vanilla' or 'specroll', got {self.engine!r}")
         _check(len(self.prompts) > 0, "GenerateConfig.prompts is empty; give at least one prompt")
-        _check_max_num_seqs(self.max_num_seqs, [self.sampling], "GenerateConfig")
+        check_max_num_seqs(self.max_num_seqs, "GenerateConfig.max_num_seqs")
         _check_template_kwargs(self.chat_template_kwargs, "GenerateConfig")
 
 
@@ -716,14 +717,6 @@ def check_max_num_seqs(value: Any, name: str = "max_num_seqs") -> Optional[int]:
     _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
            f"{name} must be a positive number of responses (or null: all at once), got {value!r}")
     return value
-
-
-def _check_max_num_seqs(value: Any, samplings: Sequence[SamplingConfig], owner: str) -> None:
-    check_max_num_seqs(value, f"{owner}.max_num_seqs")
-    need = max(sp.num_samples for sp in samplings)
-    _check(value is None or value >= need,
-           f"{owner}.max_num_seqs ({value}) is below the {need} samples of a prompt, which start together; "
-           f"raise it to at least {need}")
 
 
 def _one_of(names: Sequence[str]) -> str:
@@ -1132,7 +1125,7 @@ class TrainConfig:
         _check(self.reward_fn is None or (isinstance(self.reward_fn, str) and all(self.reward_fn.partition(":")[::2])),
                f"TrainConfig.reward_fn must look like 'module:function', got {self.reward_fn!r}")
         _check(self.prompts_per_step >= 1, f"TrainConfig.prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        _check_max_num_seqs(self.max_num_seqs, [self.sampling, self.eval.sampling], "TrainConfig")
+        check_max_num_seqs(self.max_num_seqs, "TrainConfig.max_num_seqs")
         _check(self.micro_batch_size >= 1, f"TrainConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         # GRPO's advantages compare a prompt's responses with each other: alike responses teach nothing
         _check(self.sampling.num_samples >= 2,

@@ -148,9 +148,8 @@ def main() -> int:
         ap.error(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.steps < 2:
         ap.error(f"--steps must be >= 2 (a warm-up and a decay), got {args.steps}")
-    if args.max_num_seqs is not None and args.max_num_seqs < args.samples:
-        ap.error(f"--max-num-seqs must hold a prompt's {args.samples} continuations (--samples), "
-                 f"got {args.max_num_seqs}")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        ap.error(f"--max-num-seqs must be a positive number of continuations, got {args.max_num_seqs}")
     try:
         data = (load_config(TrainConfig, args.config, args.set).data if args.config or args.set
                 else DataConfig(instruction=""))  # (the problems as the rollout benchmarks pose them)

@@ -117,10 +117,6 @@ def plan_rows(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: Sa
     waiting in the forward's collectives). Tokens do not depend on the rows: the sampling noise is
     keyed by prompt id, sample and position."""
     G, P = sampling.num_samples, len(prompts)
-    if max_num_seqs is not None and max_num_seqs < G:
-        raise ValueError(f"max_num_seqs ({max_num_seqs}) is below sampling.num_samples ({G}): a prompt's responses "
-                         f"start together (its prompt is prefilled once for all of them); raise max_num_seqs "
-                         f"to at least {G}")
     rows = P * G if max_num_seqs is None else min(P * G, max_num_seqs)
     capacity = max(len(p) + rules.limit(len(p)) for p in prompts) + extra_capacity
     per_response = model.kv_cache_bytes(1, capacity)  # (a cache's bytes grow with its rows)
@@ -138,9 +134,8 @@ def plan_rows(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: Sa
         short_here = free is not None and need > free
         here = (f"{need / gib:.2f} GiB on this rank, which has {free / gib:.2f} GiB free" if short_here
                 else "more memory than another rank of its model-parallel group has free")
-        advice = (f"set max_num_seqs to at most {fit} (the responses decoded at once)" if fit >= G else
-                  "not even one prompt's responses fit: lower sampling.max_new_tokens or num_samples, or spread the "
-                  "model over more ranks")
+        advice = (f"set max_num_seqs to at most {fit} (the responses decoded at once)" if fit >= 1 else
+                  "not even one response fits: lower sampling.max_new_tokens, or spread the model over more ranks")
         raise ValueError(f"the KV cache of {rows} responses of up to {capacity} positions needs {here}; {advice}")
     return rows
 
@@ -301,7 +296,8 @@ class RolloutState:
     continuous batching, vLLM's ``max_num_seqs``. A prompt is prefilled once, into the row of its
     first response let in, copied to the others let in with it, and later ones copy its keys and
     values from a row that still holds them (as vLLM's prefix caching shares a prompt's blocks
-    between its samples). Both engines start with :meth:`start`; after each step they admit, sample
+    between its samples); where none does (fewer rows than a prompt's samples, or its others already
+    finished), it is prefilled again. Both engines start with :meth:`start`; after each step they admit, sample
     the first tokens of the responses that joined (:meth:`first_tokens`), and :meth:`prefill` the
     pending prompts in their next forward. They record tokens through :meth:`append`, which applies
     the finish rules token by token and drops whatever follows a finishing token.

@@ -127,7 +127,7 @@ def run(arch: str, dtype: str, ctx) -> dict:
             PROMPTS, sp, step=1)
         out["spec-groups3-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
         # continuously batched: at most 3 responses in flight (a waiting prompt's two start when two
-        # rows are free), and one prompt's
+        # rows are free), one prompt's, and one response (below a prompt's samples)
         r = VanillaEngine(model, eos_token_ids=[3], max_num_seqs=sp.num_samples + 1).generate(PROMPTS, sp, step=1)
         out["continuous-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], max_num_seqs=sp.num_samples + 1).generate(
@@ -136,6 +136,8 @@ def run(arch: str, dtype: str, ctx) -> dict:
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], max_num_seqs=sp.num_samples).generate(
             PROMPTS, sp, step=1)
         out["spec-one-prompt-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        r = VanillaEngine(model, eos_token_ids=[3], max_num_seqs=1).generate(PROMPTS, sp, step=1)
+        out["one-row-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     out["refused"] = refused(model, ctx)
     out["adapt"] = adapt(model, ctx)
     out["draft_vocab"] = draft_vocab(model)

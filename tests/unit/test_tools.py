@@ -453,8 +453,8 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path, capsys):
     assert code == 2 and "--steps must be >= 2" in err
     code, err = refused(capsys, "train_heads.py", "--num-heads", "0")
     assert code == 2 and "--num-heads must be >= 1, got 0" in err
-    code, err = refused(capsys, "train_heads.py", "--samples", "2", "--max-num-seqs", "1")
-    assert code == 2 and "--max-num-seqs must hold a prompt's 2 continuations (--samples), got 1" in err
+    code, err = refused(capsys, "train_heads.py", "--max-num-seqs", "0")
+    assert code == 2 and "--max-num-seqs must be a positive number of continuations, got 0" in err
 
 
 def test_train_heads_learns_on_a_runs_data(tiny_ckpt, tmp_path, capsys):
