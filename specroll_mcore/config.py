@@ -1012,9 +1012,12 @@ class TrainConfig:
     """The gradient's global norm (over every TP, PP and EP shard) is scaled down to at most this
     before each optimizer step (megatron's ``clip_grad``); 0: no clipping."""
     shard_optimizer: bool = False
-    """Split AdamW's moment buffers over the data-parallel replicas (ZeRO stage 1; each replica
-    saves its shard; a run resumed at another data-parallel size, or with this switched, reshards the
-    states). Under expert parallelism the experts' over the replicas that hold the same experts."""
+    """Split the optimizer's state over the data-parallel replicas (ZeRO stage 1, as megatron-core's
+    distributed optimizer): each parameter's AdamW moments and, for a bfloat16 policy, its float32
+    main copy live on the one replica that steps it and broadcasts its new value (optimizer.py); each
+    replica saves its shard; a run resumed at another data-parallel size, or with this switched,
+    reshards the states. Under expert parallelism the experts' over the replicas that hold the same
+    experts."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2

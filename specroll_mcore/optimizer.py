@@ -12,12 +12,16 @@ copy rounded after every step. float32 and float64 parameters are updated in pla
 The main copies are part of :meth:`MainParamAdamW.state_dict`, so a resumed run continues from the
 same float32 weights, not from their rounding.
 
-With a data-parallel group to shard over (``TrainConfig.shard_optimizer``), AdamW's two moment
-buffers (8 bytes a parameter; the float32 main copy and gradient, 8 more, stay whole) are split
-over the replicas: ZeRO stage 1, through ``torch.distributed.optim.ZeroRedundancyOptimizer``. Each
-replica steps the parameters it owns (whole tensors, balanced by size) and broadcasts their new
-main values; every replica then rounds the main copies into its model. Each replica saves and
-loads its own shard of the state.
+With a data-parallel group to shard over (``TrainConfig.shard_optimizer``), the optimizer's state is
+split over the replicas, ZeRO stage 1 as megatron-core's distributed optimizer shards it: each
+parameter (a whole tensor) is owned by one replica, balanced by size as
+``torch.distributed.optim.ZeroRedundancyOptimizer`` deals them out, and only its owner keeps its
+AdamW moments (8 bytes a parameter) and, for a bfloat16 parameter, its float32 main copy (4 more).
+The float32 gradient stays whole on every replica (the backward writes it; it is all-reduced and
+clipped as it is). Each replica steps the parameters it owns, rounds them into its model, and
+broadcasts their new values to the others (for bfloat16 parameters half the bytes of their main
+copies), straight into the others' parameters. Each replica saves and loads its own shard of the
+state.
 
 The state dict names the parameter of each state (when the optimizer is given the names): a run
 resumed at another TP/PP/DP layout, or with the states sharded where they were not, gathers each
@@ -31,12 +35,29 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 MAIN_PARAMS = "main_params"
 SHARD = "zero_shard"  # (rank, replicas) of a sharded state
 STATE_NAMES = "state_names"  # the parameter of each index of the state (for a state resharded by name)
 MAIN_NAMES = "main_names"  # the parameter of each main copy
+
+
+def zero_owners(groups: Sequence[Sequence[int]], world: int) -> list[dict[int, int]]:
+    """Each parameter's owner among ``world`` replicas, for parameter groups given as their
+    parameters' sizes: per group, largest first (in order among equals), each to the replica with
+    the fewest elements so far (the first such), the totals running over the groups. This is
+    ``ZeroRedundancyOptimizer``'s partition, so that states saved with it load as they are. Returns,
+    per group, parameter index -> owner."""
+    sizes = [0] * world
+    owners: list[dict[int, int]] = []
+    for numels in groups:
+        owner: dict[int, int] = {}
+        for i in sorted(range(len(numels)), key=lambda j: numels[j], reverse=True):
+            r = sizes.index(min(sizes))
+            owner[i] = r
+            sizes[r] += numels[i]
+        owners.append(owner)
+    return owners
 
 
 def _accumulate_main_grad(p: torch.Tensor) -> None:
@@ -71,47 +92,59 @@ class MainParamAdamW:
         self.names = list(names) if names is not None else None
         if self.names is not None and len(self.names) != len(self.params):
             raise ValueError(f"{len(self.names)} names for {len(self.params)} parameters")
-        self.main: list[torch.Tensor] = []
         self._hooks = []
         for p in self.params:
             if p.dtype == torch.float16:
                 raise ValueError("float16 training needs loss scaling, which the trainer does not do: convert the "
                                  "checkpoint with --dtype bfloat16 (or float32)")
-            if p.dtype == torch.bfloat16:
+            if p.dtype == torch.bfloat16:  # (every replica's backward accumulates its float32 gradient)
                 p.main_grad = None
                 self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
-                self.main.append(p.detach().float().clone())
-            else:
-                self.main.append(p)
-        groups: Any = self.main
+        members = list(range(len(self.params)))  # AdamW's parameter groups, as indices into params
+        groups: list[dict[str, Any]] = [{}]
         if no_weight_decay is not None and adamw.get("weight_decay", 1e-2):  # (torch's AdamW decays by default)
             kept = [no_weight_decay(p) for p in self.params]
-            groups = [{"params": [m for m, k in zip(self.main, kept) if not k]},
-                      {"params": [m for m, k in zip(self.main, kept) if k], "weight_decay": 0.0}]
-            groups = [g for g in groups if g["params"]]
+            split = [(ix, opts) for ix, opts in (([i for i in members if not kept[i]], {}),
+                                                 ([i for i in members if kept[i]], {"weight_decay": 0.0})) if ix]
+            groups, indices = [opts for _, opts in split], [ix for ix, _ in split]
+        else:
+            indices = [members]
         self.shard: Optional[tuple[int, int]] = None
+        self.owner = [0] * len(self.params)  # each parameter's replica (all 0 unsharded)
+        order = indices
         if shard_group is not None and dist.get_world_size(shard_group) > 1:
             self.shard = (dist.get_rank(shard_group), dist.get_world_size(shard_group))
-            self.optimizer: Any = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=shard_group,
-                                                          **adamw)
-        else:
-            self.optimizer = torch.optim.AdamW(groups, **adamw)
+            self._group = shard_group
+            owners = zero_owners([[self.params[i].numel() for i in ix] for ix in indices], self.shard[1])
+            order = []  # each group's own parameters, in the partition's order (ZeroRedundancyOptimizer's)
+            for ix, owner in zip(indices, owners):
+                for j, r in owner.items():
+                    self.owner[ix[j]] = r
+                order.append([ix[j] for j, r in owner.items() if r == self.shard[0]])
+        here = self.shard[0] if self.shard is not None else 0
+        # main copies: the bfloat16 parameters' this replica owns (None: another's), the others themselves
+        self.main: list[Optional[torch.Tensor]] = [
+            p if p.dtype != torch.bfloat16 else p.detach().float().clone() if self.owner[i] == here else None
+            for i, p in enumerate(self.params)]
+        self.optimizer = torch.optim.AdamW([{"params": [self.main[i] for i in ix], **opts}
+                                            for ix, opts in zip(order, groups)], **adamw)
 
     def _half(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        return [(p, m) for p, m in zip(self.params, self.main) if m is not p]
+        """The bfloat16 parameters with a main copy here (this replica's, when sharded) and their copies."""
+        return [(p, m) for p, m in zip(self.params, self.main) if m is not None and m is not p]
 
     def _local(self) -> torch.optim.Optimizer:
         """The AdamW that holds this replica's state (the whole state, or its shard)."""
-        return self.optimizer if self.shard is None else self.optimizer.optim
+        return self.optimizer
 
     def _state_order(self) -> list[int]:
         """The parameter (its position in ``params``) of each index of the local AdamW's state dict."""
-        position = {id(m): i for i, m in enumerate(self.main)}
+        position = {id(m): i for i, m in enumerate(self.main) if m is not None}
         return [position[id(m)] for group in self._local().param_groups for m in group["params"]]
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group's next steps (a schedule's value)."""
-        for group in self.optimizer.param_groups:  # a sharded optimizer passes them to its local one
+        for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -130,12 +163,23 @@ class MainParamAdamW:
             p.copy_(m)
             m.grad = None
         if self.shard is not None:
-            # Parameters another replica stepped arrive by a broadcast into ``.data``, which leaves the
-            # version counter as it was: bump it, so caches keyed by it (cpu_gemm's packed weights) see
-            # the change.
-            for p, m in zip(self.params, self.main):
-                if m is p:
-                    torch.autograd.graph.increment_version(p)
+            self._share_stepped()
+
+    def _share_stepped(self) -> None:
+        """Every replica's stepped parameters to every other replica: a broadcast of each parameter from
+        its owner into the others' (all in flight at once, then waited for; no copy, where a flattened
+        bucket per owner took twice as long on gloo for SmolLM2, copies included)."""
+        here = self.shard[0]
+        sources = [dist.get_global_rank(self._group, r) for r in range(self.shard[1])]
+        works = [dist.broadcast(p.detach(), sources[o], group=self._group, async_op=True)
+                 for p, o in zip(self.params, self.owner)]
+        for w in works:
+            w.wait()
+        # a collective writes in place without bumping the version counter: bumped here, so that caches
+        # keyed by it (cpu_gemm's packed weights) see the new values
+        for p, o in zip(self.params, self.owner):
+            if o != here:
+                torch.autograd.graph.increment_version(p)
 
     def close(self) -> None:
         """Detach from the parameters (their gradient hooks and ``main_grad``), for an optimizer that
@@ -143,13 +187,14 @@ class MainParamAdamW:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for p, _ in self._half():
-            del p.main_grad
+        for p in self.params:
+            if p.dtype == torch.bfloat16:
+                del p.main_grad
 
     def state_dict(self) -> dict[str, Any]:
         """AdamW's state dict (the format of ``torch.optim.AdamW``; this replica's shard of it when
-        sharded, marked ``zero_shard``), plus the float32 main copies of the bfloat16 parameters under
-        ``main_params`` when there are any."""
+        sharded, marked ``zero_shard``), plus the float32 main copies of the bfloat16 parameters (those
+        this replica owns, when sharded) under ``main_params`` when there are any."""
         state = self._local().state_dict()
         if self.shard is not None:
             state[SHARD] = list(self.shard)
@@ -158,7 +203,8 @@ class MainParamAdamW:
             state[MAIN_PARAMS] = [m.detach() for _, m in half]  # saved as they are (torch.save copies)
         if self.names is not None:
             state[STATE_NAMES] = [self.names[i] for i in self._state_order()]
-            state[MAIN_NAMES] = [n for n, p, m in zip(self.names, self.params, self.main) if m is not p]
+            state[MAIN_NAMES] = [n for n, p, m in zip(self.names, self.params, self.main)
+                                 if m is not None and m is not p]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -166,20 +212,26 @@ class MainParamAdamW:
         main = state.pop(MAIN_PARAMS, None)
         shard = state.pop(SHARD, None)
         state.pop(STATE_NAMES, None)
-        state.pop(MAIN_NAMES, None)
+        main_names = state.pop(MAIN_NAMES, None)
         if (tuple(shard) if shard is not None else None) != self.shard:
             raise ValueError(f"the checkpoint's optimizer state is {_layout(shard)}, this run's is "
                              f"{_layout(self.shard)}: resume with the TrainConfig.shard_optimizer and data-parallel "
                              "size it was saved with")
         half = self._half()
+        if main is not None and main_names is not None and self.names is not None:
+            # by name (a sharded state saved before the main copies were sharded holds every one of them)
+            by_name = dict(zip(main_names, main))
+            main = [by_name.get(n) for n, p, m in zip(self.names, self.params, self.main)
+                    if m is not None and m is not p]
         with torch.no_grad():
             if main is None:  # saved without main copies (a float32 run, or an older half-precision one)
                 for p, m in half:
                     m.copy_(p)
-            elif len(main) != len(half) or any(a.shape != m.shape for a, (_, m) in zip(main, half)):
+            elif (len(main) != len(half) or any(a is None for a in main)
+                  or any(a.shape != m.shape for a, (_, m) in zip(main, half))):
                 raise ValueError(f"the checkpoint's optimizer holds {len(main)} float32 main parameters; this model "
-                                 f"has {len(half)} bfloat16 ones of other shapes: it was saved by another model or "
-                                 "layout")
+                                 f"has {len(half)} bfloat16 ones of other shapes or names: it was saved by another "
+                                 "model or layout")
             else:
                 for a, (p, m) in zip(main, half):
                     m.copy_(a)
@@ -197,7 +249,10 @@ class MainParamAdamW:
             raise ValueError("this optimizer was built without its parameters' names")
         with torch.no_grad():
             for n, p, m in zip(self.names, self.params, self.main):
-                if m is not p:
+                if m is None:  # (another replica's: only the model's rounding of it is kept here)
+                    if main is not None:
+                        p.copy_(main[n])
+                elif m is not p:
                     m.copy_(main[n] if main is not None else p)
                     p.copy_(m)
         local = self._local()

@@ -1,8 +1,8 @@
 """Process groups and the megatron-core parallel state.
 
 This is the only module that reads ``megatron.core.parallel_state`` or calls ``torch.distributed``
-collectives; everything else receives a :class:`ParallelContext` (the one exception: optimizer.py
-hands ``ctx.dp_group`` to torch's ``ZeroRedundancyOptimizer``, which broadcasts on it).
+collectives; everything else receives a :class:`ParallelContext` (the one exception: a sharded
+optimizer, optimizer.py, broadcasts its stepped parameters on the data-parallel group it is given).
 
 Launch with ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, ... in the environment) or as a plain
 single process. gloo on CPU, nccl on GPU, chosen automatically unless the config says otherwise.

@@ -274,6 +274,50 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
         assert diff < 1e-6, (name, diff)
 
 
+def test_a_sharded_bfloat16_optimizer_keeps_each_main_copy_on_one_replica(tmp_path):
+    """A bfloat16 policy at DP=2 with the optimizer sharded: each float32 main copy lives on the one
+    replica that owns its parameter (each replica's checkpoint file holds its own, together every one,
+    each rounding to the saved weight), and two steps give the replicated optimizer's weights bit for
+    bit. Resumed from the sharded checkpoint, sharded again or replicated (the main copies gathered
+    from both replicas' files), a third step gives the uninterrupted replicated run's weights, which
+    it would not had a main copy come back as its rounding. The sharded resume reads files that hold
+    every main copy, as a sharded optimizer saved them before the copies were sharded: each replica
+    takes its own by name."""
+    import shutil
+
+    from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
+
+    tiny_policy_checkpoint(tmp_path, with_heads=False)
+    ckpt = convert_hf_to_mcore(tmp_path / "hf", tmp_path / "bf16", params_dtype="bfloat16")
+    sharded = ["--set=shard_optimizer=true"]
+    run_jobs(ckpt, 2, (tmp_path / "replicated", 1, 1, "--set=steps=2"), (tmp_path / "three", 1, 1, "--set=steps=3"),
+             (tmp_path / "sharded", 1, 1, "--set=steps=2", *sharded))
+    ref, got = load_full_state_dict(tmp_path / "replicated"), load_full_state_dict(tmp_path / "sharded")
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    shard_dir = tmp_path / "sharded" / "iter_0000002" / "mp_rank_00"
+    parts = [torch.load(shard_dir / name, weights_only=False)["optimizer"] for name in ("model_optim_rng.pt",
+                                                                                           "optim_dp1.pt")]
+    names = [set(p["main_names"]) for p in parts]
+    weights = dict(torch.load(shard_dir / "model_optim_rng.pt", weights_only=False)["model"])
+    assert names[0] and names[1] and not names[0] & names[1] and names[0] | names[1] == {
+        k for k, v in weights.items() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16}
+    for part in parts:
+        assert all(torch.equal(m.bfloat16(), weights[n]) for n, m in zip(part["main_names"], part["main_params"]))
+    shutil.copytree(tmp_path / "sharded", tmp_path / "again")
+    every = [n for part in parts for n in part["main_names"]], [m for part in parts for m in part["main_params"]]
+    for name in ("model_optim_rng.pt", "optim_dp1.pt"):
+        blob = torch.load(tmp_path / "again" / "iter_0000002" / "mp_rank_00" / name, weights_only=False)
+        blob["optimizer"]["main_names"], blob["optimizer"]["main_params"] = every
+        torch.save(blob, tmp_path / "again" / "iter_0000002" / "mp_rank_00" / name)
+    run_jobs(ckpt, 2, (tmp_path / "again", 1, 1, "--set=steps=3", *sharded, "--set=resume=true"),
+             (tmp_path / "sharded", 1, 1, "--set=steps=3", "--set=resume=true"))
+    three = load_full_state_dict(tmp_path / "three")
+    assert any(not torch.equal(three[k], ref[k]) for k in ref)
+    for name in ("again", "sharded"):
+        w = load_full_state_dict(tmp_path / name)
+        assert all(torch.equal(w[k], three[k]) for k in three), name
+
+
 def test_bfloat16_policy_pp2_equals_pp1(tmp_path):
     """A bfloat16 policy at PP=2 (float32 main weights and gradients; the tied embedding's two copies
     summed in float32) takes the PP=1 step: the same gradient norm (rel 1e-4), and the rounded

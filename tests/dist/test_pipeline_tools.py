@@ -140,3 +140,27 @@ def test_bench_update_sequence_parallel_smoke(tmp_path):
     assert report["grad_norm_rel_diff"] < 1e-5
     # each rank keeps its half of the layers' activations for the backward
     assert 0 < forms["sequence_parallel"]["saved_for_backward_gib"] < forms["whole_sequence"]["saved_for_backward_gib"]
+
+
+def test_bench_optimizer_smoke(tmp_path):
+    """tools/bench_optimizer.py at DP=2 on a bfloat16 policy: the sharded optimizer keeps half the
+    replicated state a rank (the two ranks' parts add up to one replicated rank's, to the byte), less
+    than with the main copies whole (torch's ZeroRedundancyOptimizer over them), and every mode's
+    weights equal the replicated optimizer's; one process is refused."""
+    ckpt = tiny_policy_checkpoint(tmp_path / "ckpt", with_heads=False)
+    out = tmp_path / "opt.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    tool = [str(ROOT / "tools" / "bench_optimizer.py"), "--checkpoint", str(ckpt), "--reps", "2", "--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *tool,
+           "--zero-reference"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"replicated", "sharded", "zero_fp32_mains"}
+    assert all(m["weights_equal_replicated"] and len(m["seconds"]) == 2 for m in modes.values())
+    replicated, sharded, zero = (modes[k]["state_bytes_per_rank"] for k in ("replicated", "sharded", "zero_fp32_mains"))
+    assert replicated[0] == replicated[1] == sum(sharded) and all(0 < s < z < r for s, z, r in zip(sharded, zero,
+                                                                                                    replicated))
+    proc = subprocess.run([sys.executable, *tool], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "a sharded optimizer needs data-parallel replicas" in proc.stderr

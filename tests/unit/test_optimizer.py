@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW
+from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW, zero_owners
 from specroll_mcore.parallel import grad_of
 
 ADAMW = {"lr": 1e-6, "betas": (0.9, 0.99), "weight_decay": 0.01}
@@ -137,6 +137,25 @@ def test_optimizer_errors():
     other = MainParamAdamW([bf16_param(16)], **ADAMW)
     with pytest.raises(ValueError, match="saved by another model or layout"):
         other.load_state_dict(opt.state_dict())
+
+
+def test_sharded_parameters_are_dealt_out_as_zero_redundancy_optimizer_deals_them(ctx):
+    """zero_owners is torch's ZeroRedundancyOptimizer's partition (whose sharded states a sharded
+    optimizer loads as they are): two parameter groups of uneven sizes with ties, over 3 replicas,
+    against the partition torch computes for them (its own method, on a group of one process asked
+    for 3 parts)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    sizes = [[10, 30, 20, 30, 5, 7], [3, 64, 3, 1]]
+    params = [[torch.nn.Parameter(torch.zeros(n)) for n in group] for group in sizes]
+    zero = ZeroRedundancyOptimizer([{"params": g} for g in params], torch.optim.AdamW, lr=1e-3)
+    zero.world_size, zero._partition_parameters_cache = 3, []
+    theirs = zero._partition_parameters()  # per replica, per group: its parameters in order
+    ours = zero_owners(sizes, 3)
+    for r in range(3):
+        for g, group in enumerate(params):
+            assert [id(p) for p in theirs[r][g]["params"]] == [id(group[i]) for i, o in ours[g].items() if o == r]
+    assert ours[0] == {1: 0, 3: 1, 2: 2, 0: 2, 5: 0, 4: 1}  # (by hand: largest first, to the emptiest)
 
 
 def test_a_sharded_state_does_not_load_into_an_unsharded_optimizer():
