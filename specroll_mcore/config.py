@@ -697,9 +697,9 @@ class GenerateConfig:
     that many: continuous batching, a waiting response starting as soon as a finished one leaves it
     room (in order; a prompt is prefilled once, its later samples copy its keys and values from a
     sample that holds them, or prefill it again where none does: below ``sampling.num_samples``, a
-    prompt's samples need not be in flight together). null: all at once. Tokens do not depend on it. A rollout whose KV cache
-    does not fit in the memory a rank has free is refused before anything is allocated, naming the
-    largest value that fits."""
+    prompt's samples need not be in flight together). null: all at once. Tokens do not depend on it.
+    A rollout whose KV cache does not fit in the memory a rank has free is refused before anything is
+    allocated, naming the largest value that fits."""
 
     output: Optional[str] = None
     """Write one JSON line per response here."""

@@ -297,9 +297,9 @@ class RolloutState:
     first response let in, copied to the others let in with it, and later ones copy its keys and
     values from a row that still holds them (as vLLM's prefix caching shares a prompt's blocks
     between its samples); where none does (fewer rows than a prompt's samples, or its others already
-    finished), it is prefilled again. Both engines start with :meth:`start`; after each step they admit, sample
-    the first tokens of the responses that joined (:meth:`first_tokens`), and :meth:`prefill` the
-    pending prompts in their next forward. They record tokens through :meth:`append`, which applies
+    finished), it is prefilled again. Both engines start with :meth:`start`; after each step they
+    admit, sample the first tokens of the responses that joined (:meth:`first_tokens`), and
+    :meth:`prefill` the pending prompts in their next forward. They record tokens through :meth:`append`, which applies
     the finish rules token by token and drops whatever follows a finishing token.
     """
 

@@ -83,8 +83,8 @@ def test_layout_matches_single_process(launched, reference, tp, pp, last_stage_l
         for key in ("t1", "greedy", "spec-t1", "spec-greedy", "spec-adaptive-t1", "spec-adaptive-greedy",
                     "spec-idle-t1", "spec-idle-greedy", "groups1-t1", "groups1-greedy", "spec-groups3-t1",
                     "spec-groups3-greedy", "continuous-t1", "continuous-greedy", "spec-continuous-t1",
-                    "spec-continuous-greedy", "spec-one-prompt-t1", "spec-one-prompt-greedy", "one-row-t1",
-                    "one-row-greedy"):
+                    "spec-continuous-greedy", "spec-one-prompt-t1", "spec-one-prompt-greedy",
+                    "one-row-t1", "one-row-greedy"):
             if key.startswith(("spec-", "groups1-", "continuous-", "one-row-")):  # equals the vanilla engine of TP=1/PP=1
                 vanilla = ref[key.split("-")[-1]]
                 if name.endswith("float64") or key == "spec-greedy":
