@@ -85,7 +85,8 @@ def test_layout_matches_single_process(launched, reference, tp, pp, last_stage_l
                     "spec-groups3-greedy", "continuous-t1", "continuous-greedy", "spec-continuous-t1",
                     "spec-continuous-greedy", "spec-one-prompt-t1", "spec-one-prompt-greedy",
                     "one-row-t1", "one-row-greedy"):
-            if key.startswith(("spec-", "groups1-", "continuous-", "one-row-")):  # equals the vanilla engine of TP=1/PP=1
+            # equal to the vanilla engine of TP=1/PP=1
+            if key.startswith(("spec-", "groups1-", "continuous-", "one-row-")):
                 vanilla = ref[key.split("-")[-1]]
                 if name.endswith("float64") or key == "spec-greedy":
                     assert got[name][key]["tokens"] == vanilla["tokens"], (name, key)
