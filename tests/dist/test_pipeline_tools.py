@@ -164,3 +164,5 @@ def test_bench_optimizer_smoke(tmp_path):
                                                                                                     replicated))
     proc = subprocess.run([sys.executable, *tool], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "a sharded optimizer needs data-parallel replicas" in proc.stderr
+    proc = subprocess.run([sys.executable, *tool, "--reps", "0"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--reps must be >= 1, got 0" in proc.stderr
