@@ -674,6 +674,12 @@ class GRPOTrainer:
         bar.close()
         if self.ctx.rank == 0 and rows:
             print(summary_table(rows))
+            if isinstance(self.engine, SpeculativeEngine):
+                per_replica = -(-self.cfg.prompts_per_step // self.ctx.dp_size) * self.cfg.sampling.num_samples
+                in_flight = min(per_replica, self.cfg.max_num_seqs or per_replica)
+                note = plain_decoding_note(rows, self.engine.c_hw, in_flight)
+                if note:
+                    print(note)
         return rows
 
 
@@ -767,6 +773,18 @@ def chosen_groups(varied: list[torch.Tensor], count: int, dp_size: int, dp_rank:
                 out.append((place, r, i // dp_size))
             place += 1
     return out
+
+
+def plain_decoding_note(rows: list[dict[str, Any]], c_hw: int, in_flight: int) -> Optional[str]:
+    """Why tau is 1 where SpecRoll drafted no node beyond each row's root at any step (None where it
+    drafted): the summary table's last line, so that a run on a CPU does not read as a failed engine."""
+    nodes = [r["nodes_per_row"] for r in rows if "nodes_per_row" in r]
+    if not nodes or max(nodes) > 1.0:
+        return None
+    return (f"SpecRoll decoded plainly at every step (one node a row, tau 1): up to {in_flight} responses in flight "
+            f"and a verification forward profiled at C_hw = {c_hw} tokens for this hardware leave no room for "
+            "drafts that pay for their latency. Speculation pays where fewer responses share a forward (batch 1 "
+            "on a 2-core CPU: tools/bench_specroll.py) or where a forward costs the same over more tokens (a GPU).")
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:

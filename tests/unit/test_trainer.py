@@ -22,7 +22,7 @@ from specroll_mcore.config import TrainConfig, load_config
 from specroll_mcore.rl.grpo import policy_loss
 from specroll_mcore.rl.schedule import (finalize_grads, forward_backward, forward_logprobs, pack_micro_batch,
                                        saved_for_backward)
-from specroll_mcore.rl.trainer import GRPOTrainer, response_sequences, summary_table
+from specroll_mcore.rl.trainer import GRPOTrainer, plain_decoding_note, response_sequences, summary_table
 from specroll_mcore.rollout import VanillaEngine
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -1076,6 +1076,15 @@ def test_the_summary_table_shows_each_steps_entropy_and_a_dash_for_what_a_step_l
                     "vanilla_gen", "training_s", "gen_share", "eval_acc"]  # (none cut short)
     assert first[4] == "1.823" and first[6:9] == ["3.25", "12.0", "18.0"]
     assert second[4] == "-" and second[6] == "-" and second[8] == "-"
+
+
+def test_a_run_that_never_drafted_says_why_tau_is_one():
+    plain = [{"step": 1, "tau": 1.0, "nodes_per_row": 1.0}, {"step": 2, "tau": 1.0, "nodes_per_row": 1.0}]
+    note = plain_decoding_note(plain, 16, 16)
+    assert note.startswith("SpecRoll decoded plainly at every step") and "16 responses in flight" in note
+    assert "C_hw = 16 tokens" in note
+    assert plain_decoding_note([*plain, {"step": 3, "tau": 1.4, "nodes_per_row": 2.5}], 16, 16) is None
+    assert plain_decoding_note([{"step": 1}], 16, 16) is None  # (the vanilla engine: no tree figures)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])  # the rollout's log-probs, or recomputed before the first step
