@@ -133,14 +133,10 @@ class MainParamAdamW:
         """The bfloat16 parameters with a main copy here (this replica's, when sharded) and their copies."""
         return [(p, m) for p, m in zip(self.params, self.main) if m is not None and m is not p]
 
-    def _local(self) -> torch.optim.Optimizer:
-        """The AdamW that holds this replica's state (the whole state, or its shard)."""
-        return self.optimizer
-
     def _state_order(self) -> list[int]:
         """The parameter (its position in ``params``) of each index of the local AdamW's state dict."""
         position = {id(m): i for i, m in enumerate(self.main) if m is not None}
-        return [position[id(m)] for group in self._local().param_groups for m in group["params"]]
+        return [position[id(m)] for group in self.optimizer.param_groups for m in group["params"]]
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group's next steps (a schedule's value)."""
@@ -195,7 +191,7 @@ class MainParamAdamW:
         """AdamW's state dict (the format of ``torch.optim.AdamW``; this replica's shard of it when
         sharded, marked ``zero_shard``), plus the float32 main copies of the bfloat16 parameters (those
         this replica owns, when sharded) under ``main_params`` when there are any."""
-        state = self._local().state_dict()
+        state = self.optimizer.state_dict()
         if self.shard is not None:
             state[SHARD] = list(self.shard)
         half = self._half()
@@ -236,7 +232,7 @@ class MainParamAdamW:
                 for a, (p, m) in zip(main, half):
                     m.copy_(a)
                     p.copy_(m)
-        self._local().load_state_dict(state)
+        self.optimizer.load_state_dict(state)
 
     def load_named_state(self, moments: Mapping[str, Mapping[str, torch.Tensor]], steps: Mapping[str, float],
                          main: Optional[Mapping[str, torch.Tensor]] = None) -> None:
@@ -255,8 +251,7 @@ class MainParamAdamW:
                 elif m is not p:
                     m.copy_(main[n] if main is not None else p)
                     p.copy_(m)
-        local = self._local()
-        state = local.state_dict()
+        state = self.optimizer.state_dict()
         indices = [i for group in state["param_groups"] for i in group["params"]]
         for index, i in zip(indices, self._state_order()):
             name, m = self.names[i], self.main[i]
@@ -268,7 +263,7 @@ class MainParamAdamW:
                                  f"parameter {tuple(m.shape)}")
             state["state"][index] = {"step": torch.tensor(float(steps[name])),
                                      **{k: t.to(m.dtype).clone() for k, t in got.items()}}
-        local.load_state_dict(state)
+        self.optimizer.load_state_dict(state)
 
 
 class ExpertSplitAdamW:

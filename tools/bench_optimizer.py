@@ -64,15 +64,12 @@ class ZeroFp32Mains:
             p.copy_(m)
             m.grad = None
 
-    def state_bytes(self) -> int:
-        held = [t for s in self.optimizer.optim.state.values() for t in s.values() if t.dim() > 0]
-        return sum(t.numel() * t.element_size() for t in held + self.main)
 
-
-def state_bytes(opt: MainParamAdamW) -> int:
-    """Bytes an optimizer keeps between steps on this rank: AdamW's moments and the main copies it holds
-    besides the parameters themselves."""
-    held = [t for s in opt.optimizer.state.values() for t in s.values() if t.dim() > 0]
+def state_bytes(opt: MainParamAdamW | ZeroFp32Mains) -> int:
+    """Bytes an optimizer keeps between steps on this rank: AdamW's moments (its local shard's) and the
+    main copies it holds besides the parameters themselves."""
+    local = opt.optimizer.optim if isinstance(opt, ZeroFp32Mains) else opt.optimizer
+    held = [t for s in local.state.values() for t in s.values() if t.dim() > 0]
     held += [m for p, m in zip(opt.params, opt.main) if m is not None and m is not p]
     return sum(t.numel() * t.element_size() for t in held)
 
@@ -128,8 +125,7 @@ def main() -> int:
                 weights[name] = [p.detach().clone() for p in params]
     held = {}
     for name in names:
-        b = torch.tensor([float(state_bytes(opts[name]) if name != "zero_fp32_mains"
-                                else opts[name].state_bytes())], dtype=torch.float64)
+        b = torch.tensor([float(state_bytes(opts[name]))], dtype=torch.float64)
         every = [torch.zeros_like(b) for _ in range(ctx.world_size)]
         dist.all_gather(every, b)
         held[name] = [int(x) for x in torch.cat(every).tolist()]

@@ -518,18 +518,20 @@ class _Rollout:
         then its next trees."""
         joined, g.pending = self.state.admit()
         if joined:
-            t = self.clock()
-            first, new_roots, logp, new_hidden, _ = self.state.first_tokens(joined)
-            slots, roots, hidden = self.join(slots, roots, hidden, first, new_roots, logp, new_hidden)
-            self.timers["prefill"] += self.clock() - t
+            slots, roots, hidden = self.join(slots, roots, hidden, joined)
         g.slots, g.roots, g.hidden = in_cache_order(self.state.cache, slots, roots, hidden)
         if g.slots.numel() > 0:
             self.prepare(g)
 
-    def join(self, slots: torch.Tensor, roots: torch.Tensor, hidden: Optional[torch.Tensor], first: torch.Tensor,
-             new_roots: torch.Tensor, logp: torch.Tensor, new_hidden: Optional[torch.Tensor]) -> tuple:
-        """A group's responses with joining ones (their first tokens recorded, those that finish left out)."""
+    def join(self, slots: torch.Tensor, roots: torch.Tensor, hidden: Optional[torch.Tensor], joining: list[int],
+             prefilled: Optional[tuple] = None) -> tuple:
+        """A group's responses with ``joining`` ones, whose first tokens are sampled (from their prompts'
+        ``prefilled`` output, or the logits kept of it: RolloutState.first_tokens) and recorded; those that
+        finish at once are left out."""
+        t = self.clock()
+        first, new_roots, logp, new_hidden, _ = self.state.first_tokens(joining, prefilled)
         first, new_roots, new_hidden = self.record_first(first, new_roots, logp, new_hidden)
+        self.timers["prefill"] += self.clock() - t
         return (torch.cat([slots, first]), torch.cat([roots, new_roots]),
                 torch.cat([hidden, new_hidden]) if hidden is not None else None)
 
@@ -625,10 +627,7 @@ class _Rollout:
         if g.slots.numel() > 0:
             slots, roots, hidden = self.settle(g)
         if g.pending:
-            t = self.clock()
-            first, new_roots, logp, new_hidden, _ = self.state.first_tokens(g.pending, g.prefilled)
-            slots, roots, hidden = self.join(slots, roots, hidden, first, new_roots, logp, new_hidden)
-            self.timers["prefill"] += self.clock() - t
+            slots, roots, hidden = self.join(slots, roots, hidden, g.pending, g.prefilled)
         g.prefilled = None
         self.admit(g, slots, roots, hidden)
 

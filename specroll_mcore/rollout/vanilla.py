@@ -116,14 +116,18 @@ class VanillaEngine:
         # 2. Decode in groups: feed each unfinished response's last token at its committed length.
         # Where responses finish, waiting ones take their rows (their prompts prefilled in the group's next
         # forward, or copied from a row that holds them).
+        def join(slots: torch.Tensor, last: torch.Tensor, joining: list[int], prefilled: Optional[tuple] = None):
+            """``slots`` (last tokens ``last``) with ``joining`` responses, whose first tokens are sampled
+            (from their prompts' ``prefilled`` output, or the logits kept of it) and recorded."""
+            new, tokens = record(*state.first_tokens(joining, prefilled))
+            return torch.cat([slots, new]), torch.cat([last, tokens])
+
         def admit(g: _DecodeGroup, slots: torch.Tensor, last: torch.Tensor) -> None:
             """The group goes on with ``slots`` (last tokens ``last``) and the waiting responses that
             take free rows: those joining now with their first tokens, the others after its next forward."""
             joined, g.pending = state.admit()
             if joined:
-                new, tokens, logp, hidden, logits = state.first_tokens(joined)
-                new, tokens = record(new, tokens, logp, hidden, logits)
-                slots, last = torch.cat([slots, new]), torch.cat([last, tokens])
+                slots, last = join(slots, last, joined)
             g.slots, g.last = in_cache_order(state.cache, slots, last)
 
         active, tokens = record(first, tokens, logp, hidden, logits)
@@ -159,10 +163,8 @@ class VanillaEngine:
                 per_step.append({"active": g.slots.numel(), "tokens": g.slots.numel(),
                                  "seconds": g.seconds + time.perf_counter() - t})
                 slots, last = record(g.slots, tokens, logp, hidden, logits)
-            if g.pending:  # the first tokens of the responses whose prompts it prefilled
-                new, tokens, logp, hidden, logits = state.first_tokens(g.pending, g.prefilled)
-                new, tokens = record(new, tokens, logp, hidden, logits)
-                slots, last = torch.cat([slots, new]), torch.cat([last, tokens])
+            if g.pending:  # the responses whose prompts it prefilled
+                slots, last = join(slots, last, g.pending, g.prefilled)
             g.prefilled = g.out = None
             admit(g, slots, last)
 
