@@ -521,6 +521,9 @@ class GRPOTrainer:
             parallel.clip_grads(list(policy.gpt.parameters()), norm, cfg.grad_clip)
         self.optimizer.set_lr(self._lr())
         self.optimizer.step()
+        # the gradients (float32: 4 bytes a parameter) are not kept through the next rollout, whose KV
+        # cache gets their memory (the rollout's check, rollout.base.plan_rows, counts what is free then)
+        self.optimizer.zero_grad(set_to_none=True)
         self.state["policy_version"] += 1  # the heads are tied to the new policy version
         return norm, loss, parts, True, extra
 

@@ -842,6 +842,32 @@ def test_a_bfloat16_policy_learns_at_grpo_learning_rates(tiny_ckpt, tmp_path, ct
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rollouts_run_without_the_last_updates_gradients(tiny_ckpt, tmp_path, ctx, dtype):
+    """The gradients (``.grad``, a bfloat16 policy's float32 ``main_grad``) are dropped once the
+    optimizer has stepped, so that every rollout after the first update has their memory for its KV
+    cache, and the next update starts from none."""
+    from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
+
+    ckpt = tiny_ckpt if dtype == "float32" else convert_hf_to_mcore(tiny_ckpt.parent / "hf", tmp_path / dtype,
+                                                                      params_dtype=dtype)
+    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(ckpt, tmp_path / "run", "engine=vanilla",
+                                                                   "steps=3")))
+    held = []
+    generate = trainer.engine.generate
+
+    def recording(*args, **kwargs):
+        held.append(sum(t.numel() for p in trainer.policy.gpt.parameters()
+                        for t in (p.grad, getattr(p, "main_grad", None)) if t is not None))
+        return generate(*args, **kwargs)
+
+    trainer.engine.generate = recording
+    rows = trainer.run()
+    assert all(r["grad_norm"] > 0 and not r["skipped"] for r in rows)
+    assert held == [0, 0, 0]
+    assert all(p.grad is None and getattr(p, "main_grad", None) is None for p in trainer.policy.gpt.parameters())
+
+
 def test_recomputed_activations_give_the_same_gradients(tiny_ckpt, tmp_path, ctx):
     """TrainConfig.recompute_activations: each layer reruns its forward in the backward; the
     gradients of a GRPO micro-batch schedule are those of the plain forward."""
