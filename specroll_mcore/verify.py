@@ -6,15 +6,23 @@ For deterministic top-k children this is the lossless tree rule; with counter-ba
 gives more: the emitted tokens are exactly those the vanilla engine would sample with the same seed.
 Every walk emits at least one token (the policy's own sample at the root). At T -> 0 the sample is
 the argmax and the rule becomes greedy verification. Pure tensor code; no torch.distributed.
+
+The walk samples depth by depth, at the nodes still reached (on a CPU, where sampling costs its
+vocabulary-wide work per node), or samples every node at once and walks without reading anything
+back (on a GPU, where each operation is a launch and each data-dependent shape a wait for the
+device; ``SPECROLL_ACCEPT_AT_ONCE=1`` / ``0`` chooses either anywhere). A node's sample depends on its
+logits and its position alone, so both give the same result.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
+from specroll_mcore.tree.buffers import ROOT
 from specroll_mcore.tree.builder import TreeBatch
 
 # (logits [m, V], row indices [m], response positions [m]) -> (tokens [m], log-probs [m])
@@ -54,13 +62,22 @@ def node_rows(x: torch.Tensor, rows: torch.Tensor, nodes: torch.Tensor) -> torch
     return x[rows, nodes]
 
 
+def accept_at_once(device: torch.device) -> bool:
+    """Whether :func:`accept` samples every node at once on ``device`` (module docstring)."""
+    choice = os.environ.get("SPECROLL_ACCEPT_AT_ONCE")
+    return device.type != "cpu" if choice is None else choice != "0"
+
+
 def accept(tree: TreeBatch, logits: torch.Tensor, sample_fn: Sampler, position: torch.Tensor,
-           max_depth: int) -> Acceptance:
+           max_depth: int, at_once: Optional[bool] = None) -> Acceptance:
     """Walk each row's tree from the root, sampling one token per depth.
 
     tree: [b, n]; logits: [b, n, V] (the policy at every node); position [b]: response index of
-    the token sampled at the root (the root itself is the previous one).
+    the token sampled at the root (the root itself is the previous one). ``at_once``: sample every
+    node first, then walk without a host sync (None: :func:`accept_at_once` of the logits' device).
     """
+    if at_once if at_once is not None else accept_at_once(logits.device):
+        return _accept_at_once(tree, logits, sample_fn, position, max_depth)
     b, n = tree.shape
     device = logits.device
     D = max(max_depth, 1)
@@ -96,3 +113,42 @@ def accept(tree: TreeBatch, logits: torch.Tensor, sample_fn: Sampler, position: 
         cur[alive] = nxt
         path[alive, d + 1] = nxt
     return Acceptance(tokens, logprobs, path, counts, cur, tried, accepted)
+
+
+def _accept_at_once(tree: TreeBatch, logits: torch.Tensor, sample_fn: Sampler, position: torch.Tensor,
+                    max_depth: int) -> Acceptance:
+    """:func:`accept` with the policy's sample at every node drawn in one call (a padding node at its
+    row's root position: drawn, never read; the memory of a plain step of as many rows), then the
+    walk in closed form: a drafted node is accepted iff its token is its parent's sample and its
+    parent is accepted (the root always is); siblings are distinct, so at most one node a depth is.
+    Fixed-shape tensor operations over every row: nothing is read back to the host."""
+    b, n = tree.shape
+    device = logits.device
+    D, levels = max(max_depth, 1), max_depth + 1
+    rows = torch.arange(b, device=device).repeat_interleave(n)
+    sampled, lp = sample_fn(logits.reshape(b * n, -1), rows, position[rows] + tree.depth.flatten())
+    sampled, lp = sampled.view(b, n), lp.float().view(b, n)
+    parent = tree.parents.clamp(min=0)
+    root = tree.parents == ROOT
+    hit = (tree.parents >= 0) & (tree.tokens == sampled.gather(1, parent))  # drafted, and its parent's sample
+    accepted_node = root
+    for _ in range(min(max_depth, n - 1)):  # one more depth of accepted ancestors each pass
+        accepted_node = root | (hit & accepted_node.gather(1, parent))
+    at_depth = accepted_node[:, None] & (tree.depth[:, None] == torch.arange(levels, device=device)[:, None])
+    reached = at_depth.any(-1)  # [b, levels]: the walk reached depth d
+    node = at_depth.to(torch.int8).argmax(-1)  # the node it reached there (0 where it did not)
+    counts = reached.sum(-1)
+    tokens = torch.full((b, D + 1), -1, dtype=torch.long, device=device)
+    logprobs = torch.zeros(b, D + 1, dtype=torch.float32, device=device)
+    path = torch.full((b, D + 1), -1, dtype=torch.long, device=device)
+    tokens[:, :levels] = torch.where(reached, sampled.gather(1, node), -1)
+    logprobs[:, :levels] = torch.where(reached, lp.gather(1, node), 0.0)
+    path[:, :levels] = torch.where(reached, node, -1)
+    tried = torch.zeros(D, dtype=torch.long, device=device)
+    accepted = torch.zeros(D, dtype=torch.long, device=device)
+    if max_depth > 0 and n > 1:
+        has_child = (tree.parents[:, None] == torch.arange(n, device=device)[:, None]).any(-1)  # [b, n]
+        tried[:max_depth] = (reached[:, :-1] & has_child.gather(1, node[:, :-1])).sum(0)
+        accepted[:max_depth] = reached[:, 1:].sum(0)
+    last_node = node.gather(1, (counts - 1)[:, None])[:, 0]
+    return Acceptance(tokens, logprobs, path, counts, last_node, tried, accepted)

@@ -20,7 +20,9 @@ metadata and allocations apart: they launch nothing) and the host syncs among th
 forward of a model the size of SmolLM2 is itself bound by its launches there, so these counts price
 the step's host work on a GPU where this CPU cannot time it. Operations of the CPU kernels (csrc/)
 are not dispatched by torch and not counted; ``SPECROLL_NOISE_KERNEL=0 SPECROLL_PACKED_GEMM=0``
-count the operations the GPU path runs instead. The step's sampling keys, made once a step for
+count the operations the GPU path runs instead (and ``SPECROLL_ACCEPT_AT_ONCE=1`` its acceptance,
+verify.accept_at_once). The sampler's noise is counted in one pass over each call's rows, as a GPU
+computes it (on a CPU it goes in cache-sized row chunks). The step's sampling keys, made once a step for
 drafting and acceptance, are counted in the captured rollout (``step_keys``, part of the totals; not
 timed), and so, for scale, are its verification forwards (``verify_forward``).
 
@@ -33,6 +35,7 @@ the speedup the launches allow: what the trees' tau buys once their forwards and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -46,7 +49,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore import parallel, sampling as sampler  # noqa: E402
 from specroll_mcore.checkpoint.megatron import stop_token_ids, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
@@ -112,6 +115,19 @@ class OpCounter(TorchDispatchMode):
                 "ops_by_name_per_step": {k: v / steps for k, v in self.ops.most_common() if k not in VIEW_OPS}}
 
 
+@contextlib.contextmanager
+def noise_in_one_pass():
+    """Count the sampler's noise as a GPU computes it, one pass over a call's rows: on a CPU it goes
+    in row chunks that stay in cache (``sampling.CPU_CHUNK``: one row of SmolLM2's vocabulary a
+    chunk), each chunk its own few operations. The values are the same either way."""
+    chunk = sampler.CPU_CHUNK
+    sampler.CPU_CHUNK = 1 << 62
+    try:
+        yield
+    finally:
+        sampler.CPU_CHUNK = chunk
+
+
 def capture(engine: SpeculativeEngine, prompts: list,
             sampling: SamplingConfig) -> tuple[dict[str, list], Any, OpCounter, OpCounter, OpCounter]:
     """Run one rollout, recording each phase's calls (arguments as passed) and counting the
@@ -141,7 +157,7 @@ def capture(engine: SpeculativeEngine, prompts: list,
     if originals["step_keys"] is not None:  # (code before the step's key table: keys made in the phases)
         speculative._Rollout.step_keys = counted_keys
     try:
-        with total:
+        with total, noise_in_one_pass():
             out = engine.generate(prompts, sampling, prompt_ids=list(range(len(prompts))))
     finally:
         speculative.accept = originals["accept"]
@@ -195,7 +211,7 @@ def main() -> int:
     engine.generate(prompts[:1], SamplingConfig(max_new_tokens=4), prompt_ids=[0])  # warm-up (kernels, packing)
     calls, out, forwards, keys, total = capture(engine, prompts, sampling)
     vanilla, vanilla_engine = OpCounter(), VanillaEngine(policy, eos_token_ids=eos)
-    with vanilla:
+    with vanilla, noise_in_one_pass():
         ref = vanilla_engine.generate(prompts, sampling, prompt_ids=list(range(len(prompts))))
     tokens = out.stats["tokens"]
     rollouts = {"tokens": tokens, "tokens_identical": ref.tokens == out.tokens,
@@ -221,7 +237,7 @@ def main() -> int:
             sync()
             times.append((time.perf_counter() - t) / len(taken) * 1e3)
         counter, calls_once = OpCounter(), fresh(taken, name)
-        with counter:
+        with counter, noise_in_one_pass():
             replay(methods[name], calls_once)
         rows = [len(a[1]) if name == "feedback" else int(a[0].shape[0]) for a, _ in taken]  # slots / hidden / trees
         phases[name] = {"ms_per_step": statistics.median(times), "steps": len(taken),

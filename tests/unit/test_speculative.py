@@ -55,6 +55,25 @@ def test_identical_to_vanilla_float64(ctx, make_cfg, mode):
     assert "eos" in ref.finish_reason and len({len(t) for t in ref.tokens}) > 1  # ragged, early EOS
 
 
+@pytest.mark.parametrize("mode", list(SAMPLINGS))
+def test_acceptance_sampling_every_node_at_once_gives_the_same_rollout(ctx, monkeypatch, mode):
+    """The GPU's acceptance (every tree node sampled in one call, the walk without host syncs),
+    forced on a CPU: the vanilla engine's tokens, and the same acceptance counts as the walk depth
+    by depth."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    sp = SAMPLINGS[mode]
+    ref = VanillaEngine(model).generate(PROMPTS, sp, step=2)
+    outs = {}
+    for choice in ("0", "1"):
+        monkeypatch.setenv("SPECROLL_ACCEPT_AT_ONCE", choice)
+        outs[choice] = SpeculativeEngine(model, SpecConfig(c_hw=64)).generate(PROMPTS, sp, step=2)
+        same, lp = compare(ref, outs[choice])
+        assert all(same) and lp < 1e-9, choice
+    assert outs["1"].stats["tau"] > 1.0
+    for key in ("tried_per_depth", "accepted_per_depth", "tau_per_row"):
+        assert outs["1"].stats[key] == outs["0"].stats[key], key
+
+
 def test_min_p_and_top_k_identical_to_vanilla_float64(ctx):
     """vLLM's min-p, with top-k and top-p, in the sampler and the coupled drafts alike."""
     model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx, seed=4)

@@ -267,6 +267,41 @@ def test_accept_walk_matches_children_and_always_emits():
     assert acc.tried.tolist() == [1, 1] and acc.accepted.tolist() == [1, 1]
 
 
+def test_accepting_every_node_at_once_equals_the_walk_depth_by_depth():
+    """verify.accept's two forms on random trees (select_tree's, with padding) and a sampler whose
+    noise is keyed by (row, position), the policy's logits leaning towards some drafted child: the
+    same tokens, log-probs, paths, counts, last nodes and counts per depth, for logits laid out
+    [b, n, V] or as a forward's [n, b, V] viewed as [b, n, V]."""
+    vocab = 50
+
+    def sample_fn(lg, rows, pos):
+        noise = torch.stack([torch.rand(vocab, generator=torch.Generator().manual_seed(int(r) * 997 + int(p)))
+                             for r, p in zip(rows, pos)]) if len(rows) else torch.zeros(0, vocab)
+        x = lg - torch.log(-torch.log(noise.clamp(min=1e-9)))
+        tok = x.argmax(-1)
+        return tok, torch.log_softmax(lg, -1).gather(-1, tok[:, None])[:, 0]
+
+    rng = random.Random(3)
+    seen_depth = 0
+    for trial in range(40):
+        b, H, k, budget = rng.choice((1, 2, 5)), rng.choice((1, 2, 3)), rng.choice((2, 3)), rng.choice((1, 2, 4, 9))
+        roots = [rng.randrange(1000) for _ in range(b)]
+        tree, _ = select_tree(torch.tensor(roots), draft(roots, H, k, budget), budget)
+        n = tree.shape[1]
+        logits = torch.randn(n, b, vocab, generator=torch.Generator().manual_seed(trial)).transpose(0, 1)
+        for r in range(b):
+            for i in range(1, int(tree.num_nodes[r])):
+                if rng.random() < 0.7:  # the policy at the parent leans towards this child
+                    logits[r, int(tree.parents[r, i]), int(tree.tokens[r, i])] += 6.0
+        position = torch.tensor([rng.randrange(40) for _ in range(b)])
+        for layout in (logits, logits.contiguous()):
+            walked, at_once = (accept(tree, layout, sample_fn, position, H, at_once=a) for a in (False, True))
+            for field in ("tokens", "logprobs", "path", "counts", "last_node", "tried", "accepted"):
+                assert torch.equal(getattr(walked, field), getattr(at_once, field)), (trial, field)
+        seen_depth = max(seen_depth, int(walked.counts.max()))
+    assert seen_depth == 4  # some rows accepted a whole 3-deep path
+
+
 def test_node_rows_equal_advanced_indexing():
     """Logits at tree nodes, read by index_select over merged (row, node) dimensions where they merge
     (a view of the vocabulary slice of padded logits included), else by advanced indexing."""
