@@ -104,39 +104,71 @@ class FinishRules:
         return None
 
 
+STEP_BYTES_PER_ID = 64
+"""A bound on the memory a decoding or verification step takes beyond the KV cache, per token it
+samples and vocabulary id: the logits (float32, gathered over the tensor-parallel ranks, with this
+rank's shard) and the sampler's working tensors on them (the noise's int64 hashes and float64
+uniforms, the filtered logits, their log-softmax; a GPU's top-p sort). Measured on torch's path (a
+GPU's, run on a CPU with the noise in one pass and top-p over whole rows): 36 bytes at T = 1, 40 with
+top-p, for whole vanilla and speculative rollouts of a model with 32768 ids
+(tests/unit/test_continuous_batching.py); the rest is a GPU sort's scratch. For Qwen2.5's 152k ids
+that is 9.7 MB a sampled token: 2.5 GB for 256 responses decoded plainly, a tree step of 1024 tokens
+four times as much, against a KV cache of tens of GB."""
+
+
+def step_memory(model: PolicyModel, tokens: int) -> int:
+    """Bytes a step sampling ``tokens`` tokens takes beyond the KV cache on this rank
+    (:data:`STEP_BYTES_PER_ID`): on the last pipeline stage, which projects onto the vocabulary and
+    samples; 0 on the others."""
+    return tokens * model.config.vocab_size * STEP_BYTES_PER_ID if model.ctx.is_last_stage else 0
+
+
 def plan_rows(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, rules: FinishRules,
-              extra_capacity: int, max_num_seqs: Optional[int]) -> int:
+              extra_capacity: int, max_num_seqs: Optional[int],
+              step_tokens: Callable[[int], int] = lambda rows: rows) -> int:
     """The rows of a rollout's KV cache: every response's, or with ``max_num_seqs`` (vLLM's name: the
     most responses in flight) at most that many, the rollout then continuously batched
     (:class:`RolloutState`: a waiting response takes the row of a finished one).
 
-    Before anything is allocated, the cache is checked against the memory this rank has free
-    (:func:`available_memory`); where it does not fit on one rank of the model-parallel group, every
-    rank of the group raises the same error, naming how many responses would fit (a collective of the
-    tensor-, pipeline- and expert-parallel groups: one rank out of memory would leave the others
-    waiting in the forward's collectives). Tokens do not depend on the rows: the sampling noise is
-    keyed by prompt id, sample and position."""
+    Before anything is allocated, the cache and the largest step (``step_tokens(rows)``: the most
+    tokens a step samples with that many rows in flight, :func:`step_memory`) are checked against the
+    memory this rank has free (:func:`available_memory`); where they do not fit on one rank of the
+    model-parallel group, every rank of the group raises the same error, naming how many responses
+    would fit (a collective of the tensor-, pipeline- and expert-parallel groups: one rank out of
+    memory would leave the others waiting in the forward's collectives). Tokens do not depend on the
+    rows: the sampling noise is keyed by prompt id, sample and position."""
     G, P = sampling.num_samples, len(prompts)
     rows = P * G if max_num_seqs is None else min(P * G, max_num_seqs)
     capacity = max(len(p) + rules.limit(len(p)) for p in prompts) + extra_capacity
     per_response = model.kv_cache_bytes(1, capacity)  # (a cache's bytes grow with its rows)
-    need = per_response * rows
+
+    def need(r: int) -> int:
+        return per_response * r + step_memory(model, step_tokens(r)) if r else 0
+
     free = available_memory(model.ctx.device)
-    fits = free // per_response if free is not None else 1 << 40
+    fits = 1 << 40
+    if free is not None:  # the most rows that fit (need grows with the rows)
+        fits, over = 0, free // per_response + 1
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            fits, over = (mid, over) if need(mid) <= free else (fits, mid)
     ctx = model.ctx
-    verdict = torch.tensor([float(free is not None and need > free), -float(fits)], dtype=torch.float64,
+    verdict = torch.tensor([float(free is not None and need(rows) > free), -float(fits)], dtype=torch.float64,
                            device=ctx.device)
     ctx.all_reduce_tp(verdict, "max")
     ctx.all_reduce_pp(verdict, "max")
     ctx.all_reduce_ep(verdict, "max")
     if verdict[0] > 0:
         gib, fit = 1 << 30, int(-verdict[1])
-        short_here = free is not None and need > free
-        here = (f"{need / gib:.2f} GiB on this rank, which has {free / gib:.2f} GiB free" if short_here
+        short_here = free is not None and need(rows) > free
+        here = (f"{need(rows) / gib:.2f} GiB on this rank, which has {free / gib:.2f} GiB free" if short_here
                 else "more memory than another rank of its model-parallel group has free")
         advice = (f"set max_num_seqs to at most {fit} (the responses decoded at once)" if fit >= 1 else
                   "not even one response fits: lower sampling.max_new_tokens, or spread the model over more ranks")
-        raise ValueError(f"the KV cache of {rows} responses of up to {capacity} positions needs {here}; {advice}")
+        raise ValueError(f"the KV cache of {rows} responses of up to {capacity} positions "
+                         f"({per_response * rows / gib:.2f} GiB) and a step's logits and sampling over the vocabulary "
+                         f"({step_memory(model, step_tokens(rows)) / gib:.2f} GiB for {step_tokens(rows)} tokens) "
+                         f"need {here}; {advice}")
     return rows
 
 

@@ -112,6 +112,14 @@ class SpeculativeEngine:
         self.groups = num_groups(pipeline_groups, model.ctx.pp_size)
         self.max_num_seqs = check_max_num_seqs(max_num_seqs)
 
+    def step_tokens(self, rows: int) -> int:
+        """The most tree tokens a step verifies (and samples at) with ``rows`` responses in flight: each
+        group's rows times their node budget (SpecConfig.n_min .. n_max, C_hw over the rows), at any
+        count of unfinished ones."""
+        spec, k = self.spec, min(self.groups, max(rows, 1))
+        sizes = [rows // k + (g < rows % k) for g in range(k)]  # (split_groups: slot s to group s % k)
+        return sum(max(r * spec.n_min, min(r * spec.n_max, self.c_hw)) for r in sizes)
+
     def state_dict(self) -> dict[str, Any]:
         """Speed-only state that outlives a rollout: the tree-size calibration and the slow path's."""
         return {"calibration": self.calibration.state_dict(),
@@ -416,7 +424,7 @@ class SpeculativeEngine:
         cfg = self.model.config
         ids = validate_prompts(prompts, prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
         rules = FinishRules(sampling, self.eos_token_ids, self.tokenizer, cfg.max_position_embeddings)
-        rows = plan_rows(self.model, prompts, sampling, rules, self.spec.n_max, self.max_num_seqs)
+        rows = plan_rows(self.model, prompts, sampling, rules, self.spec.n_max, self.max_num_seqs, self.step_tokens)
         with self.model.expert_lockstep():  # (expert parallelism: forwards in step with the EP group)
             return self._rollout(prompts, sampling, step, ids, rules, rows)
 

@@ -154,7 +154,7 @@ def refused(model, ctx) -> str:
     capacity = max(len(p) for p in PROMPTS) + sp.max_new_tokens
     free = base.available_memory
     if not (ctx.is_last_stage and ctx.tp_rank == 0):
-        base.available_memory = lambda device: 3 * model.kv_cache_bytes(1, capacity)
+        base.available_memory = lambda device: 3 * (model.kv_cache_bytes(1, capacity) + base.step_memory(model, 1))
     try:
         VanillaEngine(model).generate(PROMPTS, sp)
     except ValueError as e:

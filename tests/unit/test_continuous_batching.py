@@ -177,22 +177,101 @@ def test_a_kv_cache_larger_than_free_memory_is_refused_with_what_fits(ctx, monke
     model = make_policy(tiny_llama(), ctx)
     capacity = max(len(p) for p in PROMPTS) + SAMPLING.max_new_tokens
     per_response = model.kv_cache_bytes(1, capacity)
-    monkeypatch.setattr(base, "available_memory", lambda device: 5 * per_response + 1)
+    step = base.step_memory(model, 1)  # a plain step's logits and sampling, per response
+
+    def refusal(rows, kv_gib, step_gib):
+        return (rf"the KV cache of {rows} responses of up to 37 positions \({kv_gib} GiB\) and a step's logits and "
+                rf"sampling over the vocabulary \({step_gib} GiB for {rows} tokens\) need .* GiB on this rank, which "
+                rf"has .* GiB free; ")
+
+    monkeypatch.setattr(base, "available_memory", lambda device: 5 * (per_response + step) + 1)
     made = caches_made(model, monkeypatch)
-    with pytest.raises(ValueError, match=r"the KV cache of 10 responses of up to 37 positions needs .* GiB on this "
-                                         r"rank, which has .* GiB free; set max_num_seqs to at most 5 \(the responses"):
+    with pytest.raises(ValueError, match=refusal(10, r"0\.00", r"0\.00")
+                       + r"set max_num_seqs to at most 5 \(the responses decoded at once\)"):
         VanillaEngine(model).generate(PROMPTS, SAMPLING)
     assert not made  # refused before anything was allocated
     out = VanillaEngine(model, max_num_seqs=5).generate(PROMPTS, SAMPLING)  # what the error advised
     assert out.stats["kv_cache_rows"] == 5 and [c.num_rows for c in made] == [5]
-    monkeypatch.setattr(base, "available_memory", lambda device: per_response)
+    # the KV cache alone would fit: the step's logits and sampling do not
+    monkeypatch.setattr(base, "available_memory", lambda device: 5 * per_response + 4 * step)
+    with pytest.raises(ValueError, match=refusal(5, r"0\.00", r"0\.00") + "set max_num_seqs to at most 4"):
+        VanillaEngine(model, max_num_seqs=5).generate(PROMPTS, SAMPLING)
+    monkeypatch.setattr(base, "available_memory", lambda device: per_response + step)
     out = VanillaEngine(model, max_num_seqs=1).generate(PROMPTS, SAMPLING)  # (below a prompt's 2 samples)
     assert out.stats["kv_cache_rows"] == 1
-    monkeypatch.setattr(base, "available_memory", lambda device: per_response - 1)
+    monkeypatch.setattr(base, "available_memory", lambda device: per_response + step - 1)
     with pytest.raises(ValueError, match="not even one response fits: lower sampling.max_new_tokens"):
-        SpeculativeEngine(policy_with_heads(tiny_llama(), ctx), SpecConfig(c_hw=8)).generate(PROMPTS, SAMPLING)
+        VanillaEngine(model, max_num_seqs=1).generate(PROMPTS, SAMPLING)
+    # a speculative step verifies trees: one response's step holds min(n_max, C_hw) tokens
+    spec_model = policy_with_heads(tiny_llama(), ctx)
+    engine = SpeculativeEngine(spec_model, SpecConfig(c_hw=8))
+    per_spec = spec_model.kv_cache_bytes(1, len(PROMPTS[0]) + SAMPLING.max_new_tokens + engine.spec.n_max)
+    monkeypatch.setattr(base, "available_memory", lambda device: per_spec + 8 * step)
+    assert engine.generate(PROMPTS[:1], dataclasses.replace(SAMPLING, num_samples=1)).stats["kv_cache_rows"] == 1
+    monkeypatch.setattr(base, "available_memory", lambda device: per_spec + 8 * step - 1)
+    with pytest.raises(ValueError, match="for 8 tokens.* not even one response fits"):
+        engine.generate(PROMPTS[:1], dataclasses.replace(SAMPLING, num_samples=1))
     monkeypatch.setattr(base, "available_memory", lambda device: None)  # unknown: not checked
     VanillaEngine(model).generate(PROMPTS[:1], SAMPLING)
+
+
+def test_the_step_tokens_of_a_speculative_rollout_bound_its_trees(ctx):
+    """SpeculativeEngine.step_tokens: every row's node budget (n_min .. n_max, C_hw over the rows) at
+    any count of unfinished responses, per pipeline group."""
+    model = policy_with_heads(tiny_llama(), ctx)
+    engine = SpeculativeEngine(model, SpecConfig(c_hw=64, n_min=2, n_max=16))
+    assert [engine.step_tokens(r) for r in (0, 1, 4, 8, 32, 100)] == [0, 16, 64, 64, 64, 200]
+    from specroll_mcore.tree import node_budget
+
+    for rows in range(1, 80):
+        assert engine.step_tokens(rows) >= max(a * node_budget(a, 64, 2, 16) for a in range(1, rows + 1))
+    engine.groups = 2  # (two pipeline stages: each group of rows under its own budget)
+    assert [engine.step_tokens(r) for r in (1, 3, 8, 200)] == [16, 32 + 16, 64 + 64, 200 + 200]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_steps_memory_beyond_the_kv_cache_is_within_its_bound(ctx, monkeypatch, top_p):
+    """What whole rollouts allocate beyond their KV cache, measured by torch's profiler on a model with
+    32768 ids (where the vocabulary's tensors dominate), on the path a GPU runs: the noise in one pass
+    over the rows and top-p over whole rows (and, in the speculative engine, every tree node sampled
+    at once), is within base.step_memory of the most tokens a step samples, and not far below it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specroll_mcore import sampling
+
+    monkeypatch.setattr(sampling, "CPU_CHUNK", 1 << 62)
+    monkeypatch.setattr(sampling, "NUCLEUS_WINDOW", 1 << 30)
+    monkeypatch.setenv("SPECROLL_NOISE_KERNEL", "0")
+    monkeypatch.setenv("SPECROLL_PACKED_GEMM", "0")
+    monkeypatch.setenv("SPECROLL_ACCEPT_AT_ONCE", "1")
+    model = policy_with_heads(tiny_llama(vocab_size=32768, num_layers=2), ctx)
+    caches = []
+    new_cache = model.new_cache
+
+    def recorded(num_slots, capacity, num_rows=None):
+        caches.append(model.kv_cache_bytes(num_rows or num_slots, capacity))
+        return new_cache(num_slots, capacity, num_rows)
+
+    monkeypatch.setattr(model, "new_cache", recorded)
+
+    def peak_beyond_kv(engine, prompts, sp):
+        engine.generate(prompts, sp)  # (first-use allocations apart)
+        caches.clear()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            engine.generate(prompts, sp)
+        held = peak = 0
+        for e in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+            held += e.self_cpu_memory_usage
+            peak = max(peak, held)
+        return peak - sum(caches)
+
+    for P, G in ((1, 1), (4, 4)):
+        prompts = [[(7 * i + j) % 32768 for j in range(5 + i)] for i in range(P)]
+        sp = SamplingConfig(temperature=1.0, top_p=top_p, max_new_tokens=8, num_samples=G, seed=3)
+        for engine, tokens in ((VanillaEngine(model), P * G),
+                               (SpeculativeEngine(model, SpecConfig(c_hw=64)), min(P * G * 16, 64))):
+            bound = base.step_memory(model, tokens)
+            assert 0.4 * bound < peak_beyond_kv(engine, prompts, sp) <= bound, (type(engine).__name__, P * G)
 
 
 def test_a_rank_that_cannot_tell_its_free_memory_follows_the_one_that_is_short(ctx, monkeypatch):
@@ -206,7 +285,7 @@ def test_a_rank_that_cannot_tell_its_free_memory_follows_the_one_that_is_short(c
         return tensor
 
     monkeypatch.setattr(ctx, "all_reduce_tp", peer_is_short)
-    with pytest.raises(ValueError, match="needs more memory than another rank of its model-parallel group has free; "
+    with pytest.raises(ValueError, match="need more memory than another rank of its model-parallel group has free; "
                                          "set max_num_seqs to at most 2"):
         VanillaEngine(model).generate(PROMPTS, SAMPLING)
 
