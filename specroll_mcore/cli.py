@@ -43,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
     engine = engine_for(cfg.engine, policy, cfg.spec, ckpt, eos_token_ids=stop_token_ids(ckpt, tokenizer),
                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups,
-                        max_num_seqs=cfg.max_num_seqs)
+                        max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
     rows = [{"prompt_index": p, "sample_index": s, "prompt": cfg.prompts[p],
              "response": tokenizer.decode(t, skip_special_tokens=True), "tokens": t,
@@ -165,7 +165,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     held_out = HeldOut.load(cfg.eval, cfg.seed, tokenizer, positions, training, ctx.dp_size, math_verify)
     engine = engine_for(cfg.engine, policy, cfg.spec, ckpt, eos_token_ids=stop_token_ids(ckpt, tokenizer),
                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups,
-                        max_num_seqs=cfg.max_num_seqs)
+                        max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens)
     responses: list[dict] = []
     row = {"checkpoint": str(ckpt), "engine": cfg.engine, "skipped": held_out.report.skipped,
            **evaluate(engine, held_out, cfg.eval, make_scorer(cfg, tokenizer, reward_fn), ctx, responses)}

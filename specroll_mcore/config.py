@@ -701,6 +701,12 @@ class GenerateConfig:
     A rollout whose KV cache does not fit in the memory a rank has free is refused before anything is
     allocated, naming the largest value that fits."""
 
+    max_prefill_tokens: int = 4096
+    """The most prompt tokens a prefill forward takes (padded: prompts of like lengths go together);
+    a longer prompt is prefilled in pieces of at most this many, each attending to the cache of the
+    pieces before it (vLLM's chunked prefill), which bounds a forward's activations and attention
+    mask. Tokens do not depend on it."""
+
     output: Optional[str] = None
     """Write one JSON line per response here."""
 
@@ -709,6 +715,7 @@ class GenerateConfig:
                f"GenerateConfig.engine must be 'vanilla' or 'specroll', got {self.engine!r}")
         _check(len(self.prompts) > 0, "GenerateConfig.prompts is empty; give at least one prompt")
         check_max_num_seqs(self.max_num_seqs, "GenerateConfig.max_num_seqs")
+        check_max_prefill_tokens(self.max_prefill_tokens, "GenerateConfig.max_prefill_tokens")
         _check_template_kwargs(self.chat_template_kwargs, "GenerateConfig")
 
 
@@ -716,6 +723,13 @@ def check_max_num_seqs(value: Any, name: str = "max_num_seqs") -> Optional[int]:
     """A ``max_num_seqs`` (a config's, an engine's): None, or a positive number of responses."""
     _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
            f"{name} must be a positive number of responses (or null: all at once), got {value!r}")
+    return value
+
+
+def check_max_prefill_tokens(value: Any, name: str = "max_prefill_tokens") -> int:
+    """A ``max_prefill_tokens`` (a config's, an engine's): a positive number of tokens."""
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+           f"{name} must be a positive number of tokens a prefill forward takes, got {value!r}")
     return value
 
 
@@ -1113,7 +1127,10 @@ class TrainConfig:
 
     max_num_seqs: Optional[int] = None
     """:attr:`GenerateConfig.max_num_seqs`, for the rollouts (the vanilla engine's compared ones too) and
-    the evaluation; at least the samples of a prompt in either."""
+    the evaluation."""
+
+    max_prefill_tokens: int = 4096
+    """:attr:`GenerateConfig.max_prefill_tokens`, for the rollouts and the evaluation."""
 
     compare_vanilla_every: int = 0
     """Also run the vanilla engine on the same step's prompts every N steps (timing; identical tokens
@@ -1129,6 +1146,7 @@ class TrainConfig:
                f"TrainConfig.reward_fn must look like 'module:function', got {self.reward_fn!r}")
         _check(self.prompts_per_step >= 1, f"TrainConfig.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         check_max_num_seqs(self.max_num_seqs, "TrainConfig.max_num_seqs")
+        check_max_prefill_tokens(self.max_prefill_tokens, "TrainConfig.max_prefill_tokens")
         _check(self.micro_batch_size >= 1, f"TrainConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         # GRPO's advantages compare a prompt's responses with each other: alike responses teach nothing
         _check(self.sampling.num_samples >= 2,

@@ -11,11 +11,13 @@
 # each step's forward alone, without the work around it, in the alternation), a SmolLM2-shaped forward
 # with the layers chained against megatron's block (tools/bench_forward_path.py), the speculative step's
 # host work per phase at batch 1 (ms, operations and syncs a step; both engines' whole rollouts in
-# operations a token), a short GRPO run that times the vanilla engine on the same steps, batch 1 at
+# operations a token), the same with acceptance walking the trees depth by depth (a CPU's way; a GPU
+# samples every node at once), a short GRPO run that times the vanilla engine on the same steps, batch 1 at
 # T=0, the big batch in bfloat16 (how many responses stay identical to the vanilla engine's:
 # cuBLAS and attention kernels are not batch-invariant, so near-ties are frequent there), and the
 # policy update of a bfloat16 SmolLM2 on 8 x 1024 tokens with its causal attention (FlashAttention's
-# kernel) against an explicit causal mask (tools/bench_update.py --compare-attention).
+# kernel) against an explicit causal mask (tools/bench_update.py --compare-attention), and a prompt of
+# 8192 tokens prefilled in one forward against pieces (tools/bench_prefill.py, max_prefill_tokens).
 # Logs go to OUT_DIR/gpu_checks.log, results to OUT_DIR/*.json|png|jsonl. QUICK=1 shrinks every
 # workload to a few tokens and only collects tests/gpu (which the default suite runs itself): a dry
 # run of this script on any machine (`make test-slow` runs one).
@@ -37,6 +39,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   FWD="--layers 2 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 --vocab 512 --shapes 1x1,2x4 --reps 1"
   TESTS="--collect-only"
   UPDATE="--prompts 1 --samples 2 --max-new-tokens 8 --reps 1"
+  PREFILL="--prompt-tokens 64 --pieces 16 --reps 1"
 else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch 1 is the slow stage
   B1="--batch1-prompts 2 --max-new-tokens 256 --reps 3"; FULL="--prompts 32 --samples 8 --max-new-tokens 256 --reps 2"
   TOKENS="1,2,4,8,16,32,64,128,256,512,1024,2048"
@@ -45,6 +48,7 @@ else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch
   FWD="--reps 30"
   TESTS=""
   UPDATE="--prompts 1 --samples 8 --max-new-tokens 1024 --micro-batch-size 8 --reps 3"
+  PREFILL="--prompt-tokens 8192 --pieces 1024,2048,4096 --reps 3"
 fi
 
 skipped() {  # skipped NAME: whether stage NAME is in SKIP or the budget is spent (said in the log)
@@ -80,6 +84,9 @@ stage bench_full 200 $PY tools/bench_specroll.py --checkpoint "$CKPT" $FULL --sk
 stage forward_path 60 $PY tools/bench_forward_path.py $FWD --out "$OUT/forward_path.json"
 # shellcheck disable=SC2086
 stage step_phases 90 $PY tools/bench_step_phases.py --checkpoint "$CKPT" $PHASES --out "$OUT/step_phases_b1.json"
+# shellcheck disable=SC2086
+stage step_phases_walk 90 env SPECROLL_ACCEPT_AT_ONCE=0 $PY tools/bench_step_phases.py --checkpoint "$CKPT" $PHASES \
+  --out "$OUT/step_phases_b1_walk.json"
 GRPO_DIR=$(mktemp -d)
 # shellcheck disable=SC2086
 stage grpo 240 $PY -m specroll_mcore.cli train --config examples/configs/smollm2_gsm8k_cpu.yaml \
@@ -102,4 +109,6 @@ import default_hf_dir; print(default_hf_dir())')" "$UPDATE_CKPT" --dtype bfloat1
   stage update_attention 120 $PY tools/bench_update.py --checkpoint "$UPDATE_CKPT" --compare-attention $UPDATE \
     --set sampling.ignore_eos=true --out "$OUT/bench_update_attention.json"
 fi
+# shellcheck disable=SC2086
+stage prefill 60 $PY tools/bench_prefill.py --checkpoint "$CKPT" $PREFILL --out "$OUT/bench_prefill.json"
 echo "== done in ${SECONDS}s" | tee -a "$LOG"

@@ -101,7 +101,8 @@ class GRPOTrainer:
                                      math_verify) if cfg.eval.enabled else None
         self.scorer = make_scorer(cfg, self.tokenizer, self.reward_fn)
 
-        scheduling = {"pipeline_groups": cfg.parallel.rollout_groups, "max_num_seqs": cfg.max_num_seqs}
+        scheduling = {"pipeline_groups": cfg.parallel.rollout_groups, "max_num_seqs": cfg.max_num_seqs,
+                      "max_prefill_tokens": cfg.max_prefill_tokens}
         self.engine = engine_for(cfg.engine, self.policy, cfg.spec, self.source, eos_token_ids=self.eos,
                                  tokenizer=self.tokenizer, **scheduling)
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer,

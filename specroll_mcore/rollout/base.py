@@ -204,7 +204,9 @@ def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     """Prefill prompt p into cache slot ``slots[p]`` (None: slot p); returns the logits at each
     prompt's last token [P, vocab] on the last stage (None elsewhere), with the hidden states there
     [P, h] if ``return_hidden``. Prompts go in chunks of at most ``max_tokens_per_forward`` padded
-    tokens (at least one prompt per forward)."""
+    tokens; a prompt longer than that goes alone, in pieces of at most that many tokens, each
+    attending to the keys and values of the pieces before it in the cache (vLLM's chunked prefill),
+    so that no forward holds more tokens than that."""
     device = cache.device
     out: list[torch.Tensor] = []
     hiddens: list[torch.Tensor] = []
@@ -216,16 +218,10 @@ def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]]
             if end > start and longest_next * (end - start + 1) > max_tokens_per_forward:
                 break
             longest, end = longest_next, end + 1
-        chunk = prompts[start:end]
-        lengths = torch.tensor([len(p) for p in chunk], device=device)
-        ids = torch.zeros(len(chunk), longest, dtype=torch.long, device=device)
-        for r, p in enumerate(chunk):
-            ids[r, : len(p)] = torch.as_tensor(p, dtype=torch.long)
         chunk_slots = torch.arange(start, end, device=device) if slots is None else slots[start:end]
-        positions = torch.arange(longest, device=device)[None, :].expand(len(chunk), longest)
-        meta = model.metadata(positions, causal_mask(len(chunk), longest, device, lengths), cache, chunk_slots)
-        result = model(ids, meta, logits_index=lengths - 1, return_hidden=True)  # last prompt token only
-        cache.commit(chunk_slots, lengths)
+        for offset in range(0, longest, max_tokens_per_forward):  # (one piece unless a prompt is alone)
+            result = _prefill_forward(model, cache, [p[offset:offset + max_tokens_per_forward]
+                                                     for p in prompts[start:end]], offset, chunk_slots)
         if result is not None:
             logits, hidden = result  # [p, 1, V/tp], [1, p, h]
             out.append(model.full_logits(logits[:, 0]))
@@ -234,6 +230,23 @@ def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     if not out:
         return (None, None) if return_hidden else None
     return (torch.cat(out), torch.cat(hiddens)) if return_hidden else torch.cat(out)
+
+
+def _prefill_forward(model: PolicyModel, cache: KVCache, pieces: Sequence[Sequence[int]], offset: int,
+                     slots: torch.Tensor):
+    """One prefill forward: ``pieces`` [p] of prompts whose first ``offset`` tokens the cache already
+    holds, into ``slots``; the model's output at each piece's last token (None but on the last stage)."""
+    device = cache.device
+    lengths = torch.tensor([len(p) for p in pieces], device=device)
+    longest = max(len(p) for p in pieces)
+    ids = torch.zeros(len(pieces), longest, dtype=torch.long, device=device)
+    for r, p in enumerate(pieces):
+        ids[r, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+    positions = offset + torch.arange(longest, device=device)[None, :].expand(len(pieces), longest)
+    meta = model.metadata(positions, causal_mask(len(pieces), longest, device, lengths), cache, slots)
+    result = model(ids, meta, logits_index=lengths - 1, return_hidden=True)  # last prompt token only
+    cache.commit(slots, lengths)
+    return result
 
 
 def sample_rows(model: PolicyModel, logits: Optional[torch.Tensor], keys: SampleKeys,

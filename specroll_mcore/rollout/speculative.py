@@ -33,7 +33,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from specroll_mcore.config import SamplingConfig, SpecConfig, check_max_num_seqs
+from specroll_mcore.config import SamplingConfig, SpecConfig, check_max_num_seqs, check_max_prefill_tokens
 from specroll_mcore import reflex
 from specroll_mcore.cpu_gemm import contents_key
 from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vocab_parallel_logsumexp,
@@ -97,7 +97,7 @@ class SpeculativeEngine:
         self.model, self.spec = model, spec
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = tokenizer
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         self.sync_timers = sync_timers
         self.c_hw = spec.c_hw or DEFAULT_C_HW
         self.reflex_cfg = spec.reflex if spec.reflex.enabled else None

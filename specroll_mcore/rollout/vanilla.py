@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from specroll_mcore.config import SamplingConfig, check_max_num_seqs
+from specroll_mcore.config import SamplingConfig, check_max_num_seqs, check_max_prefill_tokens
 from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
@@ -59,7 +59,7 @@ class VanillaEngine:
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = tokenizer
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         self.groups = num_groups(pipeline_groups, model.ctx.pp_size)
         self.max_num_seqs = check_max_num_seqs(max_num_seqs)
 

@@ -137,6 +137,33 @@ def test_fewer_rows_than_a_prompts_samples_give_the_rollout_of_one_batch(ctx, mo
             assert sorted({p for ps in prefills for p in ps}) == list(range(5)) and len(prefills) < 15
 
 
+@pytest.mark.parametrize("engine_name", ["vanilla", "specroll"])
+def test_prompts_longer_than_a_prefill_forward_are_prefilled_in_pieces(ctx, monkeypatch, engine_name):
+    """max_prefill_tokens 3: the prompts of 4 to 7 tokens are prefilled alone in pieces of at most 3
+    tokens, each attending to the cache of the pieces before it; all at once and continuously batched,
+    the rollout is that of whole prompts (float64: the same tokens, log-probs to rounding)."""
+    model = policy_with_heads(tiny_llama(params_dtype="float64"), ctx)
+    eos = VanillaEngine(model).generate(PROMPTS, SAMPLING).tokens[0][9]
+    whole = make_engine(engine_name, model, eos).generate(PROMPTS, SAMPLING)
+    forwards, prefill_forward = [], base._prefill_forward
+
+    def spy(model, cache, pieces, offset, slots):
+        forwards.append(([len(p) for p in pieces], offset))
+        return prefill_forward(model, cache, pieces, offset, slots)
+
+    monkeypatch.setattr(base, "_prefill_forward", spy)
+    for max_num_seqs in (None, 3):
+        forwards.clear()
+        engine = make_engine(engine_name, model, eos, max_num_seqs)
+        engine.max_prefill_tokens = 3
+        out = engine.generate(PROMPTS, SAMPLING)
+        assert out.tokens == whole.tokens and out.finish_reason == whole.finish_reason
+        assert max(float((a - b).abs().max()) for a, b in zip(out.logprobs, whole.logprobs)) < 1e-12
+        assert all(len(rows) * max(rows) <= 3 for rows, _ in forwards)
+        if max_num_seqs is None:  # prompts 0 (4 tokens), 1 (1), 2 (7), 3 (2), 4 (3), each prompt once
+            assert forwards == [([3], 0), ([1], 3), ([1], 0), ([3], 0), ([3], 3), ([1], 6), ([2], 0), ([3], 0)]
+
+
 def test_continuous_batching_keeps_features_and_expert_routing(ctx):
     """What the policy update and head distillation read from a rollout survives rows that change
     hands (the experts of a finished response are kept when it gives its row back)."""
@@ -297,8 +324,13 @@ def test_available_memory_on_this_cpu():
     assert 0 < free <= total
 
 
-def test_max_num_seqs_errors(ctx):
+def test_max_num_seqs_and_max_prefill_tokens_errors(ctx):
     model = make_policy(tiny_llama(), ctx)
+    with pytest.raises(ValueError, match="max_prefill_tokens must be a positive number of tokens a prefill forward "
+                                         "takes, got 0"):
+        VanillaEngine(model, max_prefill_tokens=0)
+    with pytest.raises(ValueError, match="max_prefill_tokens must be a positive number of tokens"):
+        SpeculativeEngine(policy_with_heads(tiny_llama(), ctx), SpecConfig(c_hw=16), max_prefill_tokens=-3)
     for bad in (0, -2, 1.5, True, "8"):
         with pytest.raises(ValueError, match="max_num_seqs must be a positive number of responses"):
             VanillaEngine(model, max_num_seqs=bad)
@@ -307,3 +339,8 @@ def test_max_num_seqs_errors(ctx):
     with pytest.raises(ValueError, match="TrainConfig.max_num_seqs must be a positive number"):
         TrainConfig(max_num_seqs=-1)
     assert TrainConfig(max_num_seqs=2).max_num_seqs == 2  # (below GRPO's default groups of 4)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="GenerateConfig.max_prefill_tokens must be a positive number of tokens"):
+            GenerateConfig(max_prefill_tokens=bad)
+    with pytest.raises(ValueError, match="TrainConfig.max_prefill_tokens must be a positive number of tokens"):
+        TrainConfig(max_prefill_tokens=-1)

@@ -15,7 +15,11 @@ def full_recompute_logits(model, seq: list[int]) -> torch.Tensor:
     return model.full_logits(model(ids, meta))[0]  # [s, V]
 
 
-def test_cached_decode_matches_full_recompute(ctx):
+@pytest.mark.parametrize("max_tokens", [64, 4])
+def test_cached_decode_matches_full_recompute(ctx, max_tokens):
+    """Prefill (at 4 tokens a forward, the 5- and 7-token prompts in pieces, each attending to the
+    cache of the pieces before it), then cached decoding: the logits of one forward over the whole
+    sequence."""
     torch.manual_seed(0)
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8}
@@ -29,7 +33,7 @@ def test_cached_decode_matches_full_recompute(ctx):
         from specroll_mcore.rollout.base import prefill
 
         with torch.no_grad():
-            last = prefill(model, cache, prompts, max_tokens_per_forward=64)
+            last = prefill(model, cache, prompts, max_tokens_per_forward=max_tokens)
             seqs = [list(p) for p in prompts]
             active = torch.arange(3)
             logits_cached = [[] for _ in prompts]

@@ -286,7 +286,7 @@ def test_bench_forward_path_refuses_bad_shapes(capsys):
     assert code != 0 and "--reps and every shape's rows and tokens must be >= 1" in err
 
 
-@pytest.mark.slow  # (~65 s: nine tool processes; each tool's own smoke test is in the default suite)
+@pytest.mark.slow  # (~80 s: eleven tool processes; each tool's own smoke test is in the default suite)
 def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
     """tools/gpu_checks.sh with QUICK=1 runs every stage (on the CPU here; tests/gpu only collected, the
     default suite runs them) and leaves their results; on the tiny checkpoint the transformers
@@ -299,12 +299,15 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     log = (out / "gpu_checks.log").read_text()
     for stage in ("tests", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "step_phases",
-                  "grpo", "forward_path", "update_attention"):
+                  "step_phases_walk", "grpo", "forward_path", "update_attention", "prefill"):
         assert f"== {stage} rc=0" in log, log[-3000:]
     assert set(json.loads((out / "bench_update_attention.json").read_text())["attention"]) == {"causal",
                                                                                                 "explicit_mask"}
     assert re.search(r"\d+ tests collected", log), log[:3000]  # tests/gpu, collected only
     assert json.loads((out / "step_phases_b1.json").read_text())["total_ops_per_step"] > 0
+    walk = json.loads((out / "step_phases_b1_walk.json").read_text())["phases"]["accept"]
+    assert walk["syncs_per_step"] > 0  # (the CPU's default walk here too; on a GPU the default samples at once)
+    assert set(json.loads((out / "bench_prefill.json").read_text())["ways"]) == {"whole", "pieces_16"}
     assert set(json.loads((out / "forward_path.json").read_text())["shapes"]) == {"1x1", "2x4"}
     full = json.loads((out / "bench_specroll_full.json").read_text())["full"]
     assert full["identical_tokens"] and full["specroll_over_hf_generate"] > 0
@@ -355,6 +358,25 @@ def test_bench_max_num_seqs_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys)
     assert code != 0 and "fewer than the 8 responses (else all are in flight at once" in err
     code, err = refused(capsys, "bench_max_num_seqs.py", "--samples", 4, "--max-num-seqs", 3)
     assert code != 0 and "--max-num-seqs must hold one prompt's 4 samples" in err
+
+
+def test_bench_prefill_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    run_tool("bench_prefill.py", "--checkpoint", tiny_ckpt, "--prompts", 2, "--prompt-tokens", 40, "--pieces", "8,16",
+             "--reps", 2, "--out", out)
+    report = json.loads(out.read_text())
+    ways = report["ways"]
+    assert [(w["max_prefill_tokens"], w["forwards"]) for w in ways.values()] == [(80, 1), (8, 10), (16, 6)]
+    assert all(len(w["times_s"]) == 2 and w["peak_mib_beyond_kv"] > 0 for w in ways.values())
+    assert ways["whole"]["logits_max_diff"] == 0 and max(w["logits_max_diff"] for w in ways.values()) < 1e-4
+    assert ways["pieces_8"]["peak_mib_beyond_kv"] < ways["whole"]["peak_mib_beyond_kv"]
+    for args, message in ((("--pieces", "8,x"), "--pieces takes comma-separated numbers of tokens"),
+                          (("--prompt-tokens", 40, "--pieces", 40),
+                           "every --pieces value must be in [1, --prompt-tokens)"),
+                          (("--reps", 0), "--prompts, --prompt-tokens and --reps must be >= 1"),
+                          (("--checkpoint", tiny_ckpt, "--prompt-tokens", 5000), "is over the model's 512 positions")):
+        code, err = refused(capsys, "bench_prefill.py", *args)
+        assert code != 0 and message in err, err
 
 
 def test_bench_update_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):

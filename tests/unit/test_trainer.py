@@ -191,10 +191,13 @@ def test_vanilla_and_specroll_grpo_are_identical(tiny_ckpt, tmp_path, ctx):
     assert len({r["reward_mean"] for r in a}) > 1 or a[0]["grad_norm"] > 0  # there was a learning signal
 
 
-def test_max_num_seqs_reaches_the_rollouts_and_their_evaluation(tiny_ckpt, tmp_path, ctx, monkeypatch):
+def test_max_num_seqs_and_max_prefill_tokens_reach_the_rollouts_and_their_evaluation(tiny_ckpt, tmp_path, ctx,
+                                                                                       monkeypatch):
     trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(
         tiny_ckpt, tmp_path, "steps=1", "engine=specroll", "compare_vanilla_every=1", "max_num_seqs=4",
-        "eval.every=1", "eval.sampling.num_samples=2", "eval.sampling.temperature=1.0", *EVAL)))
+        "max_prefill_tokens=7", "eval.every=1", "eval.sampling.num_samples=2", "eval.sampling.temperature=1.0",
+        *EVAL)))
+    assert trainer.engine.max_prefill_tokens == trainer.vanilla.max_prefill_tokens == 7
     made = []
     new_cache = trainer.policy.new_cache
     monkeypatch.setattr(trainer.policy, "new_cache", lambda num_slots, capacity, num_rows=None: made.append(
