@@ -38,6 +38,18 @@ def _fmix32(h: Any) -> Any:
     return h ^ (h >> 16)
 
 
+def _fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """:func:`_fmix32` in place on an int64 tensor: the same values and as many operations, with one
+    temporary of its size at a time instead of a new tensor per operation (the noise over a
+    vocabulary: its memory on a GPU)."""
+    h ^= h >> 16
+    h.mul_(0x85EBCA6B).bitwise_and_(_M32)
+    h ^= h >> 13
+    h.mul_(0xC2B2AE35).bitwise_and_(_M32)
+    h ^= h >> 16
+    return h
+
+
 def _combine(h: Any, x: Any) -> Any:
     """Mixes x into the hash h (tensors or Python integers; h's part reduced to 32 bits before it
     meets x, so that a Python integer h stays within int64 when x is a tensor)."""
@@ -103,7 +115,8 @@ def _vocab_ids(start: int, vocab: int, device: torch.device) -> torch.Tensor:
 
 
 def _uniform(hashes: torch.Tensor) -> torch.Tensor:
-    return (hashes.to(torch.float64) + 0.5) * (1.0 / 2**32)
+    """uint32 hashes (int64) -> uniforms in (0, 1), float64 (computed in place on the new tensor)."""
+    return hashes.to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
 
 
 def _gumbel(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -139,20 +152,23 @@ def _build_noise_kernel() -> Optional[Any]:
 
 def _torch_uniform(row_hash: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """What the noise kernel computes, in torch's int64 ops: row_hash [n], ids [1 or n, s] -> [n, s]."""
-    return _uniform(_fmix32(row_hash[:, None] ^ ((ids * 0x9E3779B1) & _M32)))
+    return _uniform(_fmix32_(row_hash[:, None] ^ ((ids * 0x9E3779B1) & _M32)))
 
 
 def _noise(keys: SampleKeys, ids: torch.Tensor, gumbel: bool, dtype: torch.dtype) -> torch.Tensor:
     """Uniforms or Gumbels for token ``ids`` ([1, s] for every key, or [n, s] per key) -> [n, s]:
     one avalanche round of (row hash, token id), computed in row chunks on CPU (the uniforms by
-    :func:`noise_kernel` where it is built)."""
+    :func:`noise_kernel` where it is built), in one pass elsewhere (into no buffer of its own)."""
     h = keys.row_hash()
     n, s = h.shape[0], ids.shape[1]
-    out = torch.empty(n, s, dtype=dtype, device=h.device)
     cpu = h.device.type == "cpu"
     kernel = noise_kernel() if cpu else None
     uniform = kernel.counter_uniform if kernel is not None else _torch_uniform
     rows = max(1, CPU_CHUNK // max(s, 1)) if cpu else n
+    if 0 < n <= rows:
+        u = uniform(h, ids)
+        return _gumbel(u, dtype) if gumbel else u.to(dtype)
+    out = torch.empty(n, s, dtype=dtype, device=h.device)
     for a in range(0, n, rows):
         u = uniform(h[a:a + rows], ids if ids.shape[0] == 1 else ids[a:a + rows])
         out[a:a + rows] = _gumbel(u, dtype) if gumbel else u
@@ -227,8 +243,8 @@ def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
     the device."""
 
     def cut(sorted_x: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:  # drop mask, in sorted order
-        probs = torch.exp(sorted_x - log_z)
-        return torch.cumsum(probs, dim=-1) - probs >= top_p  # mass of strictly better ids
+        probs = (sorted_x - log_z).exp_()  # (in place where a new tensor is not needed: the memory on a GPU)
+        return torch.cumsum(probs, dim=-1).sub_(probs) >= top_p  # mass of strictly better ids
 
     def sorted_whole(rows: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:  # drop mask of whole rows
         sorted_x, order = torch.sort(rows, dim=-1, descending=True)

@@ -104,16 +104,16 @@ class FinishRules:
         return None
 
 
-STEP_BYTES_PER_ID = 64
+STEP_BYTES_PER_ID = 48
 """A bound on the memory a decoding or verification step takes beyond the KV cache, per token it
 samples and vocabulary id: the logits (float32, gathered over the tensor-parallel ranks, with this
 rank's shard) and the sampler's working tensors on them (the noise's int64 hashes and float64
-uniforms, the filtered logits, their log-softmax; a GPU's top-p sort). Measured on torch's path (a
-GPU's, run on a CPU with the noise in one pass and top-p over whole rows): 36 bytes at T = 1, 40 with
+uniforms, the filtered logits, their log-softmax; a top-p sort). Measured on torch's path (a GPU's,
+run on a CPU with the noise in one pass and top-p over whole rows): 20-24 bytes at T = 1, 26-30 with
 top-p, for whole vanilla and speculative rollouts of a model with 32768 ids
-(tests/unit/test_continuous_batching.py); the rest is a GPU sort's scratch. For Qwen2.5's 152k ids
-that is 9.7 MB a sampled token: 2.5 GB for 256 responses decoded plainly, a tree step of 1024 tokens
-four times as much, against a KV cache of tens of GB."""
+(tests/unit/test_continuous_batching.py); the rest leaves room for a GPU sort's scratch space. For
+Qwen2.5's 152k ids that is 7.3 MB a sampled token: 1.9 GB for 256 responses decoded plainly, a tree
+step of 1024 tokens four times as much, against a KV cache of tens of GB."""
 
 
 def step_memory(model: PolicyModel, tokens: int) -> int:

@@ -204,6 +204,26 @@ def test_noise_kernel_gives_torchs_values_bit_for_bit(monkeypatch):
         assert per_row[r].tolist() == [reference_uniform(int(h[r]), int(t)) for t in ids[r]]
 
 
+def test_the_noise_in_one_pass_equals_the_noise_in_chunks(monkeypatch):
+    """torch's path in one pass over the rows (a GPU's: the hash mixed in place, no buffer of its own)
+    against the CPU's row chunks and against the hash in Python integers, bit for bit."""
+    import specroll_mcore.sampling as sampling
+
+    monkeypatch.setenv("SPECROLL_NOISE_KERNEL", "0")
+    g = torch.Generator().manual_seed(1)
+    n = 9
+    keys = SampleKeys(7, 3, torch.randint(0, 2**40, (n,), generator=g), torch.randint(0, 2**16, (n,), generator=g),
+                      torch.randint(0, 2**17, (n,), generator=g))
+    ids = torch.randint(0, 49152, (n, 5), generator=g)
+    chunked = noise_values(keys, ids)
+    monkeypatch.setattr(sampling, "CPU_CHUNK", 1 << 62)
+    assert all(torch.equal(a, b) for a, b in zip(noise_values(keys, ids), chunked))
+    h = keys.row_hash()
+    uniforms = sampling._torch_uniform(h, ids)
+    for r in (0, n - 1):
+        assert uniforms[r].tolist() == [reference_uniform(int(h[r]), int(t)) for t in ids[r]]
+
+
 def reference_row_hash(seed: int, step: int, prompt: int, sample: int, position: int) -> int:
     """A key's row hash in Python integers: fmix32 of the seed, then each field combined in turn."""
     def fmix(h: int) -> int:
