@@ -1032,6 +1032,11 @@ class TrainConfig:
     replica saves its shard; a run resumed at another data-parallel size, or with this switched,
     reshards the states. Under expert parallelism the experts' over the replicas that hold the same
     experts."""
+    offload_optimizer: bool = False
+    """Keep the optimizer's state (AdamW's moments; a bfloat16 policy's float32 main copies) in host
+    memory, pinned, between its steps (verl's ``optimizer_offload``): the rollouts' KV cache gets the
+    device memory it took (12 bytes a parameter of a bfloat16 policy, over the replicas with
+    ``shard_optimizer``), for a copy each way a step. Nothing moves where the policy is on a CPU."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2

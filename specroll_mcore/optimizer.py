@@ -151,6 +151,7 @@ class MainParamAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        self.reload()
         half = self._half()
         for p, m in half:
             m.grad = p.main_grad
@@ -160,6 +161,30 @@ class MainParamAdamW:
             m.grad = None
         if self.shard is not None:
             self._share_stepped()
+
+    def offload(self) -> None:
+        """Move this replica's optimizer state (AdamW's moments; the float32 main copies kept apart from
+        a bfloat16 model) to host memory, pinned where CUDA is, between steps (verl's optimizer
+        offload): the rollouts' KV cache gets the device memory it took. :meth:`step` brings it back
+        first. Where the parameters live on the host (a CPU run) nothing moves."""
+        self._move(offload=True)
+
+    def reload(self) -> None:
+        """Bring an offloaded state back to its parameters' device (:meth:`step` does it itself)."""
+        self._move(offload=False)
+
+    def _move(self, offload: bool) -> None:
+        host = torch.device("cpu")
+        for p, m in zip(self.params, self.main):
+            if m is None or p.device == host:
+                continue
+            target = host if offload else p.device
+            if m is not p:
+                m.data = _moved(m.data, target)
+            state = self.optimizer.state.get(m, {})
+            for k, v in state.items():
+                if torch.is_tensor(v) and k != "step":  # (AdamW keeps its step count on the host)
+                    state[k] = _moved(v, target)
 
     def _share_stepped(self) -> None:
         """Every replica's stepped parameters to every other replica: a broadcast of each parameter from
@@ -266,6 +291,16 @@ class MainParamAdamW:
         self.optimizer.load_state_dict(state)
 
 
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: to the host into pinned memory (a fast copy, and an asynchronous one back),
+    to a GPU without waiting for the host's copy (the stream orders it); ``t`` itself where it is."""
+    if t.device == device:
+        return t
+    if device.type == "cpu":
+        return torch.empty_like(t, device=device, pin_memory=torch.cuda.is_available()).copy_(t)
+    return t.to(device, non_blocking=True)
+
+
 class ExpertSplitAdamW:
     """AdamW for a policy whose routed experts are split over expert-parallel ranks, with its state
     sharded (ZeRO-1): the other parameters' state over the data-parallel replicas, which hold them
@@ -295,6 +330,14 @@ class ExpertSplitAdamW:
     def step(self) -> None:
         for part in self.parts.values():
             part.step()
+
+    def offload(self) -> None:
+        for part in self.parts.values():
+            part.offload()
+
+    def reload(self) -> None:
+        for part in self.parts.values():
+            part.reload()
 
     def close(self) -> None:
         for part in self.parts.values():

@@ -76,7 +76,9 @@ def accept(tree: TreeBatch, logits: torch.Tensor, sample_fn: Sampler, position: 
     the token sampled at the root (the root itself is the previous one). ``at_once``: sample every
     node first, then walk without a host sync (None: :func:`accept_at_once` of the logits' device).
     """
-    if at_once if at_once is not None else accept_at_once(logits.device):
+    if at_once is None:
+        at_once = accept_at_once(logits.device)
+    if at_once:
         return _accept_at_once(tree, logits, sample_fn, position, max_depth)
     b, n = tree.shape
     device = logits.device

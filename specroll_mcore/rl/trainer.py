@@ -132,6 +132,8 @@ class GRPOTrainer:
         self._prepare_output()
         if cfg.resume:
             self._resume()
+        if cfg.offload_optimizer:  # (from the first rollout on; each step brings the state back)
+            self.optimizer.offload()
         self.writer = self._tensorboard()
 
     # -- setup -------------------------------------------------------------------------------------------
@@ -525,6 +527,8 @@ class GRPOTrainer:
         # the gradients (float32: 4 bytes a parameter) are not kept through the next rollout, whose KV
         # cache gets their memory (the rollout's check, rollout.base.plan_rows, counts what is free then)
         self.optimizer.zero_grad(set_to_none=True)
+        if cfg.offload_optimizer:
+            self.optimizer.offload()
         self.state["policy_version"] += 1  # the heads are tied to the new policy version
         return norm, loss, parts, True, extra
 

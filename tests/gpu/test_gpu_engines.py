@@ -206,3 +206,42 @@ def test_continuous_batching_and_the_kv_cache_memory_check_on_gpu(gpu_ctx):
     assert model.kv_cache_bytes(*made[0]) == 2 * model.kv_cache_bytes(*made[1]) > 0
     if DEVICE.type == "cuda":  # the rollout's cache is freed when it ends
         assert torch.cuda.memory_allocated(DEVICE) - before < model.kv_cache_bytes(*made[1])
+
+
+def test_the_optimizer_state_waits_in_host_memory_between_steps(gpu_ctx):
+    """TrainConfig.offload_optimizer: between steps a bfloat16 policy's float32 main copies and AdamW's
+    moments (float32 and bfloat16 parameters alike) are in pinned host memory and the device has their
+    bytes back; each step brings them back first, and the weights equal those of an optimizer that
+    never moved, bit for bit. (On a CPU nothing moves: the same steps.)"""
+    from specroll_mcore.optimizer import MainParamAdamW
+
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(64, 32, generator=g).bfloat16(), torch.randn(32, generator=g)]
+    grads = [[torch.randn(t.shape, generator=g) for t in init] for _ in range(3)]
+    runs = {}
+    for offload in (False, True):
+        params = [torch.nn.Parameter(t.clone().to(DEVICE)) for t in init]
+        opt = MainParamAdamW(params, lr=1e-2, weight_decay=0.1)
+        for step in grads:
+            for p, grad in zip(params, step):
+                if p.dtype == torch.bfloat16:
+                    p.main_grad = grad.to(DEVICE)
+                else:
+                    p.grad = grad.to(DEVICE)
+            opt.step()
+            opt.zero_grad()
+            if offload:
+                on_device = torch.cuda.memory_allocated(DEVICE) if DEVICE.type == "cuda" else 0
+                opt.offload()
+                state = [opt.main[0]] + [v for s in opt.optimizer.state.values() for k, v in s.items() if k != "step"]
+                assert len(state) == 5  # the main copy, two moments a parameter
+                if DEVICE.type == "cuda":
+                    assert all(t.device.type == "cpu" and t.is_pinned() for t in state)
+                    freed = on_device - torch.cuda.memory_allocated(DEVICE)
+                    assert freed >= sum(t.numel() * t.element_size() for t in state), freed
+                    assert all(p.device == DEVICE for p in params)
+        runs[offload] = [p.detach().cpu() for p in params]
+        if offload:
+            opt.reload()
+            assert all(v.device == DEVICE for s in opt.optimizer.state.values() for k, v in s.items() if k != "step")
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))

@@ -871,6 +871,22 @@ def test_rollouts_run_without_the_last_updates_gradients(tiny_ckpt, tmp_path, ct
     assert all(p.grad is None and getattr(p, "main_grad", None) is None for p in trainer.policy.gpt.parameters())
 
 
+def test_an_optimizer_offloaded_between_steps_gives_the_same_run(tiny_ckpt, tmp_path, ctx, monkeypatch):
+    """TrainConfig.offload_optimizer: the state goes to the host after every step and before the first
+    rollout, and comes back for each step (on a CPU nothing moves; tests/gpu checks where it goes)."""
+    from specroll_mcore.optimizer import MainParamAdamW
+
+    calls = []
+    for name in ("offload", "reload"):
+        real = getattr(MainParamAdamW, name)
+        monkeypatch.setattr(MainParamAdamW, name, lambda self, real=real, name=name: calls.append(name) or real(self))
+    runs = {flag: run_rows(tiny_ckpt, tmp_path / flag, "engine=vanilla", "steps=2", f"offload_optimizer={flag}")
+            for flag in ("false", "true")}
+    assert calls == ["reload"] * 2 + ["offload", "reload", "offload", "reload", "offload"]
+    for a, b in zip(runs["false"], runs["true"]):
+        assert (a["loss"], a["grad_norm"], a["reward_mean"]) == (b["loss"], b["grad_norm"], b["reward_mean"])
+
+
 def test_recomputed_activations_give_the_same_gradients(tiny_ckpt, tmp_path, ctx):
     """TrainConfig.recompute_activations: each layer reruns its forward in the backward; the
     gradients of a GRPO micro-batch schedule are those of the plain forward."""
