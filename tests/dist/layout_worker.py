@@ -138,6 +138,12 @@ def run(arch: str, dtype: str, ctx) -> dict:
         out["spec-one-prompt-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
         r = VanillaEngine(model, eos_token_ids=[3], max_num_seqs=1).generate(PROMPTS, sp, step=1)
         out["one-row-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        # prompts of 4 and 7 tokens prefilled in pieces of at most 3, all at once and continuously batched
+        r = VanillaEngine(model, eos_token_ids=[3], max_prefill_tokens=3).generate(PROMPTS, sp, step=1)
+        out["pieces-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], max_num_seqs=sp.num_samples + 1,
+                              max_prefill_tokens=3).generate(PROMPTS, sp, step=1)
+        out["spec-pieces-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     out["refused"] = refused(model, ctx)
     out["adapt"] = adapt(model, ctx)
     out["draft_vocab"] = draft_vocab(model)

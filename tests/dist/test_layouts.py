@@ -85,9 +85,10 @@ def test_layout_matches_single_process(launched, reference, tp, pp, last_stage_l
                     "spec-idle-t1", "spec-idle-greedy", "groups1-t1", "groups1-greedy", "spec-groups3-t1",
                     "spec-groups3-greedy", "continuous-t1", "continuous-greedy", "spec-continuous-t1",
                     "spec-continuous-greedy", "spec-one-prompt-t1", "spec-one-prompt-greedy",
-                    "one-row-t1", "one-row-greedy"):
+                    "one-row-t1", "one-row-greedy", "pieces-t1", "pieces-greedy", "spec-pieces-t1",
+                    "spec-pieces-greedy"):
             # equal to the vanilla engine of TP=1/PP=1
-            if key.startswith(("spec-", "groups1-", "continuous-", "one-row-")):
+            if key.startswith(("spec-", "groups1-", "continuous-", "one-row-", "pieces-")):
                 vanilla = ref[key.split("-")[-1]]
                 if name.endswith("float64") or key == "spec-greedy":
                     assert got[name][key]["tokens"] == vanilla["tokens"], (name, key)
