@@ -128,6 +128,7 @@ class MainParamAdamW:
             for i, p in enumerate(self.params)]
         self.optimizer = torch.optim.AdamW([{"params": [self.main[i] for i in ix], **opts}
                                             for ix, opts in zip(order, groups)], **adamw)
+        self._offloaded = False  # (:meth:`offload`)
 
     def _half(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """The bfloat16 parameters with a main copy here (this replica's, when sharded) and their copies."""
@@ -174,6 +175,9 @@ class MainParamAdamW:
         self._move(offload=False)
 
     def _move(self, offload: bool) -> None:
+        if offload == self._offloaded:  # (a step of a state never offloaded moves nothing)
+            return
+        self._offloaded = offload
         host = torch.device("cpu")
         for p, m in zip(self.params, self.main):
             if m is None or p.device == host:

@@ -152,23 +152,21 @@ def plan_rows(model: PolicyModel, prompts: Sequence[Sequence[int]], sampling: Sa
         while over - fits > 1:
             mid = (fits + over) // 2
             fits, over = (mid, over) if need(mid) <= free else (fits, mid)
-    ctx = model.ctx
-    verdict = torch.tensor([float(free is not None and need(rows) > free), -float(fits)], dtype=torch.float64,
-                           device=ctx.device)
+    ctx, tokens = model.ctx, step_tokens(rows)
+    short_here = free is not None and need(rows) > free
+    verdict = torch.tensor([float(short_here), -float(fits)], dtype=torch.float64, device=ctx.device)
     ctx.all_reduce_tp(verdict, "max")
     ctx.all_reduce_pp(verdict, "max")
     ctx.all_reduce_ep(verdict, "max")
     if verdict[0] > 0:
         gib, fit = 1 << 30, int(-verdict[1])
-        short_here = free is not None and need(rows) > free
         here = (f"{need(rows) / gib:.2f} GiB on this rank, which has {free / gib:.2f} GiB free" if short_here
                 else "more memory than another rank of its model-parallel group has free")
         advice = (f"set max_num_seqs to at most {fit} (the responses decoded at once)" if fit >= 1 else
                   "not even one response fits: lower sampling.max_new_tokens, or spread the model over more ranks")
         raise ValueError(f"the KV cache of {rows} responses of up to {capacity} positions "
                          f"({per_response * rows / gib:.2f} GiB) and a step's logits and sampling over the vocabulary "
-                         f"({step_memory(model, step_tokens(rows)) / gib:.2f} GiB for {step_tokens(rows)} tokens) "
-                         f"need {here}; {advice}")
+                         f"({step_memory(model, tokens) / gib:.2f} GiB for {tokens} tokens) need {here}; {advice}")
     return rows
 
 
