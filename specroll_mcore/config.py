@@ -1028,8 +1028,9 @@ class TrainConfig:
     shard_optimizer: bool = False
     """Split the optimizer's state over the data-parallel replicas (ZeRO stage 1, as megatron-core's
     distributed optimizer): each parameter's AdamW moments and, for a bfloat16 policy, its float32
-    main copy live on the one replica that steps it and broadcasts its new value (optimizer.py); each
-    replica saves its shard; a run resumed at another data-parallel size, or with this switched,
+    main copy live on the one replica that steps it and broadcasts its new value (optimizer.py), its
+    gradient summed onto that replica alone (a reduce, half an all-reduce's traffic); each replica
+    saves its shard; a run resumed at another data-parallel size, or with this switched,
     reshards the states. Under expert parallelism the experts' over the replicas that hold the same
     experts."""
     offload_optimizer: bool = False

@@ -17,11 +17,14 @@ split over the replicas, ZeRO stage 1 as megatron-core's distributed optimizer s
 parameter (a whole tensor) is owned by one replica, balanced by size as
 ``torch.distributed.optim.ZeroRedundancyOptimizer`` deals them out, and only its owner keeps its
 AdamW moments (8 bytes a parameter) and, for a bfloat16 parameter, its float32 main copy (4 more).
-The float32 gradient stays whole on every replica (the backward writes it; it is all-reduced and
-clipped as it is). Each replica steps the parameters it owns, rounds them into its model, and
-broadcasts their new values to the others (for bfloat16 parameters half the bytes of their main
-copies), straight into the others' parameters. Each replica saves and loads its own shard of the
-state.
+Each parameter's gradient is summed onto its owner alone (:meth:`MainParamAdamW.grad_owners`: a
+reduce, half an all-reduce's traffic, as the distributed optimizer's reduce-scatter; the other
+replicas then drop their partial sums), clipped there by the norm summed over the owners, and
+stepped there; the owner rounds the parameter into its model and broadcasts its new value to the
+others (for bfloat16 parameters half the bytes of their main copies), straight into the others'
+parameters. A step's traffic is thus a reduce and a broadcast of the parameters, against an
+all-reduce and the broadcast had the gradients been summed onto every replica. Each replica saves and
+loads its own shard of the state.
 
 The state dict names the parameter of each state (when the optimizer is given the names): a run
 resumed at another TP/PP/DP layout, or with the states sharded where they were not, gathers each
@@ -129,6 +132,18 @@ class MainParamAdamW:
         self.optimizer = torch.optim.AdamW([{"params": [self.main[i] for i in ix], **opts}
                                             for ix, opts in zip(order, groups)], **adamw)
         self._offloaded = False  # (:meth:`offload`)
+        self._grad_owners: Optional[dict[torch.nn.Parameter, tuple[dist.ProcessGroup, int]]] = None
+
+    def grad_owners(self) -> dict[torch.nn.Parameter, tuple[dist.ProcessGroup, int]]:
+        """Sharded: each parameter's data-parallel group and the global rank of its owner, the one
+        replica that needs its summed gradient (``specroll_mcore.rl.schedule.finalize_grads`` reduces
+        it there); empty where every replica steps every parameter."""
+        if self.shard is None:
+            return {}
+        if self._grad_owners is None:
+            ranks = [dist.get_global_rank(self._group, r) for r in range(self.shard[1])]
+            self._grad_owners = {p: (self._group, ranks[o]) for p, o in zip(self.params, self.owner)}
+        return self._grad_owners
 
     def _half(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """The bfloat16 parameters with a main copy here (this replica's, when sharded) and their copies."""
@@ -326,6 +341,9 @@ class ExpertSplitAdamW:
     def set_lr(self, lr: float) -> None:
         for part in self.parts.values():
             part.set_lr(lr)
+
+    def grad_owners(self) -> dict[torch.nn.Parameter, tuple[dist.ProcessGroup, int]]:
+        return {p: owner for part in self.parts.values() for p, owner in part.grad_owners().items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for part in self.parts.values():

@@ -482,10 +482,12 @@ def expert_parallel(p: torch.nn.Parameter) -> bool:
     return not getattr(p, "allreduce", True)
 
 
-def grad_sq_norm(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
+def grad_sq_norm(params: Sequence[torch.nn.Parameter], ctx: ParallelContext, owned: bool = False) -> torch.Tensor:
     """Squared L2 norm of ``params``' gradients (:func:`grad_of`) over the TP and EP groups (float64):
     megatron's TP-sharded parameters (``tensor_model_parallel``) add up over the TP ranks, the experts
-    split over EP ranks (:func:`expert_parallel`) over those, replicated ones count once."""
+    split over EP ranks (:func:`expert_parallel`) over those, replicated ones count once. ``owned``:
+    each gradient is held by one data-parallel replica, its owner under a sharded optimizer (the others
+    dropped theirs): the sum then runs over the data-parallel group too, which holds the EP group."""
     sharded = torch.zeros((), dtype=torch.float64, device=ctx.device)
     experts = torch.zeros((), dtype=torch.float64, device=ctx.device)
     replicated = torch.zeros((), dtype=torch.float64, device=ctx.device)
@@ -500,7 +502,19 @@ def grad_sq_norm(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> 
             sharded += sq
         else:
             replicated += sq
+    if owned:
+        return ctx.all_reduce_dp(ctx.all_reduce_tp(sharded) + experts + replicated)
     return ctx.all_reduce_tp(sharded) + ctx.all_reduce_ep(experts) + replicated
+
+
+def sum_grads(grads: Sequence[tuple[torch.Tensor, dist.ProcessGroup, Optional[int]]]) -> None:
+    """Sum each gradient over its process group in place, all the collectives in flight at once, then
+    waited for: onto every member (an all-reduce) or, with an owner (a global rank in the group), onto
+    the owner alone (a reduce: the other members keep a partial sum, which they must not read)."""
+    works = [dist.all_reduce(g, group=group, async_op=True) if owner is None
+             else dist.reduce(g, dst=owner, group=group, async_op=True) for g, group, owner in grads]
+    for w in works:
+        w.wait()
 
 
 def average_grads_dp(params: Sequence[torch.nn.Parameter], ctx: ParallelContext) -> None:

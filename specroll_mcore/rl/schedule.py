@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker)
@@ -24,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from specroll_mcore.heads import vocab_parallel_entropy
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.model.routing import fill_routing, replay_routing
-from specroll_mcore.parallel import ParallelContext, expert_parallel, grad_of, grad_sq_norm
+from specroll_mcore.parallel import ParallelContext, expert_parallel, grad_of, grad_sq_norm, sum_grads
 
 
 @dataclass
@@ -400,43 +401,66 @@ def moe_aux_loss(policy: PolicyModel, micro_batches: int, recompute: bool) -> fl
     return float(total) / ((2 if recompute else 1) * micro_batches * policy.config.num_layers)
 
 
-def finalize_grads(policy: PolicyModel) -> None:
+Owners = Mapping[torch.nn.Parameter, tuple[dist.ProcessGroup, int]]
+
+
+def finalize_grads(policy: PolicyModel, owners: Optional[Owners] = None) -> None:
     """Sum gradients over data-parallel replicas; sum the tied embedding's two copies (first and
     last stage) so both take the same update; sum the query/key norms' gradients over the TP group
     (replicated weights, each rank's heads giving part of their gradient: megatron-core's
     finalize_model_grads does the same for ``qk_layernorm``), and under sequence parallelism every
     norm's (each rank's part of the sequence giving part of it: megatron's ``sequence_parallel``
-    parameters)."""
+    parameters).
+
+    ``owners`` (a sharded optimizer's :meth:`~specroll_mcore.optimizer.MainParamAdamW.grad_owners`):
+    a parameter's gradient is summed onto its owner alone (a reduce: half an all-reduce's traffic) and
+    dropped by the other replicas, which never read it (:func:`global_grad_norm` sums the owners').
+    The replicas a TP group spans own alike (their parameters have the same sizes), so the TP sums run
+    among owners. The tied embedding is summed onto every replica first, as its two stages' copies
+    may have different owners."""
     ctx = policy.ctx
+    owners = owners or {}
     tp_summed = ("layernorm.weight",) if ctx.sequence_parallel else ("q_layernorm.weight", "k_layernorm.weight")
-    for name, p in policy.gpt.named_parameters():
-        g = grad_of(p)
-        if g is None:
-            continue
-        if expert_parallel(p):
-            ctx.all_reduce_expert_dp(g)
-        else:
-            ctx.all_reduce_dp(g)
-        if name.endswith(tp_summed):
-            ctx.all_reduce_tp(g)
+    tied = None
     if ctx.pp_size > 1 and policy.config.tie_word_embeddings and (ctx.is_first_stage or ctx.is_last_stage):
-        w = policy.gpt.shared_embedding_or_output_weight()
-        if grad_of(w) is None:  # this stage's copy took no gradient: it still joins the sum
-            if hasattr(w, "main_grad"):
-                w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+        tied = policy.gpt.shared_embedding_or_output_weight()
+        if grad_of(tied) is None:  # this stage's copy took no gradient: it still joins the sum
+            if hasattr(tied, "main_grad"):
+                tied.main_grad = torch.zeros_like(tied, dtype=torch.float32)
             else:
-                w.grad = torch.zeros_like(w)
-        ctx.all_reduce_embedding_group(grad_of(w))
+                tied.grad = torch.zeros_like(tied)
+    sums = []
+    for p in policy.gpt.parameters():
+        if (g := grad_of(p)) is None:
+            continue
+        group, size = (ctx.expert_dp_group, ctx.dp_size // ctx.ep_size) if expert_parallel(p) \
+            else (ctx.dp_group, ctx.dp_size)
+        if size > 1:
+            sums.append((g, group, owners[p][1] if p in owners and p is not tied else None))
+    sum_grads(sums)
+    for name, p in policy.gpt.named_parameters():
+        held = p not in owners or owners[p][1] == ctx.rank
+        if name.endswith(tp_summed) and held and (g := grad_of(p)) is not None:
+            ctx.all_reduce_tp(g)
+    if tied is not None:
+        ctx.all_reduce_embedding_group(grad_of(tied))
+    for p, (_, owner) in owners.items():
+        if owner != ctx.rank:  # (a partial sum)
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad = None
 
 
-def global_grad_norm(policy: PolicyModel) -> torch.Tensor:
+def global_grad_norm(policy: PolicyModel, owners: Optional[Owners] = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient across TP and PP: TP-sharded parameters add up over the
-    TP group, replicated ones count once; each stage adds its layers; the tied embedding counts once."""
+    TP group, replicated ones count once; each stage adds its layers; the tied embedding counts once.
+    With ``owners`` (:func:`finalize_grads`'s) each replica holds its own parameters' gradients, summed
+    over the data-parallel replicas."""
     ctx = policy.ctx
     skip = None
     if ctx.pp_size > 1 and policy.config.tie_word_embeddings and ctx.is_last_stage and not ctx.is_first_stage:
         skip = policy.gpt.shared_embedding_or_output_weight()
-    total = grad_sq_norm([p for p in policy.gpt.parameters() if p is not skip], ctx)
+    total = grad_sq_norm([p for p in policy.gpt.parameters() if p is not skip], ctx, owned=bool(owners))
     return ctx.all_reduce_pp(total).sqrt()
 
 

@@ -507,8 +507,9 @@ class GRPOTrainer:
             parts = forward_backward(policy, mbs, loss_fn, cfg.sampling.temperature, cfg.recompute_activations,
                                      cfg.logprob_chunk, entropy_grad=cfg.entropy_coeff > 0)
         extra = {"moe_aux_loss": moe_aux_loss(policy, total_mbs, cfg.recompute_activations)} if balanced else {}
-        finalize_grads(policy)
-        norm = float(global_grad_norm(policy))
+        owners = self.optimizer.grad_owners()  # (sharded: each gradient summed onto its owner alone)
+        finalize_grads(policy, owners)
+        norm = float(global_grad_norm(policy, owners))
         loss, pg_loss, entropy = ctx.all_reduce_dp(torch.tensor(
             [sum(p[k] for p in parts) for k in ("loss", "pg_loss", "entropy_sum")], dtype=torch.float64)).tolist()
         extra.update(pg_loss=pg_loss, entropy_sum=entropy, tokens=float(total_tokens))

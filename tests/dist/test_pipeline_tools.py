@@ -145,8 +145,10 @@ def test_bench_update_sequence_parallel_smoke(tmp_path):
 def test_bench_optimizer_smoke(tmp_path):
     """tools/bench_optimizer.py at DP=2 on a bfloat16 policy: the sharded optimizer keeps half the
     replicated state a rank (the two ranks' parts add up to one replicated rank's, to the byte), less
-    than with the main copies whole (torch's ZeroRedundancyOptimizer over them), and every mode's
-    weights equal the replicated optimizer's; one process is refused."""
+    than with the main copies whole (torch's ZeroRedundancyOptimizer over them); its gradients summed
+    onto their owners leave each rank its own (the two ranks' add up to every gradient), summed onto
+    every replica every rank all; every mode's weights equal the replicated optimizer's; one process
+    is refused."""
     ckpt = tiny_policy_checkpoint(tmp_path / "ckpt", with_heads=False)
     out = tmp_path / "opt.json"
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -157,11 +159,15 @@ def test_bench_optimizer_smoke(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     modes = json.loads(out.read_text())["modes"]
-    assert set(modes) == {"replicated", "sharded", "zero_fp32_mains"}
+    assert set(modes) == {"replicated", "sharded", "sharded_all_reduce", "zero_fp32_mains"}
     assert all(m["weights_equal_replicated"] and len(m["seconds"]) == 2 for m in modes.values())
     replicated, sharded, zero = (modes[k]["state_bytes_per_rank"] for k in ("replicated", "sharded", "zero_fp32_mains"))
     assert replicated[0] == replicated[1] == sum(sharded) and all(0 < s < z < r for s, z, r in zip(sharded, zero,
                                                                                                     replicated))
+    assert modes["sharded_all_reduce"]["state_bytes_per_rank"] == sharded
+    grads = {k: m["grad_bytes_per_rank"] for k, m in modes.items()}
+    assert grads["replicated"] == grads["sharded_all_reduce"] == grads["zero_fp32_mains"]
+    assert grads["replicated"][0] == sum(grads["sharded"]) and min(grads["sharded"]) > 0
     proc = subprocess.run([sys.executable, *tool], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "a sharded optimizer needs data-parallel replicas" in proc.stderr
     proc = subprocess.run([sys.executable, *tool, "--reps", "0"], env=env, capture_output=True, text=True, timeout=300)
