@@ -308,3 +308,54 @@ def test_which_layout_changes_a_resume_reshards_and_which_it_refuses():
     assert reshard_refusal(saved, {**saved, "tensor_model_parallel_size": 1, "expert_model_parallel_size": 2}) is None
     why = reshard_refusal({**saved, "named_optimizer_state": False}, saved)
     assert "its optimizer state does not name its parameters; resume with the layout it was saved with" in why
+
+
+@pytest.mark.parametrize("fields, match", [
+    (["steps=0"], "TrainConfig.steps must be >= 1, got 0"),
+    (["prompts_per_step=0"], "TrainConfig.prompts_per_step must be >= 1, got 0"),
+    (["micro_batch_size=0"], "TrainConfig.micro_batch_size must be >= 1, got 0"),
+    (["engine=medusa"], "TrainConfig.engine must be 'vanilla' or 'specroll', got 'medusa'"),
+    (["lr=0"], "TrainConfig.lr must be > 0, got 0"),
+    (["clip_low=1.0"], r"TrainConfig.clip_low must be in \[0, 1\) and clip_high >= 0, got 1.0, 0.2"),
+    (["clip_high=-0.1"], r"TrainConfig.clip_low must be in \[0, 1\) and clip_high >= 0, got 0.2, -0.1"),
+    (["kl_beta=-0.01"], "TrainConfig.kl_beta must be >= 0, got -0.01"),
+    (["save_every=0"], "TrainConfig.save_every and keep_last must be >= 1, got 0, "),
+    (["keep_last=0"], "TrainConfig.save_every and keep_last must be >= 1, got .*, 0"),
+    (["spec.num_heads=0"], "SpecConfig.num_heads must be >= 1, got 0"),
+    (["spec.topk=0"], "SpecConfig.topk must be >= 1, got 0"),
+    (["spec.draft_vocab=2"], r"SpecConfig.draft_vocab \(2\) must be 0 \(the whole vocabulary\) or at least the "
+                             r"candidates a head proposes, max\(SpecConfig.topk, reflex.support_topk\) = "),
+    (["spec.c_hw=0"], "SpecConfig.c_hw must be >= 1, got 0"),
+    (["spec.reflex.decay=[0.5, 1.0]"], r"ReflexConfig.decay must be values in \[0, 1\), got \(0.5, 1.0\)"),
+    (["spec.reflex.alpha=-0.1"], "ReflexConfig.alpha must be >= 0, got -0.1"),
+    (["spec.reflex.z_delta=-1"], "ReflexConfig.z_delta must be >= 0, got -1"),
+    (["spec.reflex.min_observations=1"], "ReflexConfig.min_observations must be >= 2, got 1"),
+    (["spec.reflex.support_topk=0"], "ReflexConfig.support_topk must be >= 1, got 0"),
+    (["spec.reflex.coverage_weight=-1"], "ReflexConfig.coverage_weight must be >= 0, got -1"),
+    (["spec.slow_path.window=0"], "SlowPathConfig.window must be >= 1, got 0"),
+    (["spec.slow_path.cooldown_batches=-1"], "SlowPathConfig.cooldown_batches must be >= 0, got -1"),
+    (["spec.slow_path.tolerance=1"], r"SlowPathConfig.tolerance must be in \(0, 1\), got 1"),
+    (["spec.slow_path.holdout_fraction=1"], r"SlowPathConfig.holdout_fraction must be in \(0, 1\), got 1"),
+    (["spec.slow_path.buffer_size=8", "spec.slow_path.max_records=16"],
+     r"SlowPathConfig.max_records \(16\) must be <= buffer_size \(8\)"),
+    (["spec.slow_path.rank_weight=-1"], "SlowPathConfig.rank_weight must be >= 0, got -1"),
+    (["spec.slow_path.lr=0"], r"SlowPathConfig.lr must be > 0, got 0.0 \(a rate of 0 would run events that change "
+                              r"nothing: switch the slow path off with enabled: false\)"),
+    (["parallel.backend=mpi"], "ParallelConfig.backend must be None, 'gloo' or 'nccl', got 'mpi'"),
+])
+def test_train_config_fields_name_what_is_wrong(fields, match):
+    """Each field a run's YAML or --set can give a bad value: refused on loading, with the field's name,
+    the bound and the value given."""
+    from specroll_mcore.config import TrainConfig, load_config
+
+    with pytest.raises(ValueError, match=match):
+        load_config(TrainConfig, None, fields)
+
+
+def test_generate_config_needs_prompts():
+    from specroll_mcore.config import load_generate_config
+
+    with pytest.raises(ValueError, match="GenerateConfig.prompts is empty; give at least one prompt"):
+        load_generate_config(None, ["prompts=[]"])
+    with pytest.raises(ValueError, match="GenerateConfig.engine must be 'vanilla' or 'specroll', got 'fast'"):
+        load_generate_config(None, ["prompts=hello", "engine=fast"])
