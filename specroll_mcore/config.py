@@ -1038,6 +1038,11 @@ class TrainConfig:
     memory, pinned, between its steps (verl's ``optimizer_offload``): the rollouts' KV cache gets the
     device memory it took (12 bytes a parameter of a bfloat16 policy, over the replicas with
     ``shard_optimizer``), for a copy each way a step. Nothing moves where the policy is on a CPU."""
+    offload_reference: bool = False
+    """Keep the KL term's frozen reference weights (``kl_beta`` > 0) in host memory, pinned, between
+    its forwards (verl's ``ref.param_offload``): each step's reference forward brings them to the
+    device and frees them after, and the rollouts' KV cache gets their memory (the policy's bytes a
+    rank: 2 a parameter in bfloat16), for one copy a step. Nothing moves where the policy is on a CPU."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -1195,6 +1200,9 @@ class TrainConfig:
                f"TrainConfig.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         _check(self.adv_eps >= 0, f"TrainConfig.adv_eps must be >= 0, got {self.adv_eps}")
         _check(self.kl_beta >= 0, f"TrainConfig.kl_beta must be >= 0, got {self.kl_beta}")
+        _check(not self.offload_reference or self.kl_beta > 0,
+               "TrainConfig.offload_reference keeps the KL term's reference weights in host memory, but kl_beta is "
+               "0 (no reference is kept): set kl_beta > 0 or offload_reference false")
         _check(self.kl_estimator in KL_ESTIMATORS,
                f"TrainConfig.kl_estimator must be {_one_of(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         _check(math.isfinite(self.entropy_coeff) and self.entropy_coeff >= 0,

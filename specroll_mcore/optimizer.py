@@ -199,11 +199,11 @@ class MainParamAdamW:
                 continue
             target = host if offload else p.device
             if m is not p:
-                m.data = _moved(m.data, target)
+                m.data = moved(m.data, target)
             state = self.optimizer.state.get(m, {})
             for k, v in state.items():
                 if torch.is_tensor(v) and k != "step":  # (AdamW keeps its step count on the host)
-                    state[k] = _moved(v, target)
+                    state[k] = moved(v, target)
 
     def _share_stepped(self) -> None:
         """Every replica's stepped parameters to every other replica: a broadcast of each parameter from
@@ -310,8 +310,9 @@ class MainParamAdamW:
         self.optimizer.load_state_dict(state)
 
 
-def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: to the host into pinned memory (a fast copy, and an asynchronous one back),
+def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (offloading between uses: the optimizer's state, the KL reference's
+    weights): to the host into pinned memory (a fast copy, and an asynchronous one back),
     to a GPU without waiting for the host's copy (the stream orders it); ``t`` itself where it is."""
     if t.device == device:
         return t

@@ -40,7 +40,8 @@ from specroll_mcore.checkpoint.train_state import (PendingCheckpoint, latest_tra
                                                    training_layout)
 from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
-from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW
+from specroll_mcore.model import PolicyModel
+from specroll_mcore.optimizer import ExpertSplitAdamW, MainParamAdamW, moved
 from specroll_mcore.rl.data import Example, load_data
 from specroll_mcore.rl.evaluation import HeldOut, evaluate, make_scorer, reward_function, usable_prompts
 from specroll_mcore.rl.grpo import group_advantages, learning_rate, policy_loss, varied_groups
@@ -51,6 +52,36 @@ from specroll_mcore.rl.schedule import (MicroBatch, finalize_grads, forward_back
                                        trained, update_multiple)
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine, engine_for
 from specroll_mcore.rollout.base import FINISH_LENGTH, combined_stats, over_replicas
+
+
+def reference_weights(policy: PolicyModel, offload: bool = False) -> dict[str, torch.Tensor]:
+    """A copy of this stage's weights, the frozen reference of the KL term; ``offload``: in pinned host
+    memory (verl's ``ref.param_offload``), brought to the device only for the reference's forwards
+    (:func:`swapped_weights`). Where the policy lives on the host it is a plain copy either way."""
+    host = torch.device("cpu")
+    return {k: moved(p.detach(), host) if offload and p.device != host else p.detach().clone()
+            for k, p in policy.gpt.named_parameters()}
+
+
+@contextlib.contextmanager
+def swapped_weights(policy: PolicyModel, state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Run the policy with other weights for the time of the block (the KL reference's): each
+    parameter swaps its storage with the state's tensor of the same name, and back, so nothing is
+    copied (the CPU's packed layouts are keyed by storage and follow); a tensor offloaded to the host
+    comes to its parameter's device first, and that copy is freed when the block ends."""
+    params = dict(policy.gpt.named_parameters())
+    here = {k: moved(v, params[k].device) for k, v in state.items()}  # (``v`` itself unless offloaded)
+
+    def swap() -> None:
+        for k, v in here.items():
+            params[k].data, v.data = v.data, params[k].data
+
+    swap()
+    try:
+        yield
+    finally:
+        swap()
+        here.clear()
 
 
 class GRPOTrainer:
@@ -124,8 +155,7 @@ class GRPOTrainer:
             self.optimizer = MainParamAdamW(params, shard_group=self.ctx.dp_group if cfg.shard_optimizer else None,
                                             names=names, **adamw)
         # the frozen reference for the KL term: this stage's weights as loaded (a resumed run too)
-        self.ref_state = {k: p.detach().clone() for k, p in self.policy.gpt.named_parameters()} \
-            if cfg.kl_beta > 0 else None
+        self.ref_state = reference_weights(self.policy, cfg.offload_reference) if cfg.kl_beta > 0 else None
         self.state: dict[str, Any] = {"step": 0, "policy_version": 0, "cursor": 0, "epoch": 0,
                                       "skipped_steps": 0, "data_skipped": self.data_report.skipped}
         self.heads_meta: dict[str, Any] = {"num_heads": self.policy.num_heads}
@@ -435,7 +465,7 @@ class GRPOTrainer:
                 if lp is not None:
                     mb.old_logp = lp.detach()
         if self.ref_state is not None:
-            with self._weights(self.ref_state):
+            with swapped_weights(policy, self.ref_state):
                 for mb, lp in zip(every, forward_logprobs(policy, every, cfg.sampling.temperature, replay=False,
                                                           logprob_chunk=cfg.logprob_chunk)):
                     mb.ref_logp = lp
@@ -577,23 +607,6 @@ class GRPOTrainer:
         split = micro_batch_split([sequence_tokens(s) for s in seqs], self.cfg.micro_batch_size,
                                   self.cfg.micro_batch_tokens, multiple)
         return [pack_micro_batch([seqs[i] for i in idx], self.ctx.device, multiple) for idx in split]
-
-    @contextlib.contextmanager
-    def _weights(self, state: dict[str, torch.Tensor]) -> Iterator[None]:
-        """Temporarily run the policy with other weights (the frozen reference for the KL term):
-        each parameter swaps its storage with the state's tensor of the same name, and back, so
-        nothing is copied (the CPU's packed layouts are keyed by storage and follow)."""
-        params = dict(self.policy.gpt.named_parameters())
-
-        def swap() -> None:
-            for k, v in state.items():
-                params[k].data, v.data = v.data, params[k].data
-
-        swap()
-        try:
-            yield
-        finally:
-            swap()
 
     # -- loop ---------------------------------------------------------------------------------------------
     def save(self, background: bool = False) -> Path:

@@ -245,3 +245,40 @@ def test_the_optimizer_state_waits_in_host_memory_between_steps(gpu_ctx):
             opt.reload()
             assert all(v.device == DEVICE for s in opt.optimizer.state.values() for k, v in s.items() if k != "step")
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
+
+
+def test_the_kl_reference_waits_in_host_memory(gpu_ctx):
+    """TrainConfig.offload_reference: the KL reference's weights are pinned host copies of the policy's,
+    taking no device memory; with them swapped in, a forward gives the logits of the policy they were
+    copied from, though the policy has moved since, and afterwards the policy has its own weights back
+    and the device's copies are freed. (On a CPU: plain copies, the same values checked.)"""
+    from specroll_mcore.model import causal_mask
+    from specroll_mcore.rl.trainer import reference_weights, swapped_weights
+
+    model = _policy(gpu_ctx, "bfloat16")
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    meta = model.metadata(torch.arange(12, device=DEVICE)[None].expand(2, 12), causal_mask(2, 12, ids.device))
+
+    def logits():
+        with torch.no_grad():
+            return model.full_logits(model(ids, meta)).float()
+
+    initial = logits()
+    on_device = torch.cuda.memory_allocated(DEVICE) if DEVICE.type == "cuda" else 0
+    ref = reference_weights(model, offload=True)
+    if DEVICE.type == "cuda":
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in ref.values())
+        assert torch.cuda.memory_allocated(DEVICE) == on_device
+    with torch.no_grad():
+        for p in model.gpt.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    moved = {k: p.detach().clone() for k, p in model.gpt.named_parameters()}
+    after = logits()
+    assert (after - initial).abs().max() > 1e-2
+    held = torch.cuda.memory_allocated(DEVICE) if DEVICE.type == "cuda" else 0
+    with swapped_weights(model, ref):
+        torch.testing.assert_close(logits(), initial, rtol=0, atol=0)
+    if DEVICE.type == "cuda":  # the reference's device copies are gone
+        assert torch.cuda.memory_allocated(DEVICE) == held
+    assert all(torch.equal(p, moved[k]) for k, p in model.gpt.named_parameters())
+    torch.testing.assert_close(logits(), after, rtol=0, atol=0)

@@ -319,6 +319,9 @@ def test_which_layout_changes_a_resume_reshards_and_which_it_refuses():
     (["clip_low=1.0"], r"TrainConfig.clip_low must be in \[0, 1\) and clip_high >= 0, got 1.0, 0.2"),
     (["clip_high=-0.1"], r"TrainConfig.clip_low must be in \[0, 1\) and clip_high >= 0, got 0.2, -0.1"),
     (["kl_beta=-0.01"], "TrainConfig.kl_beta must be >= 0, got -0.01"),
+    (["offload_reference=true"], r"TrainConfig.offload_reference keeps the KL term's reference weights in host "
+                                 r"memory, but kl_beta is 0 \(no reference is kept\): set kl_beta > 0 or "
+                                 r"offload_reference false"),
     (["save_every=0"], "TrainConfig.save_every and keep_last must be >= 1, got 0, "),
     (["keep_last=0"], "TrainConfig.save_every and keep_last must be >= 1, got .*, 0"),
     (["spec.num_heads=0"], "SpecConfig.num_heads must be >= 1, got 0"),

@@ -22,7 +22,8 @@ from specroll_mcore.config import TrainConfig, load_config
 from specroll_mcore.rl.grpo import policy_loss
 from specroll_mcore.rl.schedule import (finalize_grads, forward_backward, forward_logprobs, pack_micro_batch,
                                        saved_for_backward)
-from specroll_mcore.rl.trainer import GRPOTrainer, plain_decoding_note, response_sequences, summary_table
+from specroll_mcore.rl.trainer import (GRPOTrainer, plain_decoding_note, response_sequences, summary_table,
+                                      swapped_weights)
 from specroll_mcore.rollout import VanillaEngine
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -1179,7 +1180,7 @@ def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_c
     mbs = trainer._micro_batches(step_sequences(trainer, [1.0] * 6))
     weights = {k: v.clone() for k, v in policy.gpt.named_parameters()}
     own = forward_logprobs(policy, mbs, 1.0)
-    with trainer._weights(trainer.ref_state):
+    with swapped_weights(policy, trainer.ref_state):
         ref = forward_logprobs(policy, mbs, 1.0)
     initial = forward_logprobs(load_policy(trainer.source, ctx, with_heads=False), mbs, 1.0)
     for r, i, o, mb in zip(ref, initial, own, mbs):
@@ -1188,6 +1189,25 @@ def test_the_kl_reference_is_the_initial_policy_and_the_policy_comes_back(tiny_c
     assert all(torch.equal(v, weights[k]) for k, v in policy.gpt.named_parameters())
     for o, again, mb in zip(own, forward_logprobs(policy, mbs, 1.0), mbs):
         torch.testing.assert_close(again * mb.loss_mask, o * mb.loss_mask, rtol=1e-6, atol=1e-7)
+
+
+def test_an_offloaded_reference_gives_the_same_run(tiny_ckpt, tmp_path, ctx):
+    """TrainConfig.offload_reference: the reference's weights are copies of the initial policy's, never
+    its own tensors, and the KL term, the loss and the update are those of a reference kept in place
+    (on a CPU nothing moves; tests/gpu checks that they wait in pinned host memory)."""
+    rows, weights = {}, {}
+    for flag in ("false", "true"):
+        trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(
+            tiny_ckpt, tmp_path / flag, "engine=vanilla", "kl_beta=0.1", "steps=2", f"offload_reference={flag}")))
+        params = dict(trainer.policy.gpt.named_parameters())
+        assert set(trainer.ref_state) == set(params)
+        assert all(v.data_ptr() != params[k].data_ptr() for k, v in trainer.ref_state.items())
+        rows[flag] = trainer.run()
+        weights[flag] = {k: p.detach().clone() for k, p in trainer.policy.gpt.named_parameters()}
+    assert rows["true"][-1]["kl"] > 0
+    for a, b in zip(rows["false"], rows["true"]):
+        assert (a["loss"], a["kl"], a["grad_norm"]) == (b["loss"], b["kl"], b["grad_norm"])
+    assert all(torch.equal(v, weights["false"][k]) for k, v in weights["true"].items())
 
 
 def test_the_kl_estimator_reaches_the_loss(tiny_ckpt, tmp_path, ctx):
