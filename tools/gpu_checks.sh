@@ -6,7 +6,8 @@
 #
 # Stages, in order of value, each under its own time limit and skipped when the overall budget
 # (BUDGET_S seconds, default 540) would run out or when named in SKIP (e.g. SKIP="tests grpo"):
-# tests/gpu, the capacity profile (C_hw on this GPU), SpecRoll against the vanilla engine and
+# tests/gpu, the exactness fuzz in float64 on the GPU's paths (tools/fuzz_exactness.py: SpecRoll against
+# the vanilla engine under random settings, token for token), the capacity profile (C_hw on this GPU), SpecRoll against the vanilla engine and
 # transformers at T=1 at batch 1, then on 32 prompts x 8 samples x 256 tokens (with SpecRoll pricing
 # each step's forward alone, without the work around it, in the alternation), a SmolLM2-shaped forward
 # with the layers chained against megatron's block (tools/bench_forward_path.py), the speculative step's
@@ -40,6 +41,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   TESTS="--collect-only"
   UPDATE="--prompts 1 --samples 2 --max-new-tokens 8 --reps 1"
   PREFILL="--prompt-tokens 64 --pieces 16 --reps 1"
+  FUZZ="--cases 2"
 else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch 1 is the slow stage
   B1="--batch1-prompts 2 --max-new-tokens 256 --reps 3"; FULL="--prompts 32 --samples 8 --max-new-tokens 256 --reps 2"
   TOKENS="1,2,4,8,16,32,64,128,256,512,1024,2048"
@@ -49,6 +51,7 @@ else  # a 1-token forward of SmolLM2 takes ~30 ms on an H200 (host-bound): batch
   TESTS=""
   UPDATE="--prompts 1 --samples 8 --max-new-tokens 1024 --micro-batch-size 8 --reps 3"
   PREFILL="--prompt-tokens 8192 --pieces 1024,2048,4096 --reps 3"
+  FUZZ="--minutes 1"
 fi
 
 skipped() {  # skipped NAME: whether stage NAME is in SKIP or the budget is spent (said in the log)
@@ -74,6 +77,8 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_av
 torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 | tee -a "$LOG"
 # shellcheck disable=SC2086
 stage tests 120 $PY -m pytest -q $TESTS tests/gpu
+# shellcheck disable=SC2086
+stage fuzz 80 $PY tools/fuzz_exactness.py $FUZZ --out "$OUT/fuzz_exactness.json"
 stage profile 120 $PY tools/profile_capacity.py --checkpoint "$CKPT" --tokens "$TOKENS" --out "$OUT/capacity.json"
 # shellcheck disable=SC2086
 stage bench_batch1 180 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --skip-full --out "$OUT/bench_specroll_b1.json"

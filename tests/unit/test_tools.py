@@ -298,12 +298,14 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     log = (out / "gpu_checks.log").read_text()
-    for stage in ("tests", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "step_phases",
+    for stage in ("tests", "fuzz", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "step_phases",
                   "step_phases_walk", "grpo", "forward_path", "update_attention", "prefill"):
         assert f"== {stage} rc=0" in log, log[-3000:]
     assert set(json.loads((out / "bench_update_attention.json").read_text())["attention"]) == {"causal",
                                                                                                 "explicit_mask"}
     assert re.search(r"\d+ tests collected", log), log[:3000]  # tests/gpu, collected only
+    fuzz = json.loads((out / "fuzz_exactness.json").read_text())
+    assert fuzz["cases"] == 2 and fuzz["failures"] == fuzz["errors"] == []
     assert json.loads((out / "step_phases_b1.json").read_text())["total_ops_per_step"] > 0
     walk = json.loads((out / "step_phases_b1_walk.json").read_text())["phases"]["accept"]
     assert walk["syncs_per_step"] > 0  # (the CPU's default walk here too; on a GPU the default samples at once)
@@ -552,3 +554,45 @@ def test_ablate_reflex_smoke_and_bad_input(tiny_ckpt, tmp_path, capsys):
     assert code == 2 and "--prompts and --max-new-tokens must be >= 1" in err
     code, err = refused(capsys, "ablate_reflex.py", "--drift-steps", "-1")
     assert code == 2 and "--drift-steps must be >= 0" in err
+
+
+def test_fuzz_exactness_smoke_and_bad_arguments(tmp_path, capsys):
+    out = tmp_path / "f.json"
+    run_tool("fuzz_exactness.py", "--cases", 4, "--seed", 3, "--out", out)
+    report = json.loads(out.read_text())
+    assert report["cases"] == 4 and report["failures"] == [] and report["errors"] == []
+    assert sum(report["coverage"]["arch"].values()) == 4 and report["tau"]["max"] >= 1
+    for args, message in ((("--archs", "gpt2"), "--archs takes names among llama, qwen2, qwen3, qwen3_moe"),
+                          (("--minutes", 0), "--minutes must be > 0 and --cases >= 0, got 0.0 and 0"),
+                          (("--cases", -1), "--minutes must be > 0 and --cases >= 0, got 5.0 and -1")):
+        code, err = refused(capsys, "fuzz_exactness.py", *args)
+        assert code != 0 and message in err, err
+    with mock.patch.object(import_tool("fuzz_exactness"), "bfloat16_kernels", lambda: False):
+        code, err = refused(capsys, "fuzz_exactness.py", "--dtype", "bfloat16")
+    assert code != 0 and "with AVX-512 bfloat16 instructions (oneDNN's row-invariant products), and this one has " \
+                         "none: use --dtype float64" in err, err
+
+
+@pytest.mark.parametrize("field, found", [("tokens", "position"), ("logprobs", "logprob_gap")])
+def test_fuzz_exactness_finds_a_changed_token_or_log_prob(ctx, monkeypatch, field, found):
+    """A speculative engine whose accepted tokens, or their log-probs, differ from the sampler's: the
+    case reports it against the vanilla engine, for all its prompts and for a subset of them."""
+    from specroll_mcore.rollout import speculative
+
+    fuzz = import_tool("fuzz_exactness")
+    assert fuzz.run_case(4, ctx, ["llama"])["failures"] == []
+    real = speculative.accept
+
+    def accept(*args, **kwargs):
+        acc = real(*args, **kwargs)
+        if field == "tokens":
+            acc.tokens[:, 0] = (acc.tokens[:, 0] + 1) % 300
+        else:
+            acc.logprobs[:, 0] += 1e-4
+        return acc
+
+    monkeypatch.setattr(speculative, "accept", accept)
+    got = fuzz.run_case(4, ctx, ["llama"])
+    assert got["case"]["max_new_tokens"] > 2 and not got["case"]["eos"]
+    assert {f["engine"] for f in got["failures"]} == {"specroll", "specroll, a subset of the prompts"}
+    assert all(found in f for f in got["failures"]), got["failures"]
