@@ -317,14 +317,15 @@ class PolicyModel(torch.nn.Module):
         return self._inv_freq[key]
 
     def metadata(self, positions: torch.Tensor, new_token_mask: Optional[torch.Tensor],
-                 cache: Optional[KVCache] = None, slots: Optional[torch.Tensor] = None,
-                 step: bool = False) -> AttentionMetadata:
-        """See :meth:`AttentionMetadata.build` (``new_token_mask`` None: causal, without a cache).
-        ``step``: a decoding or verification step (tokens appended to committed responses), whose
-        tokens must get the same logits in a one-token and a tree forward."""
+                 cache: Optional[KVCache] = None, slots: Optional[torch.Tensor] = None) -> AttentionMetadata:
+        """See :meth:`AttentionMetadata.build` (``new_token_mask`` None: causal, without a cache). A
+        batch-invariant policy computes every token of a forward with a cache as a one-token forward
+        would (ordered attention): a decoding or verification step's tokens whatever the tree and the
+        rows beside them, and a prompt's in prefill whatever the prompts it shares the forward with
+        (their padding) and the pieces it is cut into."""
         return AttentionMetadata.build(positions, new_token_mask, self.rope_inv_freq(positions.device), self.dtype,
                                        cache, slots, rope_scale=self._rope_scale,
-                                       ordered=step and self.batch_invariant)
+                                       ordered=cache is not None and self.batch_invariant)
 
     def stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                       hidden_in: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None,

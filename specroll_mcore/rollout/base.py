@@ -197,6 +197,14 @@ def available_memory(device: torch.device) -> Optional[int]:
     return max(0, free)
 
 
+ORDERED_PREFILL_TOKENS = 256
+"""The most padded tokens a prefill forward of a batch-invariant policy holds where ordered attention
+(not the step-attention kernel) runs it: ordered attention gathers the keys and values of each new
+token's own forward for it (model/attention.ordered_attention), s x s x head dimension values a KV
+head for s new tokens of a row. Its results do not depend on the pieces, so the cap changes nothing
+but memory (and the number of forwards)."""
+
+
 def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]],
             max_tokens_per_forward: int, return_hidden: bool = False, slots: Optional[torch.Tensor] = None):
     """Prefill prompt p into cache slot ``slots[p]`` (None: slot p); returns the logits at each
@@ -204,7 +212,11 @@ def prefill(model: PolicyModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     [P, h] if ``return_hidden``. Prompts go in chunks of at most ``max_tokens_per_forward`` padded
     tokens; a prompt longer than that goes alone, in pieces of at most that many tokens, each
     attending to the keys and values of the pieces before it in the cache (vLLM's chunked prefill),
-    so that no forward holds more tokens than that."""
+    so that no forward holds more tokens than that. A batch-invariant policy's prompts give the same
+    cache and logits however they are chunked and cut (PolicyModel.metadata); without the
+    step-attention kernel its forwards hold at most :data:`ORDERED_PREFILL_TOKENS`."""
+    if model.batch_invariant and not cache.position_major_keys:
+        max_tokens_per_forward = min(max_tokens_per_forward, ORDERED_PREFILL_TOKENS)
     device = cache.device
     out: list[torch.Tensor] = []
     hiddens: list[torch.Tensor] = []

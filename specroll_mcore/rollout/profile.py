@@ -284,7 +284,7 @@ def _step(policy: PolicyModel, cache: Any, rows: int, n: int) -> Callable[[], No
 
     def run() -> None:
         meta = policy.metadata(cache.lengths[slots][:, None] + torch.arange(n, device=device)[None], mask, cache,
-                               slots, step=True)
+                               slots)
         out = policy(torch.full((rows, n), 7, device=device), meta)
         if out is not None:
             policy.full_logits(out)

@@ -391,7 +391,7 @@ class SpeculativeEngine:
         logits, hidden = [], []
         chunks = row_chunks(active.numel(), tree.shape[1], self.c_hw) if tree.shape[1] > 1 else [(0, active.numel())]
         for s, e in chunks:
-            meta = model.metadata(positions[s:e], mask[s:e], state.cache, active[s:e], step=True)
+            meta = model.metadata(positions[s:e], mask[s:e], state.cache, active[s:e])
             out = model(tree.tokens[s:e], meta, return_hidden=True)
             if out is not None:
                 logits.append(model.full_logits(out[0]))

@@ -146,8 +146,7 @@ class VanillaEngine:
             b, t = g.slots.numel(), time.perf_counter()
             if b > 0:
                 meta = model.metadata(state.cache.lengths[g.slots][:, None],
-                                      torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, g.slots,
-                                      step=True)
+                                      torch.ones(b, 1, 1, dtype=torch.bool, device=device), state.cache, g.slots)
                 g.out = model(g.last[:, None], meta, return_hidden=collect)
                 state.cache.commit(g.slots, torch.ones(b, dtype=torch.long, device=device))
                 forwards += 1

@@ -12,6 +12,7 @@ from specroll_mcore.checkpoint.megatron import load_policy
 from specroll_mcore.config import SamplingConfig, SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from specroll_mcore.model.attention import KEY_BLOCK, causal_mask, one_token_key_order, step_attention_kernels
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
+from specroll_mcore.rollout.base import prefill
 
 from test_speculative import PROMPTS, policy_with_heads
 
@@ -76,14 +77,14 @@ def check_trees(model, vocab_size: int, context: int, sizes: tuple[int, ...]) ->
             parent, mask = random_tree(n, g)
             tokens = torch.randint(3, vocab_size, (1, n), generator=g)
             depth = mask[0].sum(-1) - 1
-            tree_logits = model(tokens, model.metadata(context + depth[None], mask, cache, slots, step=True))[0]
+            tree_logits = model(tokens, model.metadata(context + depth[None], mask, cache, slots))[0]
             children = [[i for i in range(n) if parent[i] == node] for node in range(n)]
             stack = [0]
             while stack:
                 node = stack.pop()
                 cache.lengths[slots] = context + depth[node]
                 one = model(tokens[:, node:node + 1], model.metadata(cache.lengths[slots][:, None], one_token,
-                                                                     cache, slots, step=True))[0, 0]
+                                                                     cache, slots))[0, 0]
                 assert torch.equal(one, tree_logits[node]), f"{n}-node tree: node {node} (depth {int(depth[node])})"
                 stack.extend(children[node])
             cache.lengths[slots] = context
@@ -130,3 +131,31 @@ def test_speculative_equals_vanilla_in_bfloat16(ctx, make_cfg):
         out = SpeculativeEngine(model, SpecConfig(c_hw=c_hw), eos_token_ids=[9]).generate(PROMPTS, sp)
         assert out.tokens == ref.tokens, f"c_hw={c_hw}"
         assert all(torch.equal(a, b) for a, b in zip(out.logprobs, ref.logprobs))
+
+
+@needs_bf16_kernels
+@pytest.mark.parametrize("make_cfg, shape", [(tiny_qwen3, "tiny"), (tiny_qwen3_moe, "tiny"), (tiny_llama, "smollm2")])
+def test_a_prompts_prefill_does_not_depend_on_its_batch_or_pieces_in_bfloat16(ctx, make_cfg, shape):
+    """A half-precision prompt prefilled alone, padded beside a longer prompt, after it, or cut into
+    pieces of 3 and 7 tokens: its last token's logits and the next step's (which read every key and
+    value it left in the cache) are the same bit for bit. Every token runs over its keys in one-token
+    order, on ordered attention (Qwen3's heads of 24) or the step kernel (SmolLM2's attention shape);
+    SDPA's prefill had differed with the padding (Qwen3) and with the pieces (SmolLM2's shape)."""
+    wide = dict(hidden_size=576, ffn_hidden_size=256, num_attention_heads=9, num_query_groups=3, kv_channels=64)
+    cfg = make_cfg(params_dtype="bfloat16", num_layers=2, **(wide if shape == "smollm2" else {}))
+    model = policy_with_heads(cfg, ctx)
+    g = torch.Generator().manual_seed(0)
+    prompt, longer = (torch.randint(1, 300, (n,), generator=g).tolist() for n in (14, 20))
+    got = {}
+    with torch.inference_mode():
+        for name, prompts, per_forward in (("alone", [prompt], 4096), ("padded", [prompt, longer], 4096),
+                                           ("second", [longer, prompt], 4096), ("pieces_3", [prompt], 3),
+                                           ("pieces_7", [prompt], 7)):
+            cache = model.new_cache(len(prompts), 32)
+            row = prompts.index(prompt)
+            first = prefill(model, cache, prompts, per_forward)[row]
+            slot = torch.tensor([row])
+            meta = model.metadata(cache.lengths[slot][:, None], torch.ones(1, 1, 1, dtype=torch.bool), cache, slot)
+            got[name] = (first, model.full_logits(model(torch.tensor([[7]]), meta))[0, 0])
+    for name, (first, step) in got.items():
+        assert torch.equal(first, got["alone"][0]) and torch.equal(step, got["alone"][1]), name

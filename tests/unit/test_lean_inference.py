@@ -35,7 +35,7 @@ def test_lean_layers_equal_megatrons_block(ctx, arch, dtype):
             cache.commit(slots, torch.full((2,), 9))
             for n in (1, 4):  # a decoding step, then a 4-node chain as a tree would be verified
                 pos = cache.lengths[slots][:, None] + torch.arange(n)[None]
-                meta = policy.metadata(pos, causal_mask(2, n, ctx.device), cache, slots, step=True)
+                meta = policy.metadata(pos, causal_mask(2, n, ctx.device), cache, slots)
                 outs.append(policy(torch.randint(5, 300, (2, n), generator=torch.Generator().manual_seed(n)), meta))
         return outs
 
