@@ -132,17 +132,17 @@ class MainParamAdamW:
         self.optimizer = torch.optim.AdamW([{"params": [self.main[i] for i in ix], **opts}
                                             for ix, opts in zip(order, groups)], **adamw)
         self._offloaded = False  # (:meth:`offload`)
-        self._grad_owners: Optional[dict[torch.nn.Parameter, tuple[dist.ProcessGroup, int]]] = None
+        self._grad_owners: Optional[dict[torch.nn.Parameter, int]] = None
 
-    def grad_owners(self) -> dict[torch.nn.Parameter, tuple[dist.ProcessGroup, int]]:
-        """Sharded: each parameter's data-parallel group and the global rank of its owner, the one
-        replica that needs its summed gradient (``specroll_mcore.rl.schedule.finalize_grads`` reduces
-        it there); empty where every replica steps every parameter."""
+    def grad_owners(self) -> dict[torch.nn.Parameter, int]:
+        """Sharded: the global rank of each parameter's owner, the one replica that needs its summed
+        gradient (``specroll_mcore.rl.schedule.finalize_grads`` reduces it there); empty where every
+        replica steps every parameter."""
         if self.shard is None:
             return {}
         if self._grad_owners is None:
             ranks = [dist.get_global_rank(self._group, r) for r in range(self.shard[1])]
-            self._grad_owners = {p: (self._group, ranks[o]) for p, o in zip(self.params, self.owner)}
+            self._grad_owners = {p: ranks[o] for p, o in zip(self.params, self.owner)}
         return self._grad_owners
 
     def _half(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -343,7 +343,7 @@ class ExpertSplitAdamW:
         for part in self.parts.values():
             part.set_lr(lr)
 
-    def grad_owners(self) -> dict[torch.nn.Parameter, tuple[dist.ProcessGroup, int]]:
+    def grad_owners(self) -> dict[torch.nn.Parameter, int]:
         return {p: owner for part in self.parts.values() for p, owner in part.grad_owners().items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:

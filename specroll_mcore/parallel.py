@@ -320,9 +320,17 @@ class ParallelContext:
 
     def all_reduce_expert_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that hold the same experts (an expert's gradient)."""
-        if self.dp_size > self.ep_size:
-            self._all_reduce(tensor, self.expert_dp_group)
+        if (group := self.grad_group(expert=True)) is not None:
+            self._all_reduce(tensor, group)
         return tensor
+
+    def grad_group(self, expert: bool) -> Optional[dist.ProcessGroup]:
+        """The ranks a parameter's gradient is summed over: the data-parallel replicas, or for an expert
+        split over expert-parallel ranks (``expert``) those that hold the same experts; None where that
+        is this rank alone."""
+        if expert:
+            return self.expert_dp_group if self.dp_size > self.ep_size else None
+        return self.dp_group if self.dp_size > 1 else None
 
     def all_gather_ep(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every EP rank's tensor (same shape on all), in EP rank order."""

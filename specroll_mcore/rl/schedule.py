@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker)
@@ -401,7 +400,7 @@ def moe_aux_loss(policy: PolicyModel, micro_batches: int, recompute: bool) -> fl
     return float(total) / ((2 if recompute else 1) * micro_batches * policy.config.num_layers)
 
 
-Owners = Mapping[torch.nn.Parameter, tuple[dist.ProcessGroup, int]]
+Owners = Mapping[torch.nn.Parameter, int]  # a parameter -> the global rank of its owner
 
 
 def finalize_grads(policy: PolicyModel, owners: Optional[Owners] = None) -> None:
@@ -429,22 +428,14 @@ def finalize_grads(policy: PolicyModel, owners: Optional[Owners] = None) -> None
                 tied.main_grad = torch.zeros_like(tied, dtype=torch.float32)
             else:
                 tied.grad = torch.zeros_like(tied)
-    sums = []
-    for p in policy.gpt.parameters():
-        if (g := grad_of(p)) is None:
-            continue
-        group, size = (ctx.expert_dp_group, ctx.dp_size // ctx.ep_size) if expert_parallel(p) \
-            else (ctx.dp_group, ctx.dp_size)
-        if size > 1:
-            sums.append((g, group, owners[p][1] if p in owners and p is not tied else None))
-    sum_grads(sums)
+    sum_grads([(g, group, None if p is tied else owners.get(p)) for p in policy.gpt.parameters()
+               if (g := grad_of(p)) is not None and (group := ctx.grad_group(expert_parallel(p))) is not None])
     for name, p in policy.gpt.named_parameters():
-        held = p not in owners or owners[p][1] == ctx.rank
-        if name.endswith(tp_summed) and held and (g := grad_of(p)) is not None:
+        if name.endswith(tp_summed) and owners.get(p, ctx.rank) == ctx.rank and (g := grad_of(p)) is not None:
             ctx.all_reduce_tp(g)
     if tied is not None:
         ctx.all_reduce_embedding_group(grad_of(tied))
-    for p, (_, owner) in owners.items():
+    for p, owner in owners.items():
         if owner != ctx.rank:  # (a partial sum)
             p.grad = None
             if hasattr(p, "main_grad"):

@@ -70,7 +70,7 @@ def run(dtype: str, ctx) -> dict:
             norm = float(global_grad_norm(policy, owners))
         out[mode] = {"grads": {names[p]: None if grad_of(p) is None else grad_of(p).clone() for p in params},
                      "norm": norm, "bytes": traffic.bytes}
-    out["owned"] = sorted(names[p] for p, (_, owner) in opt.grad_owners().items() if owner == ctx.rank)
+    out["owned"] = sorted(names[p] for p, owner in opt.grad_owners().items() if owner == ctx.rank)
     out["grad_bytes"] = sum(p.numel() * 4 for p in params)
     out["tied"] = names[policy.gpt.shared_embedding_or_output_weight()] \
         if ctx.pp_size > 1 and (ctx.is_first_stage or ctx.is_last_stage) else None
