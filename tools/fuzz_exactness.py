@@ -4,6 +4,7 @@ engine's, token for token, in float64 (where near-ties cannot happen) or bfloat1
 
     python tools/fuzz_exactness.py --minutes 10 --out fuzz_exactness.json
     python tools/fuzz_exactness.py --replay 123456789      # one case again, described
+    python tools/fuzz_exactness.py --tp 2 --minutes 10     # the rollouts at TP=2 (--pp 2, --ep 2 alike)
 
 Each case draws, from its own seed: a random tiny model (Llama, Qwen2, Qwen3 or Qwen3-MoE shapes,
 float64) whose horizon heads are random, or whose embeddings are all nearly the same so that the
@@ -11,7 +12,8 @@ heads draft nearly the policy's own distribution (long accepted paths, to the en
 1-5 prompts of 1-20 tokens; the sampling (greedy or T = 0.6 / 1, top-p, top-k, min-p, 1-40 new
 tokens, 1-3 samples, the seed and the rollout step, prompt ids); an end-of-sequence token (one the
 model emits, or none); the scheduling (``max_num_seqs``: continuous batching; ``max_prefill_tokens``:
-prompts prefilled in pieces); the speculative engine's settings (C_hw, top-k, N_max, coupled drafts,
+prompts prefilled in pieces; ``pipeline_groups``: groups of responses taking turns, over the pipeline
+stages where there are several); the speculative engine's settings (C_hw, top-k, N_max, coupled drafts,
 a draft vocabulary, Reflex, the slow path, a latency curve that trims trees or none, acceptance
 walked or sampled at once). It then checks, against the vanilla engine with everything at once:
 
@@ -22,7 +24,19 @@ walked or sampled at once). It then checks, against the vanilla engine with ever
 give the same tokens, finish reasons and log-probs (to 1e-9). ``--dtype bfloat16`` checks the same on
 a half-precision policy, whose steps a CPU with AVX-512 bfloat16 instructions computes bit for bit
 as one-token forwards (``PolicyModel.batch_invariant``; half its models in SmolLM2's attention
-shape, for the step-attention kernel). Reported (JSON): the cases, every
+shape, for the step-attention kernel). ``--dtype float32``, whose steps' sums depend on the batch
+and the tree (~1e-6), counts instead the responses a near-tie parted from the reference's (a
+token sampled the other way, or a log-prob 1e-4 or more apart before any did: a token on the edge of
+top-p / top-k / min-p kept on one side alone), by check, against the bound of 0.1% of responses.
+
+``--tp N``, ``--pp 2``, ``--ep N`` roll the cases out at that layout instead, in tp x pp x ep processes
+on gloo (launched here with torchrun; ``--ep``: Qwen3-MoE's experts over as many data-parallel
+ranks, the first rolling out all prompts and the others the subset, so the expert group's ranks run
+forwards for each other's longer responses), and check each engine there (SpecRoll and the vanilla
+engine scheduled alike, SpecRoll on the subset; the rollout that picks the EOS too) against the
+vanilla engine in this process, all prompts at once: the model's weights, heads and the case drawn
+alike, sharded by the layout; in float64, where the layout's reductions in another order move
+log-probs by ~1e-15 and no token. Reported (JSON): the cases, every
 failure with its case seed (``--replay`` it), the engine, the first response and position that
 differ; how often each setting was drawn; SpecRoll's tokens per step over the cases. Exits 1 on
 any failure. A tool for changes to the engines, trees, sampler or acceptance, beside the tests.
@@ -31,17 +45,23 @@ any failure. A tool for changes to the engines, trees, sampler or acceptance, be
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 warnings.filterwarnings("ignore")
 
@@ -58,6 +78,9 @@ from specroll_mcore.rollout.base import RolloutOutput  # noqa: E402
 from specroll_mcore.tree import LatencyCurve  # noqa: E402
 
 ARCHS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe}
+WORKER_GRACE_S = 600
+FLOAT32_LOGPROB_TOL = 1e-4  # (a float32 step's logits move by ~1e-6 with the batch; log-probs alike)
+FLOAT32_PARTED_BOUND = 1e-3  # (the share of responses a near-tie may part in float32: 0.1%)
 CURVES = {"none": None, "flat": LatencyCurve((1, 64), (1.0, 1.0)), "steep": LatencyCurve((1, 2, 64), (1.0, 2.0, 64.0)),
           "mid": LatencyCurve((1, 8, 16, 64), (1.0, 1.1, 2.0, 8.0))}
 
@@ -81,17 +104,19 @@ def draw_model(r: random.Random, ctx: Any, archs: list[str], dtype: str) -> tupl
     model = PolicyModel(cfg, ctx, num_heads=3).eval()
     full = random_full_state_dict(cfg, seed=r.randrange(10**6), std=0.08)
     spread = r.choice([0.0, 0.01, 0.05, None])
+    if spread == 0.0 and cfg.tie_word_embeddings and dtype == "float32":
+        spread = 0.01  # (one embedding tied to the output gives every token one logit: exact ties float32 breaks)
     g = torch.Generator().manual_seed(r.randrange(10**6))
     if spread is not None:
         emb = full["embedding.word_embeddings.weight"]
         full["embedding.word_embeddings.weight"] = emb[:1].expand_as(emb) + spread * torch.randn(
             emb.shape, generator=g, dtype=emb.dtype)
     model.load_full_state_dict(full)
-    if spread is None:
-        with torch.no_grad():
-            paths = (v for vs in model.heads.path_layers for v in vs)
-            for layer in [*model.heads.layers, *model.heads.root_layers, *paths]:
-                layer.weight.copy_(0.05 * torch.randn(layer.weight.shape, generator=g).to(layer.weight.dtype))
+    if spread is None:  # (drawn whole on every rank, then sharded: the same heads at every layout)
+        h = cfg.hidden_size
+        names = [f"heads.{kind}.{i}.weight" for kind in ("layers", "root_layers") for i in range(3)]
+        names += [f"heads.path_layers.{i}.{j}.weight" for i in range(3) for j in range(i)]
+        model.load_full_heads({name: (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype) for name in names})
     return model, {"arch": arch, "attention": "9 x 64" if wide else "tiny",
                    "heads": "random" if spread is None else f"near the policy (spread {spread})"}
 
@@ -117,17 +142,100 @@ def differences(ref: RolloutOutput, out: RolloutOutput, rows: Optional[list[int]
     return None
 
 
-def run_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64") -> dict[str, Any]:
-    """One case, drawn from ``case_seed`` alone: its settings, SpecRoll's tokens per step, failures."""
+def divergences(ref: RolloutOutput, out: RolloutOutput, rows: Optional[list[int]] = None,
+                tol: float = FLOAT32_LOGPROB_TOL) -> tuple[list[dict[str, Any]], Optional[dict[str, Any]]]:
+    """float32's comparison of ``out`` with ``ref`` (``rows`` as in :func:`differences`): the responses
+    a near-tie parted, each with the first position and what parted there ("token": one sampled the
+    other way; "log-prob": one more than ``tol`` apart, a token on the edge of top-p / top-k / min-p
+    kept on one side alone), and the first failure, or None: a response count, or a finish reason of
+    equal tokens."""
+    rows = list(range(len(ref.tokens))) if rows is None else rows
+    if len(out.tokens) != len(rows):
+        return [], {"responses": [len(rows), len(out.tokens)]}
+    parted, failure = [], None
+    for i, j in enumerate(rows):
+        a, b = ref.tokens[j], out.tokens[i]
+        at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        apart = ((ref.logprobs[j][:at] - out.logprobs[i][:at]).abs() > tol).nonzero()
+        if len(apart):
+            parted.append({"response": j, "position": int(apart[0, 0]), "kind": "log-prob"})
+        elif a != b:
+            parted.append({"response": j, "position": at, "kind": "token"})
+        elif ref.finish_reason[j] != out.finish_reason[i] and failure is None:
+            failure = {"response": j, "finish_reason": [ref.finish_reason[j], out.finish_reason[i]]}
+    return parted, failure
+
+
+@dataclass
+class Case:
+    """One drawn case: a model, prompts and sampling, an EOS, the scheduling and SpecRoll's settings."""
+
+    model: PolicyModel
+    info: dict[str, Any]
+    prompts: list[list[int]]
+    sampling: SamplingConfig
+    step: int
+    ids: Optional[list[int]]
+    plain: RolloutOutput
+    """The vanilla engine's responses with no EOS, all prompts at once (the EOS is drawn from them)."""
+    eos: list[int]
+    sched: dict[str, Any]
+    spec: SpecConfig
+    curve: str
+    at_once: str
+    subset: list[int]
+
+    def generate(self, speculative: bool, scheduled: bool = True, part: bool = False) -> RolloutOutput:
+        """A new engine's rollout: SpecRoll or vanilla, with the case's scheduling or all prompts at
+        once, of all prompts or the subset (with their prompt ids: the same responses)."""
+        sched = self.sched if scheduled else {}
+        if speculative:
+            engine = SpeculativeEngine(self.model, self.spec, eos_token_ids=self.eos, latency=CURVES[self.curve],
+                                       **sched)
+        else:
+            engine = VanillaEngine(self.model, eos_token_ids=self.eos, **sched)
+        prompts, ids = self.prompts, self.ids
+        if part:
+            prompts = [self.prompts[i] for i in self.subset]
+            ids = [self.ids[i] if self.ids is not None else i for i in self.subset]
+        with accepted_at_once(self.at_once):
+            out = engine.generate(prompts, self.sampling, step=self.step, prompt_ids=ids)
+        return dataclasses.replace(out, stats={"tau": out.stats.get("tau")}, features=None, routing=None)
+
+    @property
+    def subset_rows(self) -> list[int]:
+        """The responses of the subset's prompts among all prompts' (prompt-major)."""
+        g = self.sampling.num_samples
+        return [i * g + s for i in self.subset for s in range(g)]
+
+
+@contextlib.contextmanager
+def accepted_at_once(value: str) -> Iterator[None]:
+    """SPECROLL_ACCEPT_AT_ONCE set to ``value`` ("1": every depth's acceptance sampled at once) inside."""
+    saved = os.environ.get("SPECROLL_ACCEPT_AT_ONCE")
+    os.environ["SPECROLL_ACCEPT_AT_ONCE"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SPECROLL_ACCEPT_AT_ONCE", None)
+        else:
+            os.environ["SPECROLL_ACCEPT_AT_ONCE"] = saved
+
+
+def draw_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64") -> Case:
+    """The case of ``case_seed``, drawn from it alone (the same at every layout: the EOS comes from the
+    plain rollout, which a layout computes alike)."""
     r = random.Random(case_seed)
-    model, case = draw_model(r, ctx, archs, dtype)
+    model, info = draw_model(r, ctx, archs, dtype)
     prompts = [[r.randrange(1, 300) for _ in range(r.randint(1, 20))] for _ in range(r.randint(1, 5))]
     sp = SamplingConfig(temperature=r.choice([0.0, 0.6, 1.0]), top_p=r.choice([1.0, 0.9]), top_k=r.choice([0, 5]),
                         min_p=r.choice([0.0, 0.1]), max_new_tokens=r.randint(1, 40), num_samples=r.randint(1, 3),
                         seed=r.randrange(1000))
     step = r.randrange(5)
     ids = r.sample(range(10**6), len(prompts)) if r.random() < 0.5 else None
-    seen = [t for ts in VanillaEngine(model).generate(prompts, sp, step=step, prompt_ids=ids).tokens for t in ts]
+    plain = VanillaEngine(model).generate(prompts, sp, step=step, prompt_ids=ids)
+    seen = [t for ts in plain.tokens for t in ts]
     eos = [r.choice(seen)] if seen and r.random() < 0.7 else []
     sched = {"max_num_seqs": r.choice([None, 1, 2, 5]), "max_prefill_tokens": r.choice([4096, 3, 7])}
     spec = SpecConfig(c_hw=r.choice([1, 3, 8, 16, 64]), topk=r.choice([1, 2, 4]), n_max=r.choice([1, 4, 16]),
@@ -136,68 +244,74 @@ def run_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64")
     curve = r.choice(sorted(CURVES))
     at_once = r.choice(["0", "1"])
     subset = sorted(r.sample(range(len(prompts)), r.randint(1, len(prompts))))
-    case.update(prompts=len(prompts), prompt_tokens=[len(p) for p in prompts], temperature=sp.temperature,
+    sched["pipeline_groups"] = r.choice([None, 1, 3])  # (one per stage; the batch at once; more than stages)
+    info.update(prompts=len(prompts), prompt_tokens=[len(p) for p in prompts], temperature=sp.temperature,
                 top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, max_new_tokens=sp.max_new_tokens,
                 num_samples=sp.num_samples, prompt_ids=ids is not None, eos=bool(eos), **sched, c_hw=spec.c_hw,
                 topk=spec.topk, n_max=spec.n_max, coupled=spec.coupled, draft_vocab=spec.draft_vocab,
                 reflex=spec.reflex.enabled, slow_path=spec.slow_path.enabled, latency=curve, accept_at_once=at_once)
-    saved = os.environ.get("SPECROLL_ACCEPT_AT_ONCE")
-    os.environ["SPECROLL_ACCEPT_AT_ONCE"] = at_once
-    try:
-        ref = VanillaEngine(model, eos_token_ids=eos).generate(prompts, sp, step=step, prompt_ids=ids)
-        speculative = SpeculativeEngine(model, spec, eos_token_ids=eos, latency=CURVES[curve], **sched)
-        spec_out = speculative.generate(prompts, sp, step=step, prompt_ids=ids)
-        vanilla = VanillaEngine(model, eos_token_ids=eos, **sched).generate(prompts, sp, step=step, prompt_ids=ids)
-        own_ids = [ids[i] if ids is not None else i for i in subset]
-        part = [prompts[i] for i in subset]
-        rows = [i * sp.num_samples + s for i in subset for s in range(sp.num_samples)]
-        spec_part = SpeculativeEngine(model, spec, eos_token_ids=eos, latency=CURVES[curve], **sched).generate(
-            part, sp, step=step, prompt_ids=own_ids)
-        vanilla_part = VanillaEngine(model, eos_token_ids=eos, **sched).generate(part, sp, step=step,
-                                                                                 prompt_ids=own_ids)
-    finally:
-        if saved is None:
-            os.environ.pop("SPECROLL_ACCEPT_AT_ONCE", None)
-        else:
-            os.environ["SPECROLL_ACCEPT_AT_ONCE"] = saved
+    return Case(model, info, prompts, sp, step, ids, plain, eos, sched, spec, curve, at_once, subset)
+
+
+def run_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64") -> dict[str, Any]:
+    """One case, drawn from ``case_seed`` alone: its settings, SpecRoll's tokens per step, failures."""
+    case = draw_case(case_seed, ctx, archs, dtype)
+    ref = case.generate(speculative=False, scheduled=False)
+    spec_out = case.generate(speculative=True)
+    vanilla = case.generate(speculative=False)
+    spec_part = case.generate(speculative=True, part=True)
+    vanilla_part = case.generate(speculative=False, part=True)
     checks = {  # (the contract: SpecRoll against the vanilla engine scheduled alike; then the schedule's own)
         "specroll": (vanilla, spec_out, None),
         "specroll, a subset of the prompts": (vanilla_part, spec_part, None),
         "vanilla, scheduled": (ref, vanilla, None),
-        "vanilla, a subset of the prompts": (ref, vanilla_part, rows)}
-    failures = [{"engine": name, **diff} for name, (expected, out, rows) in checks.items()
-                if (diff := differences(expected, out, rows)) is not None]
-    return {"case": case, "tau": spec_out.stats.get("tau"), "failures": failures}
+        "vanilla, a subset of the prompts": (ref, vanilla_part, case.subset_rows)}
+    got: dict[str, Any] = {"case": case.info, "tau": spec_out.stats.get("tau")}
+    if dtype != "float32":
+        got["failures"] = [{"engine": name, **diff} for name, (expected, out, rows) in checks.items()
+                           if (diff := differences(expected, out, rows)) is not None]
+        return got
+    got.update(failures=[], responses={}, parted=[])
+    for name, (expected, out, rows) in checks.items():
+        parted, failure = divergences(expected, out, rows)
+        got["responses"][name] = len(out.tokens)
+        got["parted"] += [{"engine": name, **x} for x in parted]
+        if failure is not None:
+            got["failures"].append({"engine": name, **failure})
+    return got
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=5.0, help="stop drawing cases after this long")
-    ap.add_argument("--cases", type=int, default=0, help="stop after this many cases (0: --minutes alone)")
-    ap.add_argument("--seed", type=int, default=0, help="draws the cases' seeds")
-    ap.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated, of {', '.join(ARCHS)}")
-    ap.add_argument("--dtype", default="float64", choices=("float64", "bfloat16"),
-                    help="bfloat16: the half-precision policy's bit-for-bit steps (a CPU with AVX-512 bfloat16)")
-    ap.add_argument("--replay", type=int, default=None, help="run the case of this seed alone and describe it")
-    ap.add_argument("--out", default="fuzz_exactness.json")
-    args = ap.parse_args()
-    archs = args.archs.split(",")
-    if not archs or any(a not in ARCHS for a in archs):
-        ap.error(f"--archs takes names among {', '.join(ARCHS)}, got {args.archs!r}")
-    if args.cases < 0 or not args.minutes > 0:
-        ap.error(f"--minutes must be > 0 and --cases >= 0, got {args.minutes} and {args.cases}")
+def layout_outputs(case: Case, ctx: Any) -> dict[str, RolloutOutput]:
+    """The case's rollouts at this process's layout. Without data parallelism: SpecRoll and the vanilla
+    engine with the case's scheduling, and SpecRoll on the subset; under expert parallelism the first
+    data-parallel rank rolls out all prompts and the others the subset, whose responses take other
+    numbers of forwards (the EP group's ranks in lockstep, PolicyModel.expert_lockstep)."""
+    if ctx.dp_size == 1:
+        return {"specroll": case.generate(speculative=True), "vanilla, scheduled": case.generate(speculative=False),
+                "specroll, a subset of the prompts": case.generate(speculative=True, part=True)}
+    part = ctx.dp_rank > 0
+    suffix = ", a subset of the prompts" if part else ""
+    return {"specroll" + suffix: case.generate(speculative=True, part=part),
+            "vanilla" + (suffix or ", scheduled"): case.generate(speculative=False, part=part)}
 
-    if args.dtype == "bfloat16" and not bfloat16_kernels():
-        ap.error("--dtype bfloat16 checks tokens bit for bit, which a half-precision policy computes on a CPU "
-                 "with AVX-512 bfloat16 instructions (oneDNN's row-invariant products), and this one has none: "
-                 "use --dtype float64")
-    # (bfloat16's contract is the CPU's; float64 holds on a GPU too, where the engines take their GPU paths)
-    ctx = parallel.initialize(ParallelConfig(backend="gloo" if args.dtype == "bfloat16" else None))
-    if args.replay is not None:
-        got = run_case(args.replay, ctx, archs, args.dtype)
-        print(json.dumps(got, indent=1))
-        parallel.destroy()
-        return 1 if got["failures"] else 0
+
+def compare_layout(case: Case, got: dict[str, Any]) -> list[dict[str, Any]]:
+    """The failures of one case's rollouts at a layout (``got``: each data-parallel rank's
+    layout_outputs and plain rollout) against this process's vanilla engine, all prompts at once."""
+    failures = []
+    for plain in got["plain"]:
+        if (diff := differences(case.plain, plain)) is not None:  # (its EOS drawn from other tokens: stop)
+            return [{"engine": "vanilla, no EOS, all prompts at once", **diff}]
+    ref = case.generate(speculative=False, scheduled=False)
+    for name, out in got["outputs"].items():
+        if (diff := differences(ref, out, case.subset_rows if "subset" in name else None)) is not None:
+            failures.append({"engine": name, **diff})
+    return failures
+
+
+def in_process(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple[list[dict[str, Any]],
+                                                                            list[dict[str, Any]]]:
+    """Cases run and checked in this process, until ``--minutes`` or ``--cases``: (results, errors)."""
     draw = random.Random(args.seed)
     deadline = time.monotonic() + 60 * args.minutes
     results, errors = [], []
@@ -212,6 +326,161 @@ def main() -> int:
         results.append({"seed": case_seed, **got})
         for f in got["failures"]:
             print(f"case {case_seed}: {json.dumps(f)}", flush=True)
+    return results, errors
+
+
+def layout_config(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                          expert_model_parallel_size=args.ep, backend="gloo")
+
+
+def worker(args: argparse.Namespace, archs: list[str]) -> None:
+    """Under torchrun, at the layout of ``--tp/--pp/--ep``: the cases' rollouts (layout_outputs), each
+    saved by the last stage's first TP rank of every data-parallel rank to ``--worker``'s folder; rank 0's
+    clock and count decide when to stop, for all."""
+    import torch.distributed as dist
+
+    ctx = parallel.initialize(layout_config(args), tiny_qwen3_moe() if args.ep > 1 else None)
+    folder = Path(args.worker)
+    draw = random.Random(args.seed)
+    deadline = time.monotonic() + 60 * args.minutes
+    count = 0
+    while True:
+        go = torch.tensor([int(time.monotonic() < deadline and (args.cases == 0 or count < args.cases))])
+        dist.broadcast(go, src=0)
+        if not go.item():
+            break
+        case_seed, count = draw.randrange(10**9), count + 1
+        try:
+            case = draw_case(case_seed, ctx, archs)
+            got = {"plain": case.plain, "outputs": layout_outputs(case, ctx)}
+        except Exception:  # (raised alike on every rank, or the others wait in a collective until the timeout)
+            got = {"error": traceback.format_exc(limit=4)[-2000:]}
+            print(f"case {case_seed} raised on rank {ctx.rank}:\n{got['error']}", flush=True)
+        if ctx.is_last_stage and ctx.tp_rank == 0:
+            torch.save({"seed": case_seed, **got}, folder / f"case{count:06d}-dp{ctx.dp_rank}.pt")
+    parallel.destroy()
+
+
+def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple[list[dict[str, Any]],
+                                                                               list[dict[str, Any]]]:
+    """The cases' rollouts at ``--tp/--pp/--ep`` (2+ processes on gloo, launched here with torchrun)
+    against this process's vanilla engine (``ctx``: one process), all prompts at once: (results, errors).
+    Processes still running WORKER_GRACE_S after ``--minutes`` are stopped (a case that raised on some
+    ranks alone leaves the others in a collective); the cases they saved are compared."""
+    world = args.tp * args.pp * args.ep
+    with tempfile.TemporaryDirectory(prefix="fuzz_layout_") as folder:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
+               "--worker", folder, "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep),
+               "--seed", str(args.seed), "--minutes", str(args.minutes), "--cases", str(args.cases),
+               "--archs", ",".join(archs)]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=60 * args.minutes + WORKER_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait()
+        files: dict[int, list[dict[str, Any]]] = {}
+        for f in sorted(Path(folder).glob("case*.pt")):
+            files.setdefault(int(f.name[4:10]), []).append(torch.load(f, weights_only=False))
+    results, errors = [], []
+    if code != 0:
+        how = (f"were stopped {WORKER_GRACE_S} s after --minutes" if code == -signal.SIGKILL
+               else f"exited with status {code}")
+        errors.append({"seed": None, "error": f"the {world} processes at the layout {how}, after {len(files)} "
+                                              f"cases (their output is above)"})
+    for _, parts in sorted(files.items()):
+        seed = parts[0]["seed"]
+        if any("error" in part for part in parts):
+            errors.append({"seed": seed, "error": next(part["error"] for part in parts if "error" in part)})
+            continue
+        try:
+            case = draw_case(seed, ctx, archs)
+            failures = compare_layout(case, {"plain": [part["plain"] for part in parts],
+                                             "outputs": {k: v for part in parts for k, v in part["outputs"].items()}})
+        except Exception:
+            errors.append({"seed": seed, "error": traceback.format_exc(limit=4)[-2000:]})
+            print(f"case {seed} raised:\n{errors[-1]['error']}", flush=True)
+            continue
+        tau = next((v.stats["tau"] for part in parts for k, v in part["outputs"].items() if k == "specroll"), None)
+        results.append({"seed": seed, "case": case.info, "tau": tau, "failures": failures})
+        for f in failures:
+            print(f"case {seed}: {json.dumps(f)}", flush=True)
+    return results, errors
+
+
+def parted_share(results: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """float32 cases' responses that near-ties parted, by check (responses, parted, by kind, rate), and
+    the checks whose share is over FLOAT32_PARTED_BOUND."""
+    parted = {name: {"responses": 0, "parted": 0, "token": 0, "log-prob": 0}
+              for x in results for name in x["responses"]}
+    for x in results:
+        for name, n in x["responses"].items():
+            parted[name]["responses"] += n
+        for y in x["parted"]:
+            parted[y["engine"]]["parted"] += 1
+            parted[y["engine"]][y["kind"]] += 1
+    for v in parted.values():
+        v["rate"] = v["parted"] / max(v["responses"], 1)
+    return parted, [name for name, v in parted.items() if v["rate"] > FLOAT32_PARTED_BOUND]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=5.0, help="stop drawing cases after this long")
+    ap.add_argument("--cases", type=int, default=0, help="stop after this many cases (0: --minutes alone)")
+    ap.add_argument("--seed", type=int, default=0, help="draws the cases' seeds")
+    ap.add_argument("--archs", default=None, help=f"comma-separated, of {', '.join(ARCHS)} (default: all; "
+                                                  "qwen3_moe alone under --ep, the dense ones under --tp)")
+    ap.add_argument("--dtype", default="float64", choices=("float64", "float32", "bfloat16"),
+                    help="float32: the share of responses near-ties part; bfloat16: the half-precision policy's "
+                         "bit-for-bit steps (a CPU with AVX-512 bfloat16)")
+    ap.add_argument("--tp", type=int, default=1, help="the rollouts at this tensor-parallel size (processes on gloo)")
+    ap.add_argument("--pp", type=int, default=1, help="... pipeline-parallel size (2 layers: at most 2)")
+    ap.add_argument("--ep", type=int, default=1, help="... expert-parallel size, as many data-parallel ranks "
+                                                      "(qwen3_moe)")
+    ap.add_argument("--replay", type=int, default=None, help="run the case of this seed alone and describe it")
+    ap.add_argument("--out", default="fuzz_exactness.json")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # (a process at the layout, torchrun's)
+    args = ap.parse_args()
+    layout = args.tp * args.pp * args.ep > 1
+    dense = [a for a in ARCHS if a != "qwen3_moe"]  # (megatron-core's experts under TP: sequence parallel only)
+    archs = (args.archs.split(",") if args.archs is not None else ["qwen3_moe"] if args.ep > 1
+             else dense if args.tp > 1 else list(ARCHS))
+    if not archs or any(a not in ARCHS for a in archs):
+        ap.error(f"--archs takes names among {', '.join(ARCHS)}, got {args.archs!r}")
+    if args.cases < 0 or not args.minutes > 0:
+        ap.error(f"--minutes must be > 0 and --cases >= 0, got {args.minutes} and {args.cases}")
+    if min(args.tp, args.pp, args.ep) < 1 or args.pp > 2:
+        ap.error(f"--tp and --ep must be >= 1 and --pp 1 or 2 (the models have 2 layers), got {args.tp}, "
+                 f"{args.ep} and {args.pp}")
+    if args.ep > 1 and archs != ["qwen3_moe"]:
+        ap.error(f"--ep splits a mixture's experts: it takes --archs qwen3_moe alone, got {args.archs!r}")
+    if args.tp > 1 and "qwen3_moe" in archs:
+        ap.error("--tp > 1 takes dense models (--archs among llama, qwen2, qwen3): a mixture of experts runs at "
+                 "TP=1 with pipeline, expert and data parallelism (ParallelConfig.tensor_model_parallel_size)")
+    if layout and (args.dtype != "float64" or args.replay is not None):
+        ap.error("--tp/--pp/--ep check tokens against one process in float64 (a layout's reductions run in "
+                 "another order: half-precision logits differ), and --replay runs in this process: drop "
+                 "--dtype bfloat16 / --replay")
+
+    if args.dtype == "bfloat16" and not bfloat16_kernels():
+        ap.error("--dtype bfloat16 checks tokens bit for bit, which a half-precision policy computes on a CPU "
+                 "with AVX-512 bfloat16 instructions (oneDNN's row-invariant products), and this one has none: "
+                 "use --dtype float64")
+    if args.worker is not None:
+        worker(args, archs)
+        return 0
+    # (bfloat16's contract is the CPU's; float64 holds on a GPU too, where the engines take their GPU paths)
+    ctx = parallel.initialize(ParallelConfig(backend="gloo" if args.dtype == "bfloat16" or layout else None))
+    if args.replay is not None:
+        got = run_case(args.replay, ctx, archs, args.dtype)
+        print(json.dumps(got, indent=1))
+        parallel.destroy()
+        return 1 if got["failures"] else 0
+    results, errors = across_layout(args, archs, ctx) if layout else in_process(args, archs, ctx)
+    parallel.destroy()
     failures = [{"seed": x["seed"], **f, "case": x["case"]} for x in results for f in x["failures"]]
     coverage: dict[str, dict[str, int]] = {}
     for x in results:
@@ -221,15 +490,22 @@ def main() -> int:
     taus = sorted(x["tau"] for x in results if x["tau"] is not None)
     report = {"cases": len(results) + len(errors), "failures": failures, "errors": errors,
               "minutes": args.minutes, "seed": args.seed, "archs": archs, "dtype": args.dtype,
+              "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep},
               "tau": {"median": statistics.median(taus), "max": taus[-1],
                       "cases_over_2": sum(t > 2 for t in taus), "cases_over_3": sum(t > 3 for t in taus)}
               if taus else None,
               "coverage": {k: dict(sorted(v.items())) for k, v in coverage.items()}}
+    over = []
+    if args.dtype == "float32":
+        parted, over = parted_share(results)
+        report.update(parted=parted, bound=FLOAT32_PARTED_BOUND, over_bound=over,
+                      parted_responses=[{"seed": x["seed"], **y} for x in results for y in x["parted"]])
+        print("responses parted by near-ties: " + "; ".join(f"{name} {v['parted']} of {v['responses']}"
+                                                           for name, v in parted.items()))
     write_json_atomic(args.out, report)
     print(f"{report['cases']} cases, {len(failures)} failures, {len(errors)} errors; SpecRoll's tokens per step: "
           f"{report['tau']}; wrote {args.out}")
-    parallel.destroy()
-    return 1 if failures or errors else 0
+    return 1 if failures or errors or over else 0
 
 
 if __name__ == "__main__":

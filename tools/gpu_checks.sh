@@ -7,7 +7,8 @@
 # Stages, in order of value, each under its own time limit and skipped when the overall budget
 # (BUDGET_S seconds, default 540) would run out or when named in SKIP (e.g. SKIP="tests grpo"):
 # tests/gpu, the exactness fuzz in float64 on the GPU's paths (tools/fuzz_exactness.py: SpecRoll against
-# the vanilla engine under random settings, token for token), the capacity profile (C_hw on this GPU), SpecRoll against the vanilla engine and
+# the vanilla engine under random settings, token for token) and in float32 (the share of responses
+# near-ties part, against 0.1%), the capacity profile (C_hw on this GPU), SpecRoll against the vanilla engine and
 # transformers at T=1 at batch 1, then on 32 prompts x 8 samples x 256 tokens (with SpecRoll pricing
 # each step's forward alone, without the work around it, in the alternation), a SmolLM2-shaped forward
 # with the layers chained against megatron's block (tools/bench_forward_path.py), the speculative step's
@@ -79,6 +80,8 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 | tee -
 stage tests 120 $PY -m pytest -q $TESTS tests/gpu
 # shellcheck disable=SC2086
 stage fuzz 80 $PY tools/fuzz_exactness.py $FUZZ --out "$OUT/fuzz_exactness.json"
+# shellcheck disable=SC2086
+stage fuzz_f32 80 $PY tools/fuzz_exactness.py --dtype float32 $FUZZ --out "$OUT/fuzz_exactness_f32.json"
 stage profile 120 $PY tools/profile_capacity.py --checkpoint "$CKPT" --tokens "$TOKENS" --out "$OUT/capacity.json"
 # shellcheck disable=SC2086
 stage bench_batch1 180 $PY tools/bench_specroll.py --checkpoint "$CKPT" $B1 --skip-full --out "$OUT/bench_specroll_b1.json"

@@ -1,6 +1,7 @@
 """The rollout benchmarks run end to end on a tiny checkpoint and write the JSON they promise
 (tokens are checked against vanilla inside them; a mismatch exits non-zero)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import torch
 
 from conftest import import_tool
 from grpo_fixtures import tiny_policy_checkpoint
+from specroll_mcore.rollout.base import RolloutOutput
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -298,14 +300,17 @@ def test_gpu_checks_script_dry_run(tiny_ckpt, tmp_path, capsys):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     log = (out / "gpu_checks.log").read_text()
-    for stage in ("tests", "fuzz", "profile", "bench_full", "bench_full_bf16", "bench_batch1", "bench_batch1_t0", "step_phases",
-                  "step_phases_walk", "grpo", "forward_path", "update_attention", "prefill"):
+    for stage in ("tests", "fuzz", "fuzz_f32", "profile", "bench_full", "bench_full_bf16", "bench_batch1",
+                  "bench_batch1_t0", "step_phases", "step_phases_walk", "grpo", "forward_path", "update_attention",
+                  "prefill"):
         assert f"== {stage} rc=0" in log, log[-3000:]
     assert set(json.loads((out / "bench_update_attention.json").read_text())["attention"]) == {"causal",
                                                                                                 "explicit_mask"}
     assert re.search(r"\d+ tests collected", log), log[:3000]  # tests/gpu, collected only
     fuzz = json.loads((out / "fuzz_exactness.json").read_text())
     assert fuzz["cases"] == 2 and fuzz["failures"] == fuzz["errors"] == []
+    fuzz = json.loads((out / "fuzz_exactness_f32.json").read_text())
+    assert fuzz["cases"] == 2 and fuzz["dtype"] == "float32" and fuzz["over_bound"] == []
     assert json.loads((out / "step_phases_b1.json").read_text())["total_ops_per_step"] > 0
     walk = json.loads((out / "step_phases_b1_walk.json").read_text())["phases"]["accept"]
     assert walk["syncs_per_step"] > 0  # (the CPU's default walk here too; on a GPU the default samples at once)
@@ -564,13 +569,61 @@ def test_fuzz_exactness_smoke_and_bad_arguments(tmp_path, capsys):
     assert sum(report["coverage"]["arch"].values()) == 4 and report["tau"]["max"] >= 1
     for args, message in ((("--archs", "gpt2"), "--archs takes names among llama, qwen2, qwen3, qwen3_moe"),
                           (("--minutes", 0), "--minutes must be > 0 and --cases >= 0, got 0.0 and 0"),
-                          (("--cases", -1), "--minutes must be > 0 and --cases >= 0, got 5.0 and -1")):
+                          (("--cases", -1), "--minutes must be > 0 and --cases >= 0, got 5.0 and -1"),
+                          (("--pp", 3), "--tp and --ep must be >= 1 and --pp 1 or 2 (the models have 2 layers), "
+                                        "got 1, 1 and 3"),
+                          (("--ep", 2, "--archs", "llama"), "--ep splits a mixture's experts: it takes --archs "
+                                                            "qwen3_moe alone, got 'llama'"),
+                          (("--tp", 2, "--dtype", "bfloat16"), "--tp/--pp/--ep check tokens against one process in "
+                                                               "float64"),
+                          (("--pp", 2, "--replay", 5), "--replay runs in this process"),
+                          (("--tp", 2, "--archs", "llama,qwen3_moe"), "--tp > 1 takes dense models (--archs among "
+                                                                      "llama, qwen2, qwen3)")):
         code, err = refused(capsys, "fuzz_exactness.py", *args)
         assert code != 0 and message in err, err
     with mock.patch.object(import_tool("fuzz_exactness"), "bfloat16_kernels", lambda: False):
         code, err = refused(capsys, "fuzz_exactness.py", "--dtype", "bfloat16")
     assert code != 0 and "with AVX-512 bfloat16 instructions (oneDNN's row-invariant products), and this one has " \
                          "none: use --dtype float64" in err, err
+
+
+def test_fuzz_exactness_counts_float32_near_ties(tmp_path):
+    out = tmp_path / "f.json"
+    run_tool("fuzz_exactness.py", "--dtype", "float32", "--cases", 3, "--seed", 3, "--out", out)
+    report = json.loads(out.read_text())
+    assert report["cases"] == 3 and report["failures"] == report["errors"] == [] and report["bound"] == 1e-3
+    assert set(report["parted"]) == {"specroll", "specroll, a subset of the prompts", "vanilla, scheduled",
+                                     "vanilla, a subset of the prompts"}
+    assert all(v["responses"] > 0 and v["rate"] == v["parted"] / v["responses"] for v in report["parted"].values())
+
+
+def test_fuzz_exactness_tells_a_near_tie_from_a_failure_in_float32():
+    """A token sampled the other way and a log-prob off by more than 1e-4 (a token on the edge of top-p)
+    are near-ties, counted; a finish reason of equal tokens, or a missing response, is a failure. Over
+    the cases, a check whose share of parted responses is above 0.1% is named."""
+    fuzz = import_tool("fuzz_exactness")
+    ref = RolloutOutput([0, 0, 1], [0, 1, 0], [[5, 6, 7], [5, 6], [8]],
+                        [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])],
+                        ["length", "eos", "length"])
+    same = dataclasses.replace(ref, logprobs=[lp + 5e-5 for lp in ref.logprobs])
+    assert fuzz.divergences(ref, same) == ([], None)
+    other = dataclasses.replace(ref, tokens=[[5, 9, 7], [5, 6], [8]],
+                                logprobs=[torch.tensor([-1.0, -2.5, -3.0]), torch.tensor([-1.0, -2.0002]),
+                                          torch.tensor([-0.5])], finish_reason=["length", "eos", "eos"])
+    parted, failure = fuzz.divergences(ref, other)
+    assert parted == [{"response": 0, "position": 1, "kind": "token"}, {"response": 1, "position": 1,
+                                                                         "kind": "log-prob"}]
+    assert failure == {"response": 2, "finish_reason": ["length", "eos"]}
+    assert fuzz.divergences(ref, dataclasses.replace(ref, tokens=ref.tokens[:2]))[1] == {"responses": [3, 2]}
+    assert fuzz.divergences(ref, dataclasses.replace(ref, tokens=[[8]], logprobs=[torch.tensor([-0.5])],
+                                                     finish_reason=["length"]), rows=[2]) == ([], None)
+    results = [{"responses": {"specroll": 999, "vanilla, scheduled": 999},
+                "parted": [{"engine": "specroll", "kind": "token"}]},
+               {"responses": {"specroll": 1, "vanilla, scheduled": 1},
+                "parted": [{"engine": "vanilla, scheduled", "kind": "log-prob"}] * 2}]
+    shares, over = fuzz.parted_share(results)
+    assert shares["specroll"] == {"responses": 1000, "parted": 1, "token": 1, "log-prob": 0, "rate": 1e-3}
+    assert shares["vanilla, scheduled"]["rate"] == 2e-3 and over == ["vanilla, scheduled"]
 
 
 @pytest.mark.parametrize("field, found", [("tokens", "position"), ("logprobs", "logprob_gap")])

@@ -1,0 +1,78 @@
+"""tools/fuzz_exactness.py across layouts: random cases rolled out at TP=2, PP=2 and EP=2 (2 processes,
+gloo) against the vanilla engine of one process; its comparison reports what a layout changed, and a
+launch that fails or hangs is reported, not lost."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from conftest import import_tool
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"ep": 2}], ids=["tp2", "pp2", "ep2"])
+def test_random_cases_at_a_layout_give_one_process_tokens(tmp_path, layout):
+    out = tmp_path / "fuzz.json"
+    args = [a for k, v in layout.items() for a in (f"--{k}", str(v))]
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz_exactness.py"), *args, "--cases", "3",
+                           "--seed", "7", "--out", str(out)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["cases"] == 3 and report["failures"] == [] and report["errors"] == []
+    assert report["layout"] == {"tp": 1, "pp": 1, "ep": 1, **layout}
+    dense = ["llama", "qwen2", "qwen3"]
+    assert report["archs"] == {"tp": dense, "pp": dense + ["qwen3_moe"], "ep": ["qwen3_moe"]}[next(iter(layout))]
+    assert report["tau"]["max"] >= 1
+
+
+def test_the_comparison_reports_what_a_layout_changed(ctx):
+    """A layout's rollouts (here this process's) against the reference: equal, then one token, one
+    log-prob, and the EOS-picking rollout changed in turn (that one alone reported: the case's EOS
+    came from other tokens)."""
+    fuzz = import_tool("fuzz_exactness")
+    case = fuzz.draw_case(4, ctx, ["llama"])
+    assert case.sampling.max_new_tokens > 2 and len(case.prompts) == 4
+    case = dataclasses.replace(case, subset=[1, 3])
+    outputs = {"specroll": case.generate(speculative=True), "vanilla, scheduled": case.generate(speculative=False),
+               "specroll, a subset of the prompts": case.generate(speculative=True, part=True)}
+    assert fuzz.compare_layout(case, {"plain": [case.plain], "outputs": outputs}) == []
+
+    part = outputs["specroll, a subset of the prompts"]
+    tokens = [list(t) for t in part.tokens]
+    tokens[-1][1] = (tokens[-1][1] + 1) % 300
+    changed = dict(outputs, **{"specroll, a subset of the prompts": dataclasses.replace(part, tokens=tokens)})
+    (f,) = fuzz.compare_layout(case, {"plain": [case.plain], "outputs": changed})
+    assert f["engine"] == "specroll, a subset of the prompts" and f["position"] == 1
+    assert f["response"] == case.subset_rows[-1]  # (its row among all prompts' responses)
+
+    logprobs = [lp.clone() for lp in outputs["specroll"].logprobs]
+    logprobs[0][0] += 1e-6
+    changed = dict(outputs, specroll=dataclasses.replace(outputs["specroll"], logprobs=logprobs))
+    (f,) = fuzz.compare_layout(case, {"plain": [case.plain], "outputs": changed})
+    assert f["engine"] == "specroll" and f["response"] == 0 and f["logprob_gap"] > 1e-9
+
+    plain = dataclasses.replace(case.plain, tokens=[[t + 1 for t in ts] for ts in case.plain.tokens])
+    failures = fuzz.compare_layout(case, {"plain": [case.plain, plain], "outputs": changed})
+    assert [f["engine"] for f in failures] == ["vanilla, no EOS, all prompts at once"]
+
+
+@pytest.mark.parametrize("command, message", [
+    ("raise SystemExit(3)", "the 2 processes at the layout exited with status 3, after 0 cases"),
+    ("import time; time.sleep(60)", "the 2 processes at the layout were stopped 1 s after --minutes, after 0 cases")])
+def test_a_launch_that_fails_or_hangs_is_reported(ctx, monkeypatch, command, message):
+    fuzz = import_tool("fuzz_exactness")
+    real = subprocess.Popen
+    monkeypatch.setattr(fuzz.subprocess, "Popen", lambda cmd, **kw: real([sys.executable, "-c", command], **kw))
+    monkeypatch.setattr(fuzz, "WORKER_GRACE_S", 1)
+    args = Namespace(tp=2, pp=1, ep=1, seed=0, minutes=0.001, cases=1)
+    results, errors = fuzz.across_layout(args, ["llama"], ctx)
+    assert results == [] and len(errors) == 1 and errors[0]["error"].startswith(message), errors
