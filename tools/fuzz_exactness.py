@@ -5,6 +5,7 @@ engine's, token for token, in float64 (where near-ties cannot happen) or bfloat1
     python tools/fuzz_exactness.py --minutes 10 --out fuzz_exactness.json
     python tools/fuzz_exactness.py --replay 123456789      # one case again, described
     python tools/fuzz_exactness.py --tp 2 --minutes 10     # the rollouts at TP=2 (--pp 2, --ep 2 alike)
+    python tools/fuzz_exactness.py --tp 2 --replay 123456789
 
 Each case draws, from its own seed: a random tiny model (Llama, Qwen2, Qwen3 or Qwen3-MoE shapes,
 float64) whose horizon heads are random, or whose embeddings are all nearly the same so that the
@@ -350,7 +351,7 @@ def worker(args: argparse.Namespace, archs: list[str]) -> None:
         dist.broadcast(go, src=0)
         if not go.item():
             break
-        case_seed, count = draw.randrange(10**9), count + 1
+        case_seed, count = draw.randrange(10**9) if args.replay is None else args.replay, count + 1
         try:
             case = draw_case(case_seed, ctx, archs)
             got = {"plain": case.plain, "outputs": layout_outputs(case, ctx)}
@@ -373,7 +374,7 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
                "--worker", folder, "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep),
                "--seed", str(args.seed), "--minutes", str(args.minutes), "--cases", str(args.cases),
-               "--archs", ",".join(archs)]
+               "--archs", ",".join(archs), *(["--replay", str(args.replay)] if args.replay is not None else [])]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
@@ -440,7 +441,8 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1, help="... pipeline-parallel size (2 layers: at most 2)")
     ap.add_argument("--ep", type=int, default=1, help="... expert-parallel size, as many data-parallel ranks "
                                                       "(qwen3_moe)")
-    ap.add_argument("--replay", type=int, default=None, help="run the case of this seed alone and describe it")
+    ap.add_argument("--replay", type=int, default=None, help="run the case of this seed alone and describe it "
+                                                             "(at the layout of --tp/--pp/--ep, if any)")
     ap.add_argument("--out", default="fuzz_exactness.json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # (a process at the layout, torchrun's)
     args = ap.parse_args()
@@ -460,10 +462,9 @@ def main() -> int:
     if args.tp > 1 and "qwen3_moe" in archs:
         ap.error("--tp > 1 takes dense models (--archs among llama, qwen2, qwen3): a mixture of experts runs at "
                  "TP=1 with pipeline, expert and data parallelism (ParallelConfig.tensor_model_parallel_size)")
-    if layout and (args.dtype != "float64" or args.replay is not None):
-        ap.error("--tp/--pp/--ep check tokens against one process in float64 (a layout's reductions run in "
-                 "another order: half-precision logits differ), and --replay runs in this process: drop "
-                 "--dtype bfloat16 / --replay")
+    if layout and args.dtype != "float64":
+        ap.error(f"--tp/--pp/--ep check tokens against one process in float64 (a layout's reductions run in "
+                 f"another order: {args.dtype} logits differ); drop --dtype {args.dtype}")
 
     if args.dtype == "bfloat16" and not bfloat16_kernels():
         ap.error("--dtype bfloat16 checks tokens bit for bit, which a half-precision policy computes on a CPU "
@@ -475,10 +476,15 @@ def main() -> int:
     # (bfloat16's contract is the CPU's; float64 holds on a GPU too, where the engines take their GPU paths)
     ctx = parallel.initialize(ParallelConfig(backend="gloo" if args.dtype == "bfloat16" or layout else None))
     if args.replay is not None:
-        got = run_case(args.replay, ctx, archs, args.dtype)
+        if layout:
+            args.cases = 1
+            results, errors = across_layout(args, archs, ctx)
+            got = results[0] if results else {"errors": errors}
+        else:
+            got = run_case(args.replay, ctx, archs, args.dtype)
         print(json.dumps(got, indent=1))
         parallel.destroy()
-        return 1 if got["failures"] else 0
+        return 1 if got.get("failures") or got.get("errors") else 0
     results, errors = across_layout(args, archs, ctx) if layout else in_process(args, archs, ctx)
     parallel.destroy()
     failures = [{"seed": x["seed"], **f, "case": x["case"]} for x in results for f in x["failures"]]

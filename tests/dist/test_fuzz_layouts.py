@@ -34,6 +34,17 @@ def test_random_cases_at_a_layout_give_one_process_tokens(tmp_path, layout):
     assert report["tau"]["max"] >= 1
 
 
+def test_a_case_replayed_at_a_layout(tmp_path):
+    """The case of one seed, at PP=2, described (its settings and no failures)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz_exactness.py"), "--pp", "2", "--replay",
+                           "4", "--archs", "llama"], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    assert got["seed"] == 4 and got["failures"] == [] and got["case"]["arch"] == "llama"
+    assert got["case"]["prompts"] == 4  # (the case tests/unit/test_tools.py mutates, drawn alike)
+
+
 def test_the_comparison_reports_what_a_layout_changed(ctx):
     """A layout's rollouts (here this process's) against the reference: equal, then one token, one
     log-prob, and the EOS-picking rollout changed in turn (that one alone reported: the case's EOS
