@@ -33,11 +33,12 @@ top-p / top-k / min-p kept on one side alone), by check, against the bound of 0.
 ``--tp N``, ``--pp 2``, ``--ep N`` roll the cases out at that layout instead, in tp x pp x ep processes
 on gloo (launched here with torchrun; ``--ep``: Qwen3-MoE's experts over as many data-parallel
 ranks, the first rolling out all prompts and the others the subset, so the expert group's ranks run
-forwards for each other's longer responses), and check each engine there (SpecRoll and the vanilla
-engine scheduled alike, SpecRoll on the subset; the rollout that picks the EOS too) against the
-vanilla engine in this process, all prompts at once: the model's weights, heads and the case drawn
-alike, sharded by the layout; in float64, where the layout's reductions in another order move
-log-probs by ~1e-15 and no token. Reported (JSON): the cases, every
+forwards for each other's longer responses), the model's weights, heads and case drawn alike and
+sharded by the layout. The checks above run there; in float64 every rollout there (the one that
+picks the EOS too) is also checked against the vanilla engine in this process, all prompts at once
+(the layout's reductions in another order move log-probs by ~1e-15 and no token); in bfloat16 the
+layout's own engines agree bit for bit (a TP layout's sums differ from one process's). Reported
+(JSON): the cases, every
 failure with its case seed (``--replay`` it), the engine, the first response and position that
 differ; how often each setting was drawn; SpecRoll's tokens per step over the cases. Exits 1 on
 any failure. A tool for changes to the engines, trees, sampler or acceptance, beside the tests.
@@ -62,7 +63,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 warnings.filterwarnings("ignore")
 
@@ -96,10 +97,11 @@ def draw_model(r: random.Random, ctx: Any, archs: list[str], dtype: str) -> tupl
     """A tiny model with 3 heads: random heads, or embeddings within ``spread`` of one vector (the
     policy's distribution then hardly depends on the context, and zero-initialised heads, z = h, draft
     it nearly exactly); in bfloat16 half the time SmolLM2's attention shape (9 heads of 64 in 3
-    groups), which the CPU's step-attention kernel takes."""
+    groups; 8 in 2 under TP), which the CPU's step-attention kernel takes."""
     arch = r.choice(archs)
     wide = dtype == "bfloat16" and r.random() < 0.5
-    shape = dict(hidden_size=576, ffn_hidden_size=256, num_attention_heads=9, num_query_groups=3,
+    heads, groups = (9, 3) if ctx.tp_size == 1 else (8, 2)  # (TP splits the heads and their groups)
+    shape = dict(hidden_size=576, ffn_hidden_size=256, num_attention_heads=heads, num_query_groups=groups,
                  kv_channels=64) if wide else {}
     cfg = ARCHS[arch](params_dtype=dtype, num_layers=2, **shape)
     model = PolicyModel(cfg, ctx, num_heads=3).eval()
@@ -118,7 +120,7 @@ def draw_model(r: random.Random, ctx: Any, archs: list[str], dtype: str) -> tupl
         names = [f"heads.{kind}.{i}.weight" for kind in ("layers", "root_layers") for i in range(3)]
         names += [f"heads.path_layers.{i}.{j}.weight" for i in range(3) for j in range(i)]
         model.load_full_heads({name: (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype) for name in names})
-    return model, {"arch": arch, "attention": "9 x 64" if wide else "tiny",
+    return model, {"arch": arch, "attention": f"{heads} x 64" if wide else "tiny",
                    "heads": "random" if spread is None else f"near the policy (spread {spread})"}
 
 
@@ -254,20 +256,30 @@ def draw_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64"
     return Case(model, info, prompts, sp, step, ids, plain, eos, sched, spec, curve, at_once, subset)
 
 
-def run_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64") -> dict[str, Any]:
-    """One case, drawn from ``case_seed`` alone: its settings, SpecRoll's tokens per step, failures."""
-    case = draw_case(case_seed, ctx, archs, dtype)
-    ref = case.generate(speculative=False, scheduled=False)
-    spec_out = case.generate(speculative=True)
-    vanilla = case.generate(speculative=False)
-    spec_part = case.generate(speculative=True, part=True)
-    vanilla_part = case.generate(speculative=False, part=True)
-    checks = {  # (the contract: SpecRoll against the vanilla engine scheduled alike; then the schedule's own)
-        "specroll": (vanilla, spec_out, None),
-        "specroll, a subset of the prompts": (vanilla_part, spec_part, None),
-        "vanilla, scheduled": (ref, vanilla, None),
-        "vanilla, a subset of the prompts": (ref, vanilla_part, case.subset_rows)}
-    got: dict[str, Any] = {"case": case.info, "tau": spec_out.stats.get("tau")}
+ROLLOUTS = {  # name: (speculative, with the case's scheduling, the subset of the prompts)
+    "vanilla, all prompts at once": (False, False, False),
+    "specroll": (True, True, False),
+    "vanilla, scheduled": (False, True, False),
+    "specroll, a subset of the prompts": (True, True, True),
+    "vanilla, a subset of the prompts": (False, True, True)}
+CHECKS = {  # check: (expected, got); the contract, SpecRoll against the vanilla engine scheduled alike, first
+    "specroll": ("vanilla, scheduled", "specroll"),
+    "specroll, a subset of the prompts": ("vanilla, a subset of the prompts", "specroll, a subset of the prompts"),
+    "vanilla, scheduled": ("vanilla, all prompts at once", "vanilla, scheduled"),
+    "vanilla, a subset of the prompts": ("vanilla, all prompts at once", "vanilla, a subset of the prompts")}
+
+
+def rollouts(case: Case, names: Iterable[str] = tuple(ROLLOUTS)) -> dict[str, RolloutOutput]:
+    """The case's rollouts of ``names`` (ROLLOUTS), one new engine each."""
+    return {name: case.generate(*ROLLOUTS[name]) for name in names}
+
+
+def judge(case: Case, outs: dict[str, RolloutOutput], dtype: str) -> dict[str, Any]:
+    """The CHECKS whose two rollouts are in ``outs``: SpecRoll's tokens per step and the failures; in
+    float32 the responses near-ties parted too (by check: responses, parted)."""
+    checks = {name: (outs[a], outs[b], case.subset_rows if ROLLOUTS[b][2] > ROLLOUTS[a][2] else None)
+              for name, (a, b) in CHECKS.items() if a in outs and b in outs}
+    got: dict[str, Any] = {"case": case.info, "tau": outs["specroll"].stats["tau"] if "specroll" in outs else None}
     if dtype != "float32":
         got["failures"] = [{"engine": name, **diff} for name, (expected, out, rows) in checks.items()
                            if (diff := differences(expected, out, rows)) is not None]
@@ -282,32 +294,32 @@ def run_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64")
     return got
 
 
-def layout_outputs(case: Case, ctx: Any) -> dict[str, RolloutOutput]:
-    """The case's rollouts at this process's layout. Without data parallelism: SpecRoll and the vanilla
-    engine with the case's scheduling, and SpecRoll on the subset; under expert parallelism the first
-    data-parallel rank rolls out all prompts and the others the subset, whose responses take other
-    numbers of forwards (the EP group's ranks in lockstep, PolicyModel.expert_lockstep)."""
+def run_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64") -> dict[str, Any]:
+    """One case, drawn from ``case_seed`` alone: its settings, SpecRoll's tokens per step, failures."""
+    case = draw_case(case_seed, ctx, archs, dtype)
+    return judge(case, rollouts(case), dtype)
+
+
+def layout_rollouts(case: Case, ctx: Any) -> dict[str, RolloutOutput]:
+    """The case's rollouts at this process's layout: all of ROLLOUTS without data parallelism; under
+    expert parallelism the first data-parallel rank rolls out all prompts (SpecRoll and the vanilla
+    engine, scheduled) and the others the subset, whose responses take other numbers of forwards (the
+    EP group's ranks in lockstep, PolicyModel.expert_lockstep)."""
     if ctx.dp_size == 1:
-        return {"specroll": case.generate(speculative=True), "vanilla, scheduled": case.generate(speculative=False),
-                "specroll, a subset of the prompts": case.generate(speculative=True, part=True)}
-    part = ctx.dp_rank > 0
-    suffix = ", a subset of the prompts" if part else ""
-    return {"specroll" + suffix: case.generate(speculative=True, part=part),
-            "vanilla" + (suffix or ", scheduled"): case.generate(speculative=False, part=part)}
+        return rollouts(case)
+    part = ", a subset of the prompts" if ctx.dp_rank > 0 else ""
+    return rollouts(case, ["specroll" + part, "vanilla" + (part or ", scheduled")])
 
 
 def compare_layout(case: Case, got: dict[str, Any]) -> list[dict[str, Any]]:
-    """The failures of one case's rollouts at a layout (``got``: each data-parallel rank's
-    layout_outputs and plain rollout) against this process's vanilla engine, all prompts at once."""
-    failures = []
+    """The failures of one case's rollouts at a layout (``got``: each data-parallel rank's plain rollout
+    and layout_rollouts) against this process's vanilla engine, all prompts at once (float64)."""
     for plain in got["plain"]:
         if (diff := differences(case.plain, plain)) is not None:  # (its EOS drawn from other tokens: stop)
-            return [{"engine": "vanilla, no EOS, all prompts at once", **diff}]
+            return [{"engine": "vanilla, no EOS, all prompts at once, against one process", **diff}]
     ref = case.generate(speculative=False, scheduled=False)
-    for name, out in got["outputs"].items():
-        if (diff := differences(ref, out, case.subset_rows if "subset" in name else None)) is not None:
-            failures.append({"engine": name, **diff})
-    return failures
+    return [{"engine": f"{name}, against one process", **diff} for name, out in got["outputs"].items()
+            if (diff := differences(ref, out, case.subset_rows if ROLLOUTS[name][2] else None)) is not None]
 
 
 def in_process(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple[list[dict[str, Any]],
@@ -336,9 +348,10 @@ def layout_config(args: argparse.Namespace) -> ParallelConfig:
 
 
 def worker(args: argparse.Namespace, archs: list[str]) -> None:
-    """Under torchrun, at the layout of ``--tp/--pp/--ep``: the cases' rollouts (layout_outputs), each
-    saved by the last stage's first TP rank of every data-parallel rank to ``--worker``'s folder; rank 0's
-    clock and count decide when to stop, for all."""
+    """Under torchrun, at the layout of ``--tp/--pp/--ep``: each case's rollouts (layout_rollouts) and
+    the CHECKS among them, saved by the last stage's first TP rank of every data-parallel rank to
+    ``--worker``'s folder (in float64 with the rollouts, for one process to compare); rank 0's clock
+    and count decide when to stop, for all."""
     import torch.distributed as dist
 
     ctx = parallel.initialize(layout_config(args), tiny_qwen3_moe() if args.ep > 1 else None)
@@ -353,8 +366,11 @@ def worker(args: argparse.Namespace, archs: list[str]) -> None:
             break
         case_seed, count = draw.randrange(10**9) if args.replay is None else args.replay, count + 1
         try:
-            case = draw_case(case_seed, ctx, archs)
-            got = {"plain": case.plain, "outputs": layout_outputs(case, ctx)}
+            case = draw_case(case_seed, ctx, archs, args.dtype)
+            outs = layout_rollouts(case, ctx)
+            got = judge(case, outs, args.dtype)
+            if args.dtype == "float64":
+                got.update(plain=case.plain, outputs=outs)
         except Exception:  # (raised alike on every rank, or the others wait in a collective until the timeout)
             got = {"error": traceback.format_exc(limit=4)[-2000:]}
             print(f"case {case_seed} raised on rank {ctx.rank}:\n{got['error']}", flush=True)
@@ -396,16 +412,18 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
         if any("error" in part for part in parts):
             errors.append({"seed": seed, "error": next(part["error"] for part in parts if "error" in part)})
             continue
-        try:
-            case = draw_case(seed, ctx, archs)
-            failures = compare_layout(case, {"plain": [part["plain"] for part in parts],
-                                             "outputs": {k: v for part in parts for k, v in part["outputs"].items()}})
-        except Exception:
-            errors.append({"seed": seed, "error": traceback.format_exc(limit=4)[-2000:]})
-            print(f"case {seed} raised:\n{errors[-1]['error']}", flush=True)
-            continue
-        tau = next((v.stats["tau"] for part in parts for k, v in part["outputs"].items() if k == "specroll"), None)
-        results.append({"seed": seed, "case": case.info, "tau": tau, "failures": failures})
+        failures = [f for part in parts for f in part["failures"]]
+        if args.dtype == "float64":
+            try:
+                case = draw_case(seed, ctx, archs)
+                failures += compare_layout(case, {"plain": [part["plain"] for part in parts],
+                                                  "outputs": {k: v for part in parts for k, v in part["outputs"].items()}})
+            except Exception:
+                errors.append({"seed": seed, "error": traceback.format_exc(limit=4)[-2000:]})
+                print(f"case {seed} raised:\n{errors[-1]['error']}", flush=True)
+                continue
+        tau = next((part["tau"] for part in parts if part["tau"] is not None), None)
+        results.append({"seed": seed, "case": parts[0]["case"], "tau": tau, "failures": failures})
         for f in failures:
             print(f"case {seed}: {json.dumps(f)}", flush=True)
     return results, errors
@@ -462,9 +480,9 @@ def main() -> int:
     if args.tp > 1 and "qwen3_moe" in archs:
         ap.error("--tp > 1 takes dense models (--archs among llama, qwen2, qwen3): a mixture of experts runs at "
                  "TP=1 with pipeline, expert and data parallelism (ParallelConfig.tensor_model_parallel_size)")
-    if layout and args.dtype != "float64":
-        ap.error(f"--tp/--pp/--ep check tokens against one process in float64 (a layout's reductions run in "
-                 f"another order: {args.dtype} logits differ); drop --dtype {args.dtype}")
+    if layout and args.dtype == "float32":
+        ap.error("--tp/--pp/--ep check the engines at the layout in float64 (and against one process) or in "
+                 "bfloat16, bit for bit; float32's near-ties are counted in one process: drop --dtype float32")
 
     if args.dtype == "bfloat16" and not bfloat16_kernels():
         ap.error("--dtype bfloat16 checks tokens bit for bit, which a half-precision policy computes on a CPU "

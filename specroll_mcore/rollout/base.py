@@ -282,10 +282,21 @@ def num_groups(requested: Optional[int], pp_size: int) -> int:
     return requested
 
 
-def in_cache_order(cache: Any, slots: torch.Tensor, *aligned: Optional[torch.Tensor]) -> tuple:
-    """``slots`` and the per-row tensors aligned with them (None passes through), in the order the
-    KV cache lays them out after :meth:`KVCache.pack`: what a group runs its next forwards in."""
-    perm = cache.pack(slots)
+def run_order(cache: Any, ctx: Any, slots: torch.Tensor, *aligned: Optional[torch.Tensor]) -> tuple:
+    """``slots`` and the per-row tensors aligned with them (None passes through) in the order a group
+    runs its next forwards in: as the last stage's KV cache lays them out after :meth:`KVCache.pack`
+    (the forward reads its cache as it is), that order broadcast to the other pipeline stages, whose
+    forwards place their rows so (:meth:`KVCache.rows`). Each stage's cache layout is its own history:
+    a stage runs other groups' forwards, which place their rows, at other points between this group's
+    steps than the stage after it (run_groups), so an order read from each stage's own could differ
+    from stage to stage, where the forward's activations and the last stage's verdicts are
+    row-aligned. Every stage calls this in the same advance (a collective across stages)."""
+    if ctx.pp_size == 1:
+        perm = cache.pack(slots)
+    else:
+        perm = cache.pack(slots) if ctx.is_last_stage else torch.empty(len(slots), dtype=torch.long,
+                                                                         device=slots.device)
+        (perm,) = ctx.broadcast_from_last_stage([perm])
     return (slots[perm], *(t[perm] if t is not None else None for t in aligned))
 
 

@@ -40,8 +40,8 @@ from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vo
                                   vocab_parallel_topk, vocab_rows)
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         in_cache_order, keep_rows, nodes_per_row, num_groups, plan_rows,
-                                         run_groups, tokens_per_step, validate_prompts)
+                                         keep_rows, nodes_per_row, num_groups, plan_rows, run_groups,
+                                         run_order, tokens_per_step, validate_prompts)
 from specroll_mcore.sampling import SampleKeys, filter_logits, gumbel_noise_at, sample, top_distribution
 from specroll_mcore.slow_path import SlowPath
 from specroll_mcore.tree import (ROOT, DepthCalibration, DraftLevel, TreeBatch, expansion, expected_tokens,
@@ -527,7 +527,7 @@ class _Rollout:
         joined, g.pending = self.state.admit()
         if joined:
             slots, roots, hidden = self.join(slots, roots, hidden, joined)
-        g.slots, g.roots, g.hidden = in_cache_order(self.state.cache, slots, roots, hidden)
+        g.slots, g.roots, g.hidden = run_order(self.state.cache, self.model.ctx, slots, roots, hidden)
         if g.slots.numel() > 0:
             self.prepare(g)
 

@@ -22,7 +22,7 @@ from specroll_mcore.config import SamplingConfig, check_max_num_seqs, check_max_
 from specroll_mcore.distill import TokenFeatures
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
-                                         in_cache_order, keep_rows, num_groups, plan_rows, run_groups,
+                                         keep_rows, num_groups, plan_rows, run_groups, run_order,
                                          sample_rows, split_groups, validate_prompts)
 from specroll_mcore.sampling import top_distribution, upcast
 
@@ -128,7 +128,7 @@ class VanillaEngine:
             joined, g.pending = state.admit()
             if joined:
                 slots, last = join(slots, last, joined)
-            g.slots, g.last = in_cache_order(state.cache, slots, last)
+            g.slots, g.last = run_order(state.cache, model.ctx, slots, last)
 
         active, tokens = record(first, tokens, logp, hidden, logits)
         groups = []

@@ -89,3 +89,17 @@ def test_keep_rows_selects_aligned_rows_and_passes_all_kept_through():
     kept_slots, kept_hidden, none = keep_rows([True, False, True], slots, hidden, None)
     assert kept_slots.tolist() == [4, 9] and kept_hidden.tolist() == [[0.0, 1.0], [4.0, 5.0]] and none is None
     assert [t.numel() for t in keep_rows([False] * 3, slots, hidden)] == [0, 0]
+
+
+def test_run_order_is_the_cache_layout_once_packed(ctx):
+    """A group's rows in the order the KV cache lays them out once packed (one stage here; across
+    stages the last one's order, broadcast: tests/dist/test_fuzz_layouts.py replays a case whose
+    stages parted when each read its own)."""
+    from specroll_mcore.model.kv_cache import KVCache
+    from specroll_mcore.rollout.base import run_order
+
+    cache = KVCache(6, 8, torch.device("cpu"), torch.float32, [1], num_rows=6)
+    cache.admit([3, 1, 4, 0])  # rows 0, 1, 2, 3
+    slots, tags = torch.tensor([0, 1, 3, 4]), torch.tensor([10, 11, 13, 14])
+    ordered, ordered_tags = run_order(cache, ctx, slots, tags)
+    assert ordered.tolist() == [3, 1, 4, 0] and ordered_tags.tolist() == [13, 11, 14, 10]
