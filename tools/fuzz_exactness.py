@@ -120,7 +120,7 @@ def draw_model(r: random.Random, ctx: Any, archs: list[str], dtype: str) -> tupl
         names = [f"heads.{kind}.{i}.weight" for kind in ("layers", "root_layers") for i in range(3)]
         names += [f"heads.path_layers.{i}.{j}.weight" for i in range(3) for j in range(i)]
         model.load_full_heads({name: (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype) for name in names})
-    return model, {"arch": arch, "attention": f"{heads} x 64" if wide else "tiny",
+    return model, {"arch": arch, "dtype": dtype, "attention": f"{heads} x 64" if wide else "tiny",
                    "heads": "random" if spread is None else f"near the policy (spread {spread})"}
 
 
@@ -390,7 +390,8 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
                "--worker", folder, "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep),
                "--seed", str(args.seed), "--minutes", str(args.minutes), "--cases", str(args.cases),
-               "--archs", ",".join(archs), *(["--replay", str(args.replay)] if args.replay is not None else [])]
+               "--archs", ",".join(archs), "--dtype", args.dtype,
+               *(["--replay", str(args.replay)] if args.replay is not None else [])]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:

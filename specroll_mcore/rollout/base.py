@@ -333,7 +333,8 @@ def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable
     advance(g), identically on every stage, so every stage skips the same steps of finished groups
     and stops after the same advance. For the same reason a group admits waiting responses only in its
     own advance (continuous batching): their prompts' prefill goes into its next forward, which every stage
-    runs after that advance; another group's next forward may already have run on an earlier stage.
+    runs after that advance; another group's next forward may already have run on an earlier stage,
+    which is also why a group's rows run in the last stage's order on every stage (:func:`run_order`).
     Such a forward sends twice (ParallelContext.forward_step keeps both sends in flight: the next
     stage takes them only in its own forward of the group)."""
     lead = max(0, min(k, ctx.pp_size) - 1 - ctx.pp_rank)

@@ -18,16 +18,26 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"ep": 2}], ids=["tp2", "pp2", "ep2"])
-def test_random_cases_at_a_layout_give_one_process_tokens(tmp_path, layout):
+def bfloat16_kernels() -> bool:
+    return import_tool("fuzz_exactness").bfloat16_kernels()
+
+
+@pytest.mark.parametrize("layout, dtype", [
+    ({"tp": 2}, "float64"), ({"pp": 2}, "float64"), ({"ep": 2}, "float64"),
+    pytest.param({"tp": 2}, "bfloat16", marks=pytest.mark.skipif(not bfloat16_kernels(), reason="no AVX-512 bf16"))],
+    ids=["tp2", "pp2", "ep2", "tp2-bfloat16"])
+def test_random_cases_at_a_layout_give_one_process_tokens(tmp_path, layout, dtype):
+    """In float64 checked against one process too; in bfloat16 the layout's engines against each other
+    (the cases' models drawn in bfloat16 by the processes at the layout: the case records its dtype)."""
     out = tmp_path / "fuzz.json"
     args = [a for k, v in layout.items() for a in (f"--{k}", str(v))]
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz_exactness.py"), *args, "--cases", "3",
-                           "--seed", "7", "--out", str(out)], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=600)
+                           "--seed", "7", "--dtype", dtype, "--out", str(out)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["cases"] == 3 and report["failures"] == [] and report["errors"] == []
+    assert report["coverage"]["dtype"] == {dtype: 3}
     assert report["layout"] == {"tp": 1, "pp": 1, "ep": 1, **layout}
     dense = ["llama", "qwen2", "qwen3"]
     assert report["archs"] == {"tp": dense, "pp": dense + ["qwen3_moe"], "ep": ["qwen3_moe"]}[next(iter(layout))]
