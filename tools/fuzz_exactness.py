@@ -417,8 +417,8 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
         if args.dtype == "float64":
             try:
                 case = draw_case(seed, ctx, archs)
-                failures += compare_layout(case, {"plain": [part["plain"] for part in parts],
-                                                  "outputs": {k: v for part in parts for k, v in part["outputs"].items()}})
+                outputs = {k: v for part in parts for k, v in part["outputs"].items()}
+                failures += compare_layout(case, {"plain": [part["plain"] for part in parts], "outputs": outputs})
             except Exception:
                 errors.append({"seed": seed, "error": traceback.format_exc(limit=4)[-2000:]})
                 print(f"case {seed} raised:\n{errors[-1]['error']}", flush=True)

@@ -1,6 +1,7 @@
 """tools/fuzz_exactness.py across layouts: random cases rolled out at TP=2, PP=2 and EP=2 (2 processes,
-gloo) against the vanilla engine of one process; its comparison reports what a layout changed, and a
-launch that fails or hangs is reported, not lost."""
+gloo) against the vanilla engine of one process (bfloat16: the layout's engines against each other),
+and the case of a pipeline bug it found replayed; its comparison reports what a layout changed, and
+a launch that fails or hangs is reported, not lost."""
 
 import dataclasses
 import json
