@@ -70,7 +70,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
+from specroll_mcore.checkpoint import random_full_heads, random_full_state_dict  # noqa: E402
 from specroll_mcore.checkpoint.megatron import write_json_atomic  # noqa: E402
 from specroll_mcore.config import (ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig,  # noqa: E402
                                    SpecConfig, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe)
@@ -88,7 +88,7 @@ CURVES = {"none": None, "flat": LatencyCurve((1, 64), (1.0, 1.0)), "steep": Late
 
 
 def bfloat16_kernels() -> bool:
-    """Whether this CPU has AVX-512 bfloat16 instructions (tests/unit/test_batch_invariance.py)."""
+    """Whether this CPU has AVX-512 bfloat16 instructions (the tests of bit-for-bit bfloat16 ask it here too)."""
     info = Path("/proc/cpuinfo")
     return info.exists() and "avx512_bf16" in info.read_text()
 
@@ -116,10 +116,7 @@ def draw_model(r: random.Random, ctx: Any, archs: list[str], dtype: str) -> tupl
             emb.shape, generator=g, dtype=emb.dtype)
     model.load_full_state_dict(full)
     if spread is None:  # (drawn whole on every rank, then sharded: the same heads at every layout)
-        h = cfg.hidden_size
-        names = [f"heads.{kind}.{i}.weight" for kind in ("layers", "root_layers") for i in range(3)]
-        names += [f"heads.path_layers.{i}.{j}.weight" for i in range(3) for j in range(i)]
-        model.load_full_heads({name: (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype) for name in names})
+        model.load_full_heads(random_full_heads(cfg, 3, g))
     return model, {"arch": arch, "dtype": dtype, "attention": f"{heads} x 64" if wide else "tiny",
                    "heads": "random" if spread is None else f"near the policy (spread {spread})"}
 

@@ -252,3 +252,14 @@ def random_full_state_dict(model: ModelConfig, seed: int, std: float = 0.02) -> 
         else:
             out[name] = std * torch.randn(shape, generator=g)
     return {k: v.to(model.torch_dtype) for k, v in out.items()}
+
+
+def random_full_heads(model: ModelConfig, num_heads: int, generator: torch.Generator,
+                      std: float = 0.05) -> dict[str, torch.Tensor]:
+    """Random horizon heads in the full form (PolicyModel.load_full_heads): each head's ``layers``,
+    then ``root_layers``, then ``path_layers.{i}.{j}`` (j < i), [h, h] each, drawn from ``generator``
+    in that order (independent of the parallel layout)."""
+    h = model.hidden_size
+    names = [f"heads.{kind}.{i}.weight" for kind in ("layers", "root_layers") for i in range(num_heads)]
+    names += [f"heads.path_layers.{i}.{j}.weight" for i in range(num_heads) for j in range(i)]
+    return {name: (std * torch.randn(h, h, generator=generator)).to(model.torch_dtype) for name in names}

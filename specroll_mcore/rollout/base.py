@@ -291,12 +291,9 @@ def run_order(cache: Any, ctx: Any, slots: torch.Tensor, *aligned: Optional[torc
     steps than the stage after it (run_groups), so an order read from each stage's own could differ
     from stage to stage, where the forward's activations and the last stage's verdicts are
     row-aligned. Every stage calls this in the same advance (a collective across stages)."""
-    if ctx.pp_size == 1:
-        perm = cache.pack(slots)
-    else:
-        perm = cache.pack(slots) if ctx.is_last_stage else torch.empty(len(slots), dtype=torch.long,
-                                                                         device=slots.device)
-        (perm,) = ctx.broadcast_from_last_stage([perm])
+    perm = cache.pack(slots) if ctx.is_last_stage else torch.empty(len(slots), dtype=torch.long,
+                                                                     device=slots.device)
+    (perm,) = ctx.broadcast_from_last_stage([perm])  # (one stage: perm itself)
     return (slots[perm], *(t[perm] if t is not None else None for t in aligned))
 
 

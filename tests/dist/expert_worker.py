@@ -11,7 +11,7 @@ import torch
 warnings.filterwarnings("ignore")
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
+from specroll_mcore.checkpoint import random_full_heads, random_full_state_dict  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig, tiny_qwen3_moe  # noqa: E402
 from specroll_mcore.model import PolicyModel, causal_mask  # noqa: E402
 from specroll_mcore.rl.schedule import forward_logprobs, pack_micro_batch  # noqa: E402
@@ -28,10 +28,7 @@ def run(dtype: str, ctx) -> dict:
     model = PolicyModel(cfg, ctx, num_heads=3).eval()
     model.load_full_state_dict(full)
     g = torch.Generator().manual_seed(11)
-    h = cfg.hidden_size
-    names = [f"heads.{kind}.{i}.weight" for kind in ("layers", "root_layers") for i in range(3)]
-    names += [f"heads.path_layers.{i}.{j}.weight" for i in range(3) for j in range(i)]
-    model.load_full_heads({name: (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype) for name in names})
+    model.load_full_heads(random_full_heads(cfg, 3, g))
     model.record_routing = True
     prompts, out = PROMPTS[ctx.dp_rank], {}
     out["local_experts"] = len(model.gpt.decoder.layers[0].mlp.experts.local_experts)

@@ -13,7 +13,7 @@ import torch
 warnings.filterwarnings("ignore")
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint import random_full_state_dict  # noqa: E402
+from specroll_mcore.checkpoint import random_full_heads, random_full_state_dict  # noqa: E402
 from specroll_mcore.config import (ParallelConfig, ReflexConfig, SamplingConfig, SlowPathConfig,  # noqa: E402
                                    SpecConfig, tiny_llama, tiny_qwen2)
 from specroll_mcore.heads import (coupled_scores, vocab_parallel_entropy, vocab_parallel_filter,  # noqa: E402
@@ -41,10 +41,7 @@ def policy(arch: str, dtype: str, ctx) -> tuple[PolicyModel, torch.Generator]:
     model = PolicyModel(cfg, ctx, num_heads=3).eval()
     model.load_full_state_dict(random_full_state_dict(cfg, seed=7, std=0.08))
     g = torch.Generator().manual_seed(11)
-    h = cfg.hidden_size
-    names = [f"heads.{kind}.{i}.weight" for kind in ("layers", "root_layers") for i in range(3)]
-    names += [f"heads.path_layers.{i}.{j}.weight" for i in range(3) for j in range(i)]
-    model.load_full_heads({name: (0.05 * torch.randn(h, h, generator=g)).to(cfg.torch_dtype) for name in names})
+    model.load_full_heads(random_full_heads(cfg, 3, g))
     return model, g
 
 

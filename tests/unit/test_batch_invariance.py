@@ -2,8 +2,6 @@
 kernel or ordered attention (model/attention.py) and row-invariant products (cpu_gemm.half_product).
 References: one-token forwards of the same tokens, one-row products, and the vanilla engine's tokens."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,11 +12,12 @@ from specroll_mcore.model.attention import KEY_BLOCK, causal_mask, one_token_key
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine
 from specroll_mcore.rollout.base import prefill
 
+from conftest import import_tool
 from test_speculative import PROMPTS, policy_with_heads
 
 # Row invariance is a property of oneDNN's AVX-512 bfloat16 kernels (measured on them); elsewhere a
 # half-precision step is exact only up to rounding, as in float32.
-BF16_KERNELS = "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+BF16_KERNELS = import_tool("fuzz_exactness").bfloat16_kernels()
 needs_bf16_kernels = pytest.mark.skipif(not BF16_KERNELS, reason="CPU without AVX-512 bfloat16 instructions")
 
 
