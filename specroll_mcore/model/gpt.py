@@ -353,7 +353,7 @@ class PolicyModel(torch.nn.Module):
                              f"ranks, but this forward has {s} positions; pad the micro-batch to a multiple "
                              f"(pack_micro_batch's multiple=)")
         if self._lockstep:
-            self._lockstep_count(True)
+            self._lockstep_count(forward=True)
         if self.ctx.is_first_stage:
             hidden = gpt.embedding(input_ids=input_ids, position_ids=meta.positions)  # [s, b, h] ([s/tp, b, h])
         else:
@@ -490,12 +490,12 @@ class PolicyModel(torch.nn.Module):
         Under expert parallelism every MoE layer's forward is a collective of the EP group (its
         tokens go to the ranks of their experts by all-to-all), so its ranks must run the same number
         of forwards, while each samples its own prompts: one finishes its responses, or takes fewer
-        speculative steps, before another. In the block, each forward of this stage first adds 1 to a
-        count over the EP group; on leaving it, a rank whose forwards are done adds 0 and, while the
-        count says another rank is still in a forward, joins that forward's MoE layers with a dummy
-        token (:meth:`_idle_forward`), until every rank has left the block. Tokens do not depend on it.
-        Without expert parallelism (or nested) the block is a no-op. A rank that raises in the block
-        does not join the others' forwards."""
+        speculative steps, before another. In the block, each forward of this stage first joins a
+        count over the EP group; a rank with no forward of its own to run joins the others' with a
+        dummy token (:meth:`_idle_forward`): at :meth:`lockstep_barrier`, until every rank has
+        reached it, and on leaving the block, until every rank has left it. Tokens do not depend on
+        it. Without expert parallelism (or nested) the block is a no-op. A rank that raises in the
+        block does not join the others' forwards."""
         if self.ctx.ep_size == 1 or self._lockstep:
             yield
             return
@@ -504,13 +504,37 @@ class PolicyModel(torch.nn.Module):
             yield
         finally:
             self._lockstep = False
-        while self._lockstep_count(False):
+        while True:
+            forwards, inside = self._lockstep_count(forward=False, inside=False)
+            if forwards:
+                self._idle_forward()
+            elif not inside:
+                return
+
+    def lockstep_barrier(self) -> None:
+        """In :meth:`expert_lockstep` with pipeline stages: this stage's forwards so far are matched on
+        every rank of its EP group before any rank runs another (joining the others' forwards until
+        all are here). Each stage's EP group otherwise pairs its ranks' n-th forwards, whichever
+        they are; the replicas' stages also meet in their own pipeline's broadcasts, and where two
+        replicas' stages run different numbers of forwards between those (prompts prefilled in pieces
+        on one alone), the pairings and the broadcasts can wait on each other in a cycle: replica A's
+        first stage in a broadcast for its last stage, which waits for B's last stage to pair a
+        forward, B's last stage in a broadcast for B's first stage, which waits for A's first stage.
+        Rollouts call it where every replica's stages are at the same point of the same sequence
+        (after each group-step's forwards, rollout/base.run_groups; after the first prefill), so that
+        the replicas pair forward steps as one pipeline's stages run them. A no-op outside the
+        block, without expert parallelism, or with one stage (no broadcast to wait on)."""
+        if not self._lockstep or self.ctx.pp_size == 1:
+            return
+        while self._lockstep_count(forward=False)[0]:
             self._idle_forward()
 
-    def _lockstep_count(self, forward: bool) -> int:
-        """This stage's EP group agrees on one forward: how many of its ranks run it with tokens."""
-        flag = torch.tensor([int(forward)], dtype=torch.int32, device=self.ctx.device)
-        return int(self.ctx.all_reduce_ep(flag).item())
+    def _lockstep_count(self, forward: bool, inside: bool = True) -> tuple[int, int]:
+        """This stage's EP group agrees on one forward: how many of its ranks run it with tokens, and how
+        many are still in the block (``inside``: a rank running a forward or at a barrier)."""
+        flags = torch.tensor([int(forward), int(inside)], dtype=torch.int32, device=self.ctx.device)
+        forwards, inside = self.ctx.all_reduce_ep(flags).tolist()
+        return forwards, inside
 
     @torch.no_grad()
     def _idle_forward(self) -> None:

@@ -314,7 +314,7 @@ def split_groups(slots: torch.Tensor, k: int) -> list[torch.Tensor]:
 
 
 def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable[[int], None],
-               advance: Callable[[int], None]) -> None:
+               advance: Callable[[int], None], barrier: Callable[[], None] = lambda: None) -> None:
     """Drive a rollout whose responses are split into ``k`` groups through the pipeline stages.
 
     Group-step j belongs to group j % k and has two parts: ``forward(g)``, this stage's share of the
@@ -333,7 +333,9 @@ def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable
     runs after that advance; another group's next forward may already have run on an earlier stage,
     which is also why a group's rows run in the last stage's order on every stage (:func:`run_order`).
     Such a forward sends twice (ParallelContext.forward_step keeps both sends in flight: the next
-    stage takes them only in its own forward of the group)."""
+    stage takes them only in its own forward of the group). ``barrier()`` follows each group-step's
+    forward, run or skipped: PolicyModel.lockstep_barrier, under which expert-parallel replicas
+    whose responses differ pair their stages' forwards group-step by group-step."""
     lead = max(0, min(k, ctx.pp_size) - 1 - ctx.pp_rank)
     forwarded, j = 0, 0
     try:
@@ -342,6 +344,7 @@ def run_groups(alive: Callable[[int], bool], k: int, ctx: Any, forward: Callable
                 if alive(forwarded % k):
                     with ctx.forward_step():  # (a prefill and a step: two sends in flight together)
                         forward(forwarded % k)
+                barrier()
                 forwarded += 1
             if alive(j % k):
                 advance(j % k)
@@ -493,7 +496,9 @@ class RolloutState:
         """Admit the first responses, prefill their prompts and sample their first tokens (as
         :meth:`first_tokens`)."""
         _, pending = self.admit()  # (nothing is prefilled yet: nothing joins)
-        return self.first_tokens(pending, self.prefill(pending, max_prefill_tokens))
+        prefilled = self.prefill(pending, max_prefill_tokens)
+        self.model.lockstep_barrier()  # (expert parallelism: the replicas' prefills, in however many pieces)
+        return self.first_tokens(pending, prefilled)
 
     def positions(self, slots: torch.Tensor) -> torch.Tensor:
         """[b] each response's length so far: the response index of the token sampled next."""

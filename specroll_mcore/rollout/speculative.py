@@ -437,7 +437,8 @@ class SpeculativeEngine:
                              rows=rows)
         groups = rollout.start(state)
         run_groups(lambda i: groups[i].alive(), len(groups), self.model.ctx,
-                   lambda i: rollout.forward(groups[i]), lambda i: rollout.advance(groups[i]))
+                   lambda i: rollout.forward(groups[i]), lambda i: rollout.advance(groups[i]),
+                   self.model.lockstep_barrier)
         return state.output(rollout.stats())
 
 

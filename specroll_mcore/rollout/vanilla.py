@@ -167,7 +167,7 @@ class VanillaEngine:
             g.prefilled = g.out = None
             admit(g, slots, last)
 
-        run_groups(lambda i: groups[i].alive(), self.groups, model.ctx, forward, advance)
+        run_groups(lambda i: groups[i].alive(), self.groups, model.ctx, forward, advance, model.lockstep_barrier)
 
         elapsed = time.perf_counter() - t0
         num_tokens = sum(len(r) for r in state.responses)

@@ -1,7 +1,7 @@
 """tools/fuzz_exactness.py across layouts: random cases rolled out at TP=2, PP=2 and EP=2 (2 processes,
 gloo) against the vanilla engine of one process (bfloat16: the layout's engines against each other),
-and the case of a pipeline bug it found replayed; its comparison reports what a layout changed, and
-a launch that fails or hangs is reported, not lost."""
+and the cases of a pipeline bug and an expert-parallel deadlock it found replayed; its comparison
+reports what a layout changed, and a launch that fails or hangs is reported, not lost."""
 
 import dataclasses
 import json
@@ -59,6 +59,21 @@ def test_a_case_replayed_at_a_layout(tmp_path):
     assert got["seed"] == 429015258 and got["failures"] == [] and got["tau"] > 2
     assert {k: got["case"][k] for k in ("pipeline_groups", "max_num_seqs", "max_prefill_tokens", "eos")} == {
         "pipeline_groups": 3, "max_num_seqs": 5, "max_prefill_tokens": 3, "eos": True}
+
+
+def test_expert_parallel_pipeline_case_replayed(tmp_path):
+    """The case of one seed at EP=2 x PP=2 (4 processes), described: the one whose ranks waited on each
+    other in a cycle before the expert lockstep paired each stage's forwards group-step by group-step
+    (PolicyModel.lockstep_barrier; continuous batching with two rows, prompts prefilled in pieces of 3:
+    one replica's admitted prompt took several prefill forwards where the other decoded)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz_exactness.py"), "--ep", "2", "--pp", "2",
+                           "--archs", "qwen3_moe", "--replay", "530465698"],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    assert got["seed"] == 530465698 and got["failures"] == []
+    assert {k: got["case"][k] for k in ("arch", "max_num_seqs", "max_prefill_tokens")} == {
+        "arch": "qwen3_moe", "max_num_seqs": 2, "max_prefill_tokens": 3}
 
 
 def test_the_comparison_reports_what_a_layout_changed(ctx):

@@ -134,6 +134,132 @@ def test_steps_that_prefill_and_decode_keep_both_sends_in_flight(pp, k, monkeypa
             simulate(pp, k, lifetimes, prefills, steps_in_flight=False, monkeypatch=monkeypatch)
 
 
+class _Group:
+    """A collective of simulated ranks (threads): every member's call returns once all have called it."""
+
+    def __init__(self, size: int) -> None:
+        self.values: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+        self.arrived = threading.Barrier(size, action=self._sum, timeout=5)
+        self.read = threading.Barrier(size, timeout=5)
+
+    def _sum(self) -> None:
+        self.total, self.values = torch.stack(self.values).sum(0), []
+
+    def abort(self) -> None:
+        self.arrived.abort()
+        self.read.abort()
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.values.append(tensor.clone())
+        try:
+            self.arrived.wait()
+            tensor.copy_(self.total)
+            self.read.wait()
+        except threading.BrokenBarrierError:
+            raise AssertionError("a collective never completed: the ranks wait on each other") from None
+        return tensor
+
+
+def simulate_replicas(pp: int, k: int, lifetimes: list[list[int]], pieces: list[dict], barrier: bool = True) -> dict:
+    """Expert-parallel replicas (one per entry of ``lifetimes``, their groups' lifetimes) of ``pp``
+    simulated stages each, through the rollouts' schedule: a first prefill, then run_groups. Each
+    forward of a stage goes through PolicyModel's own lockstep (its count over the stage's EP group,
+    then a collective of that group for its MoE layers; an idle rank's dummy forward joins that
+    collective); replica r's prefill of its group-step ``(g, step)`` (``"start"``: the first prefill)
+    takes ``pieces[r][(g, step)]`` forwards more. ``barrier`` False: PolicyModel.lockstep_barrier
+    is not called. Returns the forwards each (replica, stage) ran, its idle ones apart."""
+    R = len(lifetimes)
+    ep_groups = [_Group(R) for _ in range(pp)]
+    pp_groups = [_Group(pp) for _ in range(R)]
+    links = {(r, s): queue.Queue() for r in range(R) for s in range(pp)}
+    ran: dict = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int, s: int) -> None:
+        moe = lambda: ep_groups[s].all_reduce(torch.zeros(1))  # noqa: E731  (a MoE layer's all-to-all)
+        ctx = SimpleNamespace(ep_size=R, pp_size=pp, device=torch.device("cpu"),
+                              all_reduce_ep=lambda t, op="sum": ep_groups[s].all_reduce(t))
+        idle = []
+        model = SimpleNamespace(ctx=ctx, _lockstep=False, _idle_forward=lambda: (idle.append(1), moe()))
+        for name in ("expert_lockstep", "lockstep_barrier", "_lockstep_count"):
+            setattr(model, name, getattr(PolicyModel, name).__get__(model))
+        steps, forwards = [0] * k, []
+
+        def stage_forward(what) -> None:
+            if s > 0:
+                assert links[r, s].get(timeout=5) == what
+            model._lockstep_count(forward=True)
+            moe()
+            forwards.append(what)
+            if s < pp - 1:
+                links[r, s + 1].put(what)
+
+        def forward(g: int) -> None:
+            for part in range(pieces[r].get((g, steps[g]), 0) + 1):
+                stage_forward((g, steps[g], part))
+
+        def advance(g: int) -> None:
+            pp_groups[r].all_reduce(torch.zeros(1))  # the replica's broadcast of the step's tokens
+            steps[g] += 1
+
+        try:
+            with model.expert_lockstep():
+                for part in range(pieces[r].get("start", 1)):
+                    stage_forward(("start", part))
+                if barrier:
+                    model.lockstep_barrier()
+                pp_groups[r].all_reduce(torch.zeros(1))  # the first tokens
+                run_groups(lambda g: steps[g] < lifetimes[r][g], k, SimpleNamespace(
+                    pp_size=pp, pp_rank=s, forward_step=contextlib.nullcontext, flush_sends=lambda: None),
+                    forward, advance, model.lockstep_barrier if barrier else lambda: None)
+        except BaseException as e:  # noqa: BLE001  (reported by the test)
+            errors.append(e)
+            for group in ep_groups + pp_groups:  # (the others stop too)
+                group.abort()
+        ran[r, s] = (len(forwards), len(idle))
+
+    threads = [threading.Thread(target=rank, args=(r, s)) for r in range(R) for s in range(pp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return ran
+
+
+@pytest.mark.parametrize("pp, k, replicas", [(2, 2, 2), (2, 1, 2), (3, 3, 2), (2, 2, 3)])
+def test_expert_parallel_replicas_pair_their_stages_forwards_without_deadlock(pp, k, replicas):
+    """Expert parallelism over pipeline stages: replicas roll out different prompts, so their groups live
+    for different numbers of steps and prefill admitted prompts in different numbers of pieces. Each
+    stage's EP group pairs forwards step by step (PolicyModel.lockstep_barrier after each group-step and
+    the first prefill); every rank runs as many forwards, its own or idle, as every other of its stage."""
+    rng = random.Random(pp * 100 + k * 10 + replicas)
+    for _ in range(4):
+        lifetimes = [[rng.randint(0, 6) for _ in range(k)] for _ in range(replicas)]
+        pieces = [{(g, step): rng.choice([0, 0, 1, 2]) for g in range(k) for step in range(6)}
+                  | {"start": rng.randint(1, 3)} for _ in range(replicas)]
+        ran = simulate_replicas(pp, k, lifetimes, pieces)
+        for r in range(replicas):
+            own = pieces[r]["start"] + sum(1 + pieces[r][g, step] for g in range(k) for step in range(lifetimes[r][g]))
+            assert all(ran[r, s][0] == own for s in range(pp))
+        for s in range(pp):
+            assert len({sum(ran[r, s]) for r in range(replicas)}) == 1
+
+
+def test_expert_parallel_replicas_without_the_barrier_deadlock():
+    """The case the barrier is for (fuzz case 530465698's pattern): one replica prefills an admitted
+    prompt in three pieces where the other decodes. Each stage's EP group then pairs forwards that
+    one replica's pipeline runs before a broadcast and the other after its own, in a cycle."""
+    lifetimes, pieces = [[4, 4], [4, 4]], [{(1, 1): 2, "start": 1}, {"start": 1}]
+    ran = simulate_replicas(2, 2, lifetimes, pieces)
+    assert all(ran[0, s] == (11, 0) and ran[1, s] == (9, 2) for s in range(2))  # (9 forwards of its own, 2 idle)
+    with pytest.raises(AssertionError, match="the ranks wait on each other"):
+        simulate_replicas(2, 2, lifetimes, pieces, barrier=False)
+
+
 def test_first_stage_runs_ahead_by_one_group_per_later_stage():
     logs = simulate(2, 2, [3, 3])
     assert logs[0][:4] == [("F", 0), ("F", 1), ("B", 0), ("F", 0)]  # group 1 computes while group 0 samples
