@@ -4,7 +4,7 @@ engine's, token for token, in float64 (where near-ties cannot happen) or bfloat1
 
     python tools/fuzz_exactness.py --minutes 10 --out fuzz_exactness.json
     python tools/fuzz_exactness.py --replay 123456789      # one case again, described
-    python tools/fuzz_exactness.py --tp 2 --minutes 10     # the rollouts at TP=2 (--pp 2, --ep 2 alike)
+    python tools/fuzz_exactness.py --tp 2 --minutes 10     # the rollouts at TP=2 (--pp 3, --ep 2 alike)
     python tools/fuzz_exactness.py --tp 2 --replay 123456789
 
 Each case draws, from its own seed: a random tiny model (Llama, Qwen2, Qwen3 or Qwen3-MoE shapes,
@@ -30,15 +30,16 @@ and the tree (~1e-6), counts instead the responses a near-tie parted from the re
 token sampled the other way, or a log-prob 1e-4 or more apart before any did: a token on the edge of
 top-p / top-k / min-p kept on one side alone), by check, against the bound of 0.1% of responses.
 
-``--tp N``, ``--pp 2``, ``--ep N`` roll the cases out at that layout instead, in tp x pp x ep processes
+``--tp N``, ``--pp N``, ``--ep N`` roll the cases out at that layout instead, in tp x pp x ep processes
 on gloo (launched here with torchrun; ``--ep``: Qwen3-MoE's experts over as many data-parallel
 ranks, the first rolling out all prompts and the others the subset, so the expert group's ranks run
-forwards for each other's longer responses), the model's weights, heads and case drawn alike and
-sharded by the layout. The checks above run there; in float64 every rollout there (the one that
-picks the EOS too) is also checked against the vanilla engine in this process, all prompts at once
-(the layout's reductions in another order move log-probs by ~1e-15 and no token); in bfloat16 the
-layout's own engines agree bit for bit (a TP layout's sums differ from one process's). Reported
-(JSON): the cases, every
+forwards for each other's longer responses; ``--pp``: models of one layer per stage, at least 2, or
+``--first-stage-layers`` on the first stage and one on each other), the model's weights, heads and
+case drawn alike and sharded by the layout. The checks above run there; in float64 every rollout
+there (the one that picks the EOS too) is also checked against the vanilla engine in this process,
+all prompts at once (the layout's reductions in another order move log-probs by ~1e-15 and no
+token); in bfloat16 the layout's own engines agree bit for bit (a TP layout's sums differ from one
+process's). A SIGTERM or Ctrl-C stops the processes too. Reported (JSON): the cases, every
 failure with its case seed (``--replay`` it), the engine, the first response and position that
 differ; how often each setting was drawn; SpecRoll's tokens per step over the cases. Exits 1 on
 any failure. A tool for changes to the engines, trees, sampler or acceptance, beside the tests.
@@ -93,17 +94,18 @@ def bfloat16_kernels() -> bool:
     return info.exists() and "avx512_bf16" in info.read_text()
 
 
-def draw_model(r: random.Random, ctx: Any, archs: list[str], dtype: str) -> tuple[PolicyModel, dict[str, Any]]:
-    """A tiny model with 3 heads: random heads, or embeddings within ``spread`` of one vector (the
-    policy's distribution then hardly depends on the context, and zero-initialised heads, z = h, draft
-    it nearly exactly); in bfloat16 half the time SmolLM2's attention shape (9 heads of 64 in 3
+def draw_model(r: random.Random, ctx: Any, archs: list[str], dtype: str,
+               layers: int = 2) -> tuple[PolicyModel, dict[str, Any]]:
+    """A tiny model of ``layers`` layers with 3 heads: random heads, or embeddings within ``spread`` of
+    one vector (the policy's distribution then hardly depends on the context, and zero-initialised
+    heads, z = h, draft it nearly exactly); in bfloat16 half the time SmolLM2's attention shape (9 heads of 64 in 3
     groups; 8 in 2 under TP), which the CPU's step-attention kernel takes."""
     arch = r.choice(archs)
     wide = dtype == "bfloat16" and r.random() < 0.5
     heads, groups = (9, 3) if ctx.tp_size == 1 else (8, 2)  # (TP splits the heads and their groups)
     shape = dict(hidden_size=576, ffn_hidden_size=256, num_attention_heads=heads, num_query_groups=groups,
                  kv_channels=64) if wide else {}
-    cfg = ARCHS[arch](params_dtype=dtype, num_layers=2, **shape)
+    cfg = ARCHS[arch](params_dtype=dtype, num_layers=layers, **shape)
     model = PolicyModel(cfg, ctx, num_heads=3).eval()
     full = random_full_state_dict(cfg, seed=r.randrange(10**6), std=0.08)
     spread = r.choice([0.0, 0.01, 0.05, None])
@@ -117,7 +119,8 @@ def draw_model(r: random.Random, ctx: Any, archs: list[str], dtype: str) -> tupl
     model.load_full_state_dict(full)
     if spread is None:  # (drawn whole on every rank, then sharded: the same heads at every layout)
         model.load_full_heads(random_full_heads(cfg, 3, g))
-    return model, {"arch": arch, "dtype": dtype, "attention": f"{heads} x 64" if wide else "tiny",
+    return model, {"arch": arch, "dtype": dtype, "layers": layers,
+                   "attention": f"{heads} x 64" if wide else "tiny",
                    "heads": "random" if spread is None else f"near the policy (spread {spread})"}
 
 
@@ -223,11 +226,12 @@ def accepted_at_once(value: str) -> Iterator[None]:
             os.environ["SPECROLL_ACCEPT_AT_ONCE"] = saved
 
 
-def draw_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64") -> Case:
+def draw_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64", layers: int = 2) -> Case:
     """The case of ``case_seed``, drawn from it alone (the same at every layout: the EOS comes from the
-    plain rollout, which a layout computes alike)."""
+    plain rollout, which a layout computes alike); its model of ``layers`` layers, drawn alike for
+    any number."""
     r = random.Random(case_seed)
-    model, info = draw_model(r, ctx, archs, dtype)
+    model, info = draw_model(r, ctx, archs, dtype, layers)
     prompts = [[r.randrange(1, 300) for _ in range(r.randint(1, 20))] for _ in range(r.randint(1, 5))]
     sp = SamplingConfig(temperature=r.choice([0.0, 0.6, 1.0]), top_p=r.choice([1.0, 0.9]), top_k=r.choice([0, 5]),
                         min_p=r.choice([0.0, 0.1]), max_new_tokens=r.randint(1, 40), num_samples=r.randint(1, 3),
@@ -341,7 +345,16 @@ def in_process(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple[li
 
 def layout_config(args: argparse.Namespace) -> ParallelConfig:
     return ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                          expert_model_parallel_size=args.ep, backend="gloo")
+                          expert_model_parallel_size=args.ep, backend="gloo",
+                          num_layers_in_first_pipeline_stage=args.first_stage_layers)
+
+
+def model_layers(args: argparse.Namespace) -> int:
+    """The layers of the cases' models: one per pipeline stage (at least 2), or with
+    ``--first-stage-layers`` that many on the first stage and one on each other."""
+    if args.first_stage_layers is not None:
+        return args.first_stage_layers + args.pp - 1
+    return max(2, args.pp)
 
 
 def worker(args: argparse.Namespace, archs: list[str]) -> None:
@@ -351,7 +364,8 @@ def worker(args: argparse.Namespace, archs: list[str]) -> None:
     and count decide when to stop, for all."""
     import torch.distributed as dist
 
-    ctx = parallel.initialize(layout_config(args), tiny_qwen3_moe() if args.ep > 1 else None)
+    moe = tiny_qwen3_moe(num_layers=model_layers(args)) if args.ep > 1 else None
+    ctx = parallel.initialize(layout_config(args), moe)
     folder = Path(args.worker)
     draw = random.Random(args.seed)
     deadline = time.monotonic() + 60 * args.minutes
@@ -363,7 +377,7 @@ def worker(args: argparse.Namespace, archs: list[str]) -> None:
             break
         case_seed, count = draw.randrange(10**9) if args.replay is None else args.replay, count + 1
         try:
-            case = draw_case(case_seed, ctx, archs, args.dtype)
+            case = draw_case(case_seed, ctx, archs, args.dtype, model_layers(args))
             outs = layout_rollouts(case, ctx)
             got = judge(case, outs, args.dtype)
             if args.dtype == "float64":
@@ -374,6 +388,17 @@ def worker(args: argparse.Namespace, archs: list[str]) -> None:
         if ctx.is_last_stage and ctx.tp_rank == 0:
             torch.save({"seed": case_seed, **got}, folder / f"case{count:06d}-dp{ctx.dp_rank}.pt")
     parallel.destroy()
+
+
+def stop(launch: subprocess.Popen) -> None:
+    """Stop torchrun and the processes it launched: each runs in a session of its own, which torchrun
+    stops on SIGTERM (SIGKILL to what is left after a minute)."""
+    os.killpg(launch.pid, signal.SIGTERM)
+    try:
+        launch.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        launch.wait()
 
 
 def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple[list[dict[str, Any]],
@@ -388,21 +413,25 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
                "--worker", folder, "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep),
                "--seed", str(args.seed), "--minutes", str(args.minutes), "--cases", str(args.cases),
                "--archs", ",".join(archs), "--dtype", args.dtype,
-               *(["--replay", str(args.replay)] if args.replay is not None else [])]
+               *(["--replay", str(args.replay)] if args.replay is not None else []),
+               *(["--first-stage-layers", str(args.first_stage_layers)] if args.first_stage_layers else [])]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        stopped = False
         try:
-            code = proc.wait(timeout=60 * args.minutes + WORKER_GRACE_S)
+            proc.wait(timeout=60 * args.minutes + WORKER_GRACE_S)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait()
+            stopped = True
+        finally:  # (and interrupted: Ctrl-C, or SIGTERM as main() sets it)
+            if proc.poll() is None:
+                stop(proc)
+        code = proc.returncode
         files: dict[int, list[dict[str, Any]]] = {}
         for f in sorted(Path(folder).glob("case*.pt")):
             files.setdefault(int(f.name[4:10]), []).append(torch.load(f, weights_only=False))
     results, errors = [], []
     if code != 0:
-        how = (f"were stopped {WORKER_GRACE_S} s after --minutes" if code == -signal.SIGKILL
-               else f"exited with status {code}")
+        how = f"were stopped {WORKER_GRACE_S} s after --minutes" if stopped else f"exited with status {code}"
         errors.append({"seed": None, "error": f"the {world} processes at the layout {how}, after {len(files)} "
                                               f"cases (their output is above)"})
     for _, parts in sorted(files.items()):
@@ -413,7 +442,7 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
         failures = [f for part in parts for f in part["failures"]]
         if args.dtype == "float64":
             try:
-                case = draw_case(seed, ctx, archs)
+                case = draw_case(seed, ctx, archs, layers=model_layers(args))
                 outputs = {k: v for part in parts for k, v in part["outputs"].items()}
                 failures += compare_layout(case, {"plain": [part["plain"] for part in parts], "outputs": outputs})
             except Exception:
@@ -454,7 +483,10 @@ def main() -> int:
                     help="float32: the share of responses near-ties part; bfloat16: the half-precision policy's "
                          "bit-for-bit steps (a CPU with AVX-512 bfloat16)")
     ap.add_argument("--tp", type=int, default=1, help="the rollouts at this tensor-parallel size (processes on gloo)")
-    ap.add_argument("--pp", type=int, default=1, help="... pipeline-parallel size (2 layers: at most 2)")
+    ap.add_argument("--pp", type=int, default=1, help="... pipeline-parallel size (the models: one layer per stage, "
+                                                      "at least 2)")
+    ap.add_argument("--first-stage-layers", type=int, default=None,
+                    help="an uneven pipeline split: this many layers on the first stage, one on each other")
     ap.add_argument("--ep", type=int, default=1, help="... expert-parallel size, as many data-parallel ranks "
                                                       "(qwen3_moe)")
     ap.add_argument("--replay", type=int, default=None, help="run the case of this seed alone and describe it "
@@ -470,9 +502,11 @@ def main() -> int:
         ap.error(f"--archs takes names among {', '.join(ARCHS)}, got {args.archs!r}")
     if args.cases < 0 or not args.minutes > 0:
         ap.error(f"--minutes must be > 0 and --cases >= 0, got {args.minutes} and {args.cases}")
-    if min(args.tp, args.pp, args.ep) < 1 or args.pp > 2:
-        ap.error(f"--tp and --ep must be >= 1 and --pp 1 or 2 (the models have 2 layers), got {args.tp}, "
-                 f"{args.ep} and {args.pp}")
+    if min(args.tp, args.pp, args.ep) < 1:
+        ap.error(f"--tp, --pp and --ep must be >= 1, got {args.tp}, {args.pp} and {args.ep}")
+    if args.first_stage_layers is not None and (args.pp < 2 or args.first_stage_layers < 1):
+        ap.error(f"--first-stage-layers splits a pipeline unevenly: it takes --pp 2 or more and at least 1 layer, "
+                 f"got --pp {args.pp} and {args.first_stage_layers}")
     if args.ep > 1 and archs != ["qwen3_moe"]:
         ap.error(f"--ep splits a mixture's experts: it takes --archs qwen3_moe alone, got {args.archs!r}")
     if args.tp > 1 and "qwen3_moe" in archs:
@@ -491,6 +525,8 @@ def main() -> int:
         return 0
     # (bfloat16's contract is the CPU's; float64 holds on a GPU too, where the engines take their GPU paths)
     ctx = parallel.initialize(ParallelConfig(backend="gloo" if args.dtype == "bfloat16" or layout else None))
+    if layout:  # (a SIGTERM, as Ctrl-C, stops the processes across_layout launched)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.replay is not None:
         if layout:
             args.cases = 1
@@ -512,7 +548,7 @@ def main() -> int:
     taus = sorted(x["tau"] for x in results if x["tau"] is not None)
     report = {"cases": len(results) + len(errors), "failures": failures, "errors": errors,
               "minutes": args.minutes, "seed": args.seed, "archs": archs, "dtype": args.dtype,
-              "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep},
+              "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "first_stage_layers": args.first_stage_layers},
               "tau": {"median": statistics.median(taus), "max": taus[-1],
                       "cases_over_2": sum(t > 2 for t in taus), "cases_over_3": sum(t > 3 for t in taus)}
               if taus else None,

@@ -1,13 +1,16 @@
-"""tools/fuzz_exactness.py across layouts: random cases rolled out at TP=2, PP=2 and EP=2 (2 processes,
-gloo) against the vanilla engine of one process (bfloat16: the layout's engines against each other),
-and the cases of a pipeline bug and an expert-parallel deadlock it found replayed; its comparison
-reports what a layout changed, and a launch that fails or hangs is reported, not lost."""
+"""tools/fuzz_exactness.py across layouts: random cases rolled out at TP=2, PP=2, EP=2 (2 processes,
+gloo) and PP=3 split unevenly (3) against the vanilla engine of one process (bfloat16: the layout's
+engines against each other), and the cases of a pipeline bug and an expert-parallel deadlock it found
+replayed; its comparison reports what a layout changed, a launch that fails or hangs is reported, not
+lost, and a run stopped stops its processes."""
 
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -25,13 +28,14 @@ def bfloat16_kernels() -> bool:
 
 @pytest.mark.parametrize("layout, dtype", [
     ({"tp": 2}, "float64"), ({"pp": 2}, "float64"), ({"ep": 2}, "float64"),
+    ({"pp": 3, "first_stage_layers": 2}, "float64"),
     pytest.param({"tp": 2}, "bfloat16", marks=pytest.mark.skipif(not bfloat16_kernels(), reason="no AVX-512 bf16"))],
-    ids=["tp2", "pp2", "ep2", "tp2-bfloat16"])
+    ids=["tp2", "pp2", "ep2", "pp3-uneven", "tp2-bfloat16"])
 def test_random_cases_at_a_layout_give_one_process_tokens(tmp_path, layout, dtype):
     """In float64 checked against one process too; in bfloat16 the layout's engines against each other
     (the cases' models drawn in bfloat16 by the processes at the layout: the case records its dtype)."""
     out = tmp_path / "fuzz.json"
-    args = [a for k, v in layout.items() for a in (f"--{k}", str(v))]
+    args = [a for k, v in layout.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz_exactness.py"), *args, "--cases", "3",
                            "--seed", "7", "--dtype", dtype, "--out", str(out)],
                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
@@ -39,7 +43,8 @@ def test_random_cases_at_a_layout_give_one_process_tokens(tmp_path, layout, dtyp
     report = json.loads(out.read_text())
     assert report["cases"] == 3 and report["failures"] == [] and report["errors"] == []
     assert report["coverage"]["dtype"] == {dtype: 3}
-    assert report["layout"] == {"tp": 1, "pp": 1, "ep": 1, **layout}
+    assert report["layout"] == {"tp": 1, "pp": 1, "ep": 1, "first_stage_layers": None, **layout}
+    assert report["coverage"]["layers"] == {"4" if "first_stage_layers" in layout else "2": 3}  # (3 stages: 2, 1, 1)
     dense = ["llama", "qwen2", "qwen3"]
     assert report["archs"] == {"tp": dense, "pp": dense + ["qwen3_moe"], "ep": ["qwen3_moe"]}[next(iter(layout))]
     assert report["tau"]["max"] >= 1
@@ -114,6 +119,41 @@ def test_a_launch_that_fails_or_hangs_is_reported(ctx, monkeypatch, command, mes
     real = subprocess.Popen
     monkeypatch.setattr(fuzz.subprocess, "Popen", lambda cmd, **kw: real([sys.executable, "-c", command], **kw))
     monkeypatch.setattr(fuzz, "WORKER_GRACE_S", 1)
-    args = Namespace(tp=2, pp=1, ep=1, seed=0, minutes=0.001, cases=1, replay=None, dtype="float64")
+    args = Namespace(tp=2, pp=1, ep=1, seed=0, minutes=0.001, cases=1, replay=None, dtype="float64",
+                     first_stage_layers=None)
     results, errors = fuzz.across_layout(args, ["llama"], ctx)
     assert results == [] and len(errors) == 1 and errors[0]["error"].startswith(message), errors
+
+
+def test_a_stopped_run_stops_its_processes(tmp_path):
+    """SIGTERM (or Ctrl-C) to the tool while the processes at the layout run: they go too (they run in
+    a session of their own, which a signal to the tool's does not reach)."""
+    def launched() -> list[int]:  # (torchrun and its workers: their command names the case folder, in TMPDIR)
+        pids = []
+        for d in Path("/proc").iterdir():
+            try:
+                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if d.name.isdigit() and "--worker" in cmd and str(tmp_path) in cmd:
+                pids.append(int(d.name))
+        return pids
+
+    tool = subprocess.Popen([sys.executable, str(ROOT / "tools" / "fuzz_exactness.py"), "--pp", "2", "--minutes", "5",
+                             "--out", str(tmp_path / "fuzz.json")], env=dict(os.environ, TMPDIR=str(tmp_path)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(launched()) < 3 and time.monotonic() < deadline:  # torchrun and 2 workers
+            time.sleep(0.5)
+        assert len(launched()) >= 3, "the processes at the layout never started"
+        tool.send_signal(signal.SIGTERM)
+        assert tool.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while launched() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert launched() == []
+        assert not (tmp_path / "fuzz.json").exists()
+    finally:
+        if tool.poll() is None:
+            tool.kill()

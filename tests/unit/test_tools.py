@@ -570,8 +570,10 @@ def test_fuzz_exactness_smoke_and_bad_arguments(tmp_path, capsys):
     for args, message in ((("--archs", "gpt2"), "--archs takes names among llama, qwen2, qwen3, qwen3_moe"),
                           (("--minutes", 0), "--minutes must be > 0 and --cases >= 0, got 0.0 and 0"),
                           (("--cases", -1), "--minutes must be > 0 and --cases >= 0, got 5.0 and -1"),
-                          (("--pp", 3), "--tp and --ep must be >= 1 and --pp 1 or 2 (the models have 2 layers), "
-                                        "got 1, 1 and 3"),
+                          (("--pp", 0), "--tp, --pp and --ep must be >= 1, got 1, 0 and 1"),
+                          (("--first-stage-layers", 2), "--first-stage-layers splits a pipeline unevenly: it takes "
+                                                        "--pp 2 or more and at least 1 layer, got --pp 1 and 2"),
+                          (("--pp", 3, "--first-stage-layers", 0), "got --pp 3 and 0"),
                           (("--ep", 2, "--archs", "llama"), "--ep splits a mixture's experts: it takes --archs "
                                                             "qwen3_moe alone, got 'llama'"),
                           (("--pp", 2, "--dtype", "float32"), "float32's near-ties are counted in one process: "
