@@ -364,8 +364,8 @@ def worker(args: argparse.Namespace, archs: list[str]) -> None:
     and count decide when to stop, for all."""
     import torch.distributed as dist
 
-    moe = tiny_qwen3_moe(num_layers=model_layers(args)) if args.ep > 1 else None
-    ctx = parallel.initialize(layout_config(args), moe)
+    layers = model_layers(args)
+    ctx = parallel.initialize(layout_config(args), tiny_qwen3_moe(num_layers=layers) if args.ep > 1 else None)
     folder = Path(args.worker)
     draw = random.Random(args.seed)
     deadline = time.monotonic() + 60 * args.minutes
@@ -377,7 +377,7 @@ def worker(args: argparse.Namespace, archs: list[str]) -> None:
             break
         case_seed, count = draw.randrange(10**9) if args.replay is None else args.replay, count + 1
         try:
-            case = draw_case(case_seed, ctx, archs, args.dtype, model_layers(args))
+            case = draw_case(case_seed, ctx, archs, args.dtype, layers)
             outs = layout_rollouts(case, ctx)
             got = judge(case, outs, args.dtype)
             if args.dtype == "float64":
@@ -414,7 +414,7 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
                "--seed", str(args.seed), "--minutes", str(args.minutes), "--cases", str(args.cases),
                "--archs", ",".join(archs), "--dtype", args.dtype,
                *(["--replay", str(args.replay)] if args.replay is not None else []),
-               *(["--first-stage-layers", str(args.first_stage_layers)] if args.first_stage_layers else [])]
+               *(["--first-stage-layers", str(args.first_stage_layers)] if args.first_stage_layers is not None else [])]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         stopped = False
@@ -429,7 +429,7 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
         files: dict[int, list[dict[str, Any]]] = {}
         for f in sorted(Path(folder).glob("case*.pt")):
             files.setdefault(int(f.name[4:10]), []).append(torch.load(f, weights_only=False))
-    results, errors = [], []
+    results, errors, layers = [], [], model_layers(args)
     if code != 0:
         how = f"were stopped {WORKER_GRACE_S} s after --minutes" if stopped else f"exited with status {code}"
         errors.append({"seed": None, "error": f"the {world} processes at the layout {how}, after {len(files)} "
@@ -442,7 +442,7 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
         failures = [f for part in parts for f in part["failures"]]
         if args.dtype == "float64":
             try:
-                case = draw_case(seed, ctx, archs, layers=model_layers(args))
+                case = draw_case(seed, ctx, archs, layers=layers)
                 outputs = {k: v for part in parts for k, v in part["outputs"].items()}
                 failures += compare_layout(case, {"plain": [part["plain"] for part in parts], "outputs": outputs})
             except Exception:
