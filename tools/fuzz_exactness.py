@@ -38,11 +38,12 @@ forwards for each other's longer responses; ``--pp``: models of one layer per st
 case drawn alike and sharded by the layout. The checks above run there; in float64 every rollout
 there (the one that picks the EOS too) is also checked against the vanilla engine in this process,
 all prompts at once (the layout's reductions in another order move log-probs by ~1e-15 and no
-token); in bfloat16 the layout's own engines agree bit for bit (a TP layout's sums differ from one
-process's). A SIGTERM or Ctrl-C stops the processes too. Reported (JSON): the cases, every
-failure with its case seed (``--replay`` it), the engine, the first response and position that
-differ; how often each setting was drawn; SpecRoll's tokens per step over the cases. Exits 1 on
-any failure. A tool for changes to the engines, trees, sampler or acceptance, beside the tests.
+token); in float32 the near-ties the layout's sums part from one process's are counted alike, as
+checks of their own ("..., against one process"); in bfloat16 the layout's own engines agree bit for
+bit (a TP layout's sums differ from one process's). A SIGTERM or Ctrl-C stops the processes too.
+Reported (JSON): the cases, every failure with its case seed (``--replay`` it), the engine, the first
+response and position that differ; how often each setting was drawn; SpecRoll's tokens per step over
+the cases. Exits 1 on any failure. A tool for changes to the engines, trees, sampler or acceptance, beside the tests.
 """
 
 from __future__ import annotations
@@ -312,15 +313,33 @@ def layout_rollouts(case: Case, ctx: Any) -> dict[str, RolloutOutput]:
     return rollouts(case, ["specroll" + part, "vanilla" + (part or ", scheduled")])
 
 
-def compare_layout(case: Case, got: dict[str, Any]) -> list[dict[str, Any]]:
-    """The failures of one case's rollouts at a layout (``got``: each data-parallel rank's plain rollout
-    and layout_rollouts) against this process's vanilla engine, all prompts at once (float64)."""
+def compare_layout(case: Case, got: dict[str, Any], dtype: str = "float64") -> dict[str, Any]:
+    """One case's rollouts at a layout (``got``: each data-parallel rank's plain rollout and
+    layout_rollouts) against this process's vanilla engine, all prompts at once: the failures, and in
+    float32 the responses compared and those a near-tie parted, by check (as :func:`judge` counts them).
+    Where the plain rollout, whose tokens the EOS is drawn from, has other tokens at the layout, the
+    layout's case is another: the comparison ends there."""
+    against: dict[str, Any] = {"failures": [], "responses": Counter(), "parted": []}
+
+    def check(name: str, expected: RolloutOutput, out: RolloutOutput, rows: Optional[list[int]] = None) -> None:
+        name += ", against one process"
+        if dtype == "float32":
+            parted, failure = divergences(expected, out, rows)
+            against["responses"][name] += len(out.tokens)
+            against["parted"] += [{"engine": name, **x} for x in parted]
+        else:
+            failure = differences(expected, out, rows)
+        if failure is not None:
+            against["failures"].append({"engine": name, **failure})
+
     for plain in got["plain"]:
-        if (diff := differences(case.plain, plain)) is not None:  # (its EOS drawn from other tokens: stop)
-            return [{"engine": "vanilla, no EOS, all prompts at once, against one process", **diff}]
+        check("vanilla, no EOS, all prompts at once", case.plain, plain)
+    if against["failures"] or any(plain.tokens != case.plain.tokens for plain in got["plain"]):
+        return against
     ref = case.generate(speculative=False, scheduled=False)
-    return [{"engine": f"{name}, against one process", **diff} for name, out in got["outputs"].items()
-            if (diff := differences(ref, out, case.subset_rows if ROLLOUTS[name][2] else None)) is not None]
+    for name, out in got["outputs"].items():
+        check(name, ref, out, case.subset_rows if ROLLOUTS[name][2] else None)
+    return against
 
 
 def in_process(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple[list[dict[str, Any]],
@@ -380,7 +399,7 @@ def worker(args: argparse.Namespace, archs: list[str]) -> None:
             case = draw_case(case_seed, ctx, archs, args.dtype, layers)
             outs = layout_rollouts(case, ctx)
             got = judge(case, outs, args.dtype)
-            if args.dtype == "float64":
+            if args.dtype != "bfloat16":  # (checked against one process)
                 got.update(plain=case.plain, outputs=outs)
         except Exception:  # (raised alike on every rank, or the others wait in a collective until the timeout)
             got = {"error": traceback.format_exc(limit=4)[-2000:]}
@@ -440,17 +459,23 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
             errors.append({"seed": seed, "error": next(part["error"] for part in parts if "error" in part)})
             continue
         failures = [f for part in parts for f in part["failures"]]
-        if args.dtype == "float64":
+        counts = {}
+        if args.dtype != "bfloat16":
             try:
-                case = draw_case(seed, ctx, archs, layers=layers)
+                case = draw_case(seed, ctx, archs, args.dtype, layers)
                 outputs = {k: v for part in parts for k, v in part["outputs"].items()}
-                failures += compare_layout(case, {"plain": [part["plain"] for part in parts], "outputs": outputs})
+                against = compare_layout(case, {"plain": [part["plain"] for part in parts], "outputs": outputs},
+                                         args.dtype)
             except Exception:
                 errors.append({"seed": seed, "error": traceback.format_exc(limit=4)[-2000:]})
                 print(f"case {seed} raised:\n{errors[-1]['error']}", flush=True)
                 continue
+            failures += against["failures"]
+            if args.dtype == "float32":
+                counts = {"responses": sum((Counter(part["responses"]) for part in parts), against["responses"]),
+                          "parted": [y for part in parts for y in part["parted"]] + against["parted"]}
         tau = next((part["tau"] for part in parts if part["tau"] is not None), None)
-        results.append({"seed": seed, "case": parts[0]["case"], "tau": tau, "failures": failures})
+        results.append({"seed": seed, "case": parts[0]["case"], "tau": tau, "failures": failures, **counts})
         for f in failures:
             print(f"case {seed}: {json.dumps(f)}", flush=True)
     return results, errors
@@ -512,9 +537,6 @@ def main() -> int:
     if args.tp > 1 and "qwen3_moe" in archs:
         ap.error("--tp > 1 takes dense models (--archs among llama, qwen2, qwen3): a mixture of experts runs at "
                  "TP=1 with pipeline, expert and data parallelism (ParallelConfig.tensor_model_parallel_size)")
-    if layout and args.dtype == "float32":
-        ap.error("--tp/--pp/--ep check the engines at the layout in float64 (and against one process) or in "
-                 "bfloat16, bit for bit; float32's near-ties are counted in one process: drop --dtype float32")
 
     if args.dtype == "bfloat16" and not bfloat16_kernels():
         ap.error("--dtype bfloat16 checks tokens bit for bit, which a half-precision policy computes on a CPU "

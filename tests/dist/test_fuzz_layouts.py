@@ -29,11 +29,13 @@ def bfloat16_kernels() -> bool:
 @pytest.mark.parametrize("layout, dtype", [
     ({"tp": 2}, "float64"), ({"pp": 2}, "float64"), ({"ep": 2}, "float64"),
     ({"pp": 3, "first_stage_layers": 2}, "float64"),
+    ({"pp": 2}, "float32"),
     pytest.param({"tp": 2}, "bfloat16", marks=pytest.mark.skipif(not bfloat16_kernels(), reason="no AVX-512 bf16"))],
-    ids=["tp2", "pp2", "ep2", "pp3-uneven", "tp2-bfloat16"])
+    ids=["tp2", "pp2", "ep2", "pp3-uneven", "pp2-float32", "tp2-bfloat16"])
 def test_random_cases_at_a_layout_give_one_process_tokens(tmp_path, layout, dtype):
-    """In float64 checked against one process too; in bfloat16 the layout's engines against each other
-    (the cases' models drawn in bfloat16 by the processes at the layout: the case records its dtype)."""
+    """In float64 checked against one process too; in float32 the near-ties parted counted, against one
+    process too; in bfloat16 the layout's engines against each other (the cases' models drawn in the
+    dtype by the processes at the layout: the case records it)."""
     out = tmp_path / "fuzz.json"
     args = [a for k, v in layout.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz_exactness.py"), *args, "--cases", "3",
@@ -48,6 +50,9 @@ def test_random_cases_at_a_layout_give_one_process_tokens(tmp_path, layout, dtyp
     dense = ["llama", "qwen2", "qwen3"]
     assert report["archs"] == {"tp": dense, "pp": dense + ["qwen3_moe"], "ep": ["qwen3_moe"]}[next(iter(layout))]
     assert report["tau"]["max"] >= 1
+    if dtype == "float32":  # (the layout's own checks and each rollout against one process, under the bound)
+        assert report["over_bound"] == [] and len(report["parted"]) == 10, report["parted"]
+        assert all(v["responses"] > 0 for v in report["parted"].values())
 
 
 def test_a_case_replayed_at_a_layout(tmp_path):

@@ -576,8 +576,6 @@ def test_fuzz_exactness_smoke_and_bad_arguments(tmp_path, capsys):
                           (("--pp", 3, "--first-stage-layers", 0), "got --pp 3 and 0"),
                           (("--ep", 2, "--archs", "llama"), "--ep splits a mixture's experts: it takes --archs "
                                                             "qwen3_moe alone, got 'llama'"),
-                          (("--pp", 2, "--dtype", "float32"), "float32's near-ties are counted in one process: "
-                                                              "drop --dtype float32"),
                           (("--tp", 2, "--archs", "llama,qwen3_moe"), "--tp > 1 takes dense models (--archs among "
                                                                       "llama, qwen2, qwen3)")):
         code, err = refused(capsys, "fuzz_exactness.py", *args)
@@ -625,6 +623,33 @@ def test_fuzz_exactness_tells_a_near_tie_from_a_failure_in_float32():
     shares, over = fuzz.parted_share(results)
     assert shares["specroll"] == {"responses": 1000, "parted": 1, "token": 1, "log-prob": 0, "rate": 1e-3}
     assert shares["vanilla, scheduled"]["rate"] == 2e-3 and over == ["vanilla, scheduled"]
+
+
+def test_fuzz_exactness_counts_a_layouts_float32_near_ties_against_one_process(ctx):
+    """In float32 a layout's rollouts part from one process's by near-ties, counted as checks "...,
+    against one process": a log-prob apart in the plain rollout is counted and the comparison goes on;
+    a token sampled otherwise there ends it (the layout drew its EOS from other tokens: another case);
+    a finish reason of equal tokens is a failure. In float64 each is a failure."""
+    fuzz = import_tool("fuzz_exactness")
+    case = fuzz.draw_case(5, ctx, ["llama"], "float32")
+    outputs = fuzz.rollouts(case)
+    plain = case.plain
+    nudged = dataclasses.replace(plain, logprobs=[lp - 1e-3 for lp in plain.logprobs])
+    got = fuzz.compare_layout(case, {"plain": [nudged], "outputs": outputs}, "float32")
+    assert got["failures"] == [] and len(got["responses"]) == 1 + len(outputs)
+    assert {y["engine"] for y in got["parted"]} == {"vanilla, no EOS, all prompts at once, against one process"}
+    assert len(got["parted"]) == len(plain.tokens) and {y["kind"] for y in got["parted"]} == {"log-prob"}
+    other = dataclasses.replace(plain, tokens=[[t + 1 for t in ts] for ts in plain.tokens])
+    got = fuzz.compare_layout(case, {"plain": [plain, other], "outputs": outputs}, "float32")
+    assert got["failures"] == [] and {y["kind"] for y in got["parted"]} == {"token"}
+    assert dict(got["responses"]) == {"vanilla, no EOS, all prompts at once, against one process":
+                                      2 * len(plain.tokens)}
+    finished = dataclasses.replace(plain, finish_reason=["eos"] * len(plain.tokens))
+    got = fuzz.compare_layout(case, {"plain": [finished], "outputs": outputs}, "float32")
+    assert got["failures"][0]["finish_reason"] == ["length", "eos"] and len(got["responses"]) == 1
+    got = fuzz.compare_layout(case, {"plain": [nudged], "outputs": outputs}, "float64")
+    assert got["failures"][0]["engine"] == "vanilla, no EOS, all prompts at once, against one process"
+    assert got["failures"][0]["logprob_gap"] > 1e-9
 
 
 @pytest.mark.parametrize("field, found", [("tokens", "position"), ("logprobs", "logprob_gap")])
