@@ -1,8 +1,8 @@
 """tools/fuzz_exactness.py across layouts: random cases rolled out at TP=2, PP=2, EP=2 (2 processes,
 gloo) and PP=3 split unevenly (3) against the vanilla engine of one process (float32: the near-ties
-that part them counted; bfloat16: the layout's engines against each other), and the cases of a pipeline bug and an expert-parallel deadlock it found
-replayed; its comparison reports what a layout changed, a launch that fails or hangs is reported, not
-lost, and a run stopped stops its processes."""
+that part them counted; bfloat16: the layout's engines against each other), and the cases of a
+pipeline bug and an expert-parallel deadlock it found replayed; its comparison reports what a layout
+changed, a launch that fails or hangs is reported, not lost, and a run stopped stops its processes."""
 
 import dataclasses
 import json
