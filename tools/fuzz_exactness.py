@@ -43,7 +43,8 @@ checks of their own ("..., against one process"); in bfloat16 the layout's own e
 bit (a TP layout's sums differ from one process's). A SIGTERM or Ctrl-C stops the processes too.
 Reported (JSON): the cases, every failure with its case seed (``--replay`` it), the engine, the first
 response and position that differ; how often each setting was drawn; SpecRoll's tokens per step over
-the cases. Exits 1 on any failure. A tool for changes to the engines, trees, sampler or acceptance, beside the tests.
+the cases. Exits 1 on any failure. A tool for changes to the engines, trees, sampler or acceptance,
+beside the tests.
 """
 
 from __future__ import annotations
