@@ -967,8 +967,10 @@ class TrainConfig:
     ``micro_batch_size`` responses in the rollout's order."""
 
     mini_batches: int = 1
-    """Optimizer steps per rollout batch: the step's responses in this many consecutive parts, one
-    optimizer step each (verl's ``train_batch_size / ppo_mini_batch_size``; DAPO's recipe takes 16).
+    """Optimizer steps per rollout batch: the step's responses in this many consecutive parts (in the
+    step's prompt order over all data-parallel replicas, the first parts taking the larger shares: the
+    same optimizer steps at any data-parallel size), one optimizer step each (verl's
+    ``train_batch_size / ppo_mini_batch_size``; DAPO's recipe takes 16).
     The old log-probs stay those of the policy that sampled, so from the second part on the ratio
     moves away from 1 and ``clip_low`` / ``clip_high`` act. Each part's loss is normalised over its
     own tokens (or sequences) on all replicas."""

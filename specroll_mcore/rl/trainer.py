@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -404,11 +404,14 @@ class GRPOTrainer:
         sampling: the first P groups of varied rewards in (round, prompt) order, dealt out evenly over
         the replicas (none if there are fewer groups than replicas)."""
         ctx, G = self.ctx, self.cfg.sampling.num_samples
-        seqs = [response_sequences(r.prompts, r.rollout, r.advantages, G, self.cfg.overlong_filter) for r in rounds]
+        # (a replica's prompt j is the step's prompt j x dp_size + dp_rank: prompts are dealt out in turn)
+        seqs = [response_sequences(r.prompts, r.rollout, r.advantages, G, self.cfg.overlong_filter,
+                                   [j * ctx.dp_size + ctx.dp_rank for j in range(len(r.prompts))]) for r in rounds]
         if not self.cfg.dynamic_sampling:
             return seqs[0], len(rounds[0].examples)
-        chosen = [(place, seqs[r][j * G:(j + 1) * G]) for place, r, j in
-                  chosen_groups([r.varied for r in rounds], self.cfg.prompts_per_step, ctx.dp_size, ctx.dp_rank)]
+        chosen = [(place, [(*seq[:6], place * G + s) for s, seq in enumerate(seqs[r][j * G:(j + 1) * G])])
+                  for place, r, j in chosen_groups([r.varied for r in rounds], self.cfg.prompts_per_step,
+                                                   ctx.dp_size, ctx.dp_rank)]
         groups = sorted((g for part in ctx.all_gather_object_dp(chosen) for g in part), key=lambda g: g[0])
         if len(groups) < ctx.dp_size:
             return [], 0
@@ -588,16 +591,23 @@ class GRPOTrainer:
         return learning_rate(self.state["step"] + 1, cfg.lr, cfg.steps, cfg.lr_warmup_steps, cfg.lr_decay, cfg.min_lr)
 
     def _mini_batches(self, seqs: list[tuple]) -> list[list[MicroBatch]]:
-        """This replica's sequences in TrainConfig.mini_batches consecutive parts, one optimizer step
-        each, each in micro-batches (:meth:`_micro_batches`). Sequences not trained on (overlong
-        filtering: the longest ones) are left out, as their loss terms and its normalisation are 0. A
-        part left with no sequence here (all filtered, or fewer than the parts) holds one with no loss,
-        so that this replica still joins that optimizer step's reductions (a step whose replicas all
-        have none skips it)."""
+        """This replica's share of the step's TrainConfig.mini_batches parts, one optimizer step each,
+        each in micro-batches (:meth:`_micro_batches`). The parts are consecutive in the step's batch
+        over all replicas (the sequences' places, response_sequences), the first ones taking the larger
+        shares, so that an optimizer step trains on the same responses at any data-parallel size and
+        however balance_batch dealt them out. Sequences not trained on (overlong filtering: the longest
+        ones) are left out, as their loss terms and its normalisation are 0. A part with no sequence
+        here holds one with no loss, so that this replica still joins that optimizer step's reductions
+        (a step whose replicas all have none skips it)."""
         M, train = self.cfg.mini_batches, [s for s in seqs if trained(s)]
-        bounds = [-(-k * len(train) // M) for k in range(M + 1)]  # the first parts take the larger shares
         idle = (*seqs[0][:4], False, *seqs[0][5:])
-        return [self._micro_batches(train[bounds[k]:bounds[k + 1]] or [idle]) for k in range(M)]
+        if M == 1:
+            return [self._micro_batches(train or [idle])]
+        places = sorted(p for part in self.ctx.all_gather_object_dp([s[6] for s in train]) for p in part)
+        cuts = [-(-k * len(places) // M) for k in range(M + 1)]
+        bounds = [places[c] if c < len(places) else math.inf for c in cuts]  # (the places each part starts at)
+        return [self._micro_batches([s for s in train if bounds[k] <= s[6] < bounds[k + 1]] or [idle])
+                for k in range(M)]
 
     def _micro_batches(self, seqs: list[tuple]) -> list[MicroBatch]:
         """(prompt, response tokens, rollout log-probs, advantage, trained, ...) -> prompt + response
@@ -770,14 +780,18 @@ class _Round:
 
 
 def response_sequences(prompts: list[list[int]], rollout: Any, advantages: torch.Tensor, G: int,
-                       overlong_filter: bool = False) -> list[tuple]:
-    """(prompt, response tokens, rollout log-probs, advantage, trained, routing) of every response of a
-    rollout, in its order (response k answers prompt k // G): what the policy update trains on. With
-    ``overlong_filter`` a response cut at the length limit is not trained on (DAPO); ``routing``: its
-    tokens' experts where the rollout kept them (TrainConfig.routing_replay), else None."""
+                       overlong_filter: bool = False, places: Optional[Sequence[int]] = None) -> list[tuple]:
+    """(prompt, response tokens, rollout log-probs, advantage, trained, routing, place) of every response
+    of a rollout, in its order (response k answers prompt k // G): what the policy update trains on.
+    With ``overlong_filter`` a response cut at the length limit is not trained on (DAPO); ``routing``:
+    its tokens' experts where the rollout kept them (TrainConfig.routing_replay), else None; ``place``:
+    where the response stands in the step's batch over all data-parallel replicas (its prompt's place
+    in ``places`` x G + its sample; default: the rollout's order), which decides its mini-batch
+    (GRPOTrainer._mini_batches)."""
     routing = rollout.routing or [None] * len(rollout.tokens)
+    places = range(len(prompts)) if places is None else places
     return [(prompts[k // G], toks, lps, float(advantages[k]), not (overlong_filter and reason == FINISH_LENGTH),
-             routing[k])
+             routing[k], places[k // G] * G + k % G)
             for k, (toks, lps, reason) in enumerate(zip(rollout.tokens, rollout.logprobs, rollout.finish_reason))]
 
 

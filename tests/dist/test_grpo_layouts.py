@@ -367,15 +367,23 @@ def test_balanced_replicas_equal_dp1(tmp_path):
     assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
 
 
-def test_mini_batches_at_dp2_equal_dp1(tmp_path):
-    """Two optimizer steps per rollout batch (TrainConfig.mini_batches) over two epochs at DP=2 take
-    DP=1's steps: each replica's first half of its groups and the other replica's make up the first
-    mini-batch of DP=1 (prompts are dealt out in turn), each normalised over both replicas."""
+@pytest.mark.parametrize("common", [
+    ("--set=prompts_per_step=4", "--set=mini_batches=2", "--set=ppo_epochs=2", "--set=balance_batch=false"),
+    ("--set=prompts_per_step=2", "--set=mini_batches=2", "--set=balance_batch=true"),
+    ("--set=prompts_per_step=4", "--set=mini_batches=3", "--set=balance_batch=true", "--set=overlong_filter=true",
+     "--cut-odd-prompts")], ids=["even", "a-group-a-replica", "uneven-balanced-filtered"])
+def test_mini_batches_at_dp2_equal_dp1(tmp_path, common):
+    """Several optimizer steps per rollout batch (TrainConfig.mini_batches) at DP=2 take DP=1's steps:
+    each part is consecutive in the step's batch over both replicas (its prompts' places: prompts are
+    dealt out in turn), each normalised over both replicas; so too where a replica holds a single
+    group (two parts: each replica's half of its group would have made other steps), where the parts
+    do not divide the responses, balance_batch moves sequences between the replicas and overlong
+    filtering leaves replica 1 nothing to train on."""
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
-    common = ("--set=prompts_per_step=4", "--set=mini_batches=2", "--set=ppo_epochs=2", "--set=balance_batch=false")
     ref = run_here(ckpt, tmp_path / "dp1", *common)
     got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *common)
-    assert ref[0]["optimizer_steps"] == got[0]["optimizer_steps"] == 4
+    M = int(common[1].split("=")[-1]) * (2 if "--set=ppo_epochs=2" in common else 1)
+    assert ref[0]["optimizer_steps"] == got[0]["optimizer_steps"] == M
     for k in ("reward_mean", "response_len"):
         assert got[0][k] == pytest.approx(ref[0][k], rel=1e-6), k
     for k in ("loss", "grad_norm", "entropy", "clip_fraction", "kl"):  # (the last two were replica 0's alone)
