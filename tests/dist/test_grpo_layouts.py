@@ -14,6 +14,7 @@ memory)."""
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -316,6 +317,75 @@ def test_a_sharded_bfloat16_optimizer_keeps_each_main_copy_on_one_replica(tmp_pa
     for name in ("again", "sharded"):
         w = load_full_state_dict(tmp_path / name)
         assert all(torch.equal(w[k], three[k]) for k in three), name
+
+
+UPDATE_SETTINGS = {  # TrainConfig field: the values a drawn case takes (the first: the default)
+    "prompts_per_step": [2, 4], "micro_batch_size": [3, 1, 2, 6], "micro_batch_tokens": [0, 524, 1048],
+    "mini_batches": [1, 2], "ppo_epochs": [1, 2], "balance_batch": [True, False],
+    "recompute_activations": [False, True], "logprob_chunk": [0, 5], "clip_low": [0.2, 0.1], "clip_high": [0.2, 0.28],
+    "clip_ratio_c": [None, 3.0], "ratio_level": ["token", "sequence"],
+    "loss_normalization": ["token", "sequence", "constant"], "adv_mean_only": [False, True], "kl_beta": [0.0, 0.1],
+    "kl_estimator": ["k3", "k2"], "entropy_coeff": [0.0, 0.05], "grad_clip": [1.0, 0.05, 0.0],
+    "weight_decay": [0.0, 0.1], "overlong_buffer": [0, 4], "overlong_filter": [False, True],
+    "dynamic_sampling": [False, True], "shard_optimizer": [False, True]}
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (TP, PP) of 2 processes; dp2: two replicas
+
+
+def drawn_update(seed: int) -> dict:
+    """A case of the update's settings: each field of UPDATE_SETTINGS at its default or, one time in
+    three, at a value drawn from the others; a TP layout with sequence parallelism half the time."""
+    r = random.Random(seed)
+    case = {k: r.choice(v[1:]) for k, v in UPDATE_SETTINGS.items() if r.random() < 1 / 3}
+    if r.random() < 0.5:
+        case["parallel.sequence_parallel"] = True  # (TP=2 only)
+    return case
+
+
+def settings(case: dict, layout: str) -> list:
+    return [f"--set={k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in case.items() if layout == "tp2" or k != "parallel.sequence_parallel"]
+
+
+@pytest.mark.parametrize("cases", [3, pytest.param(24, marks=pytest.mark.slow)])
+def test_random_update_settings_at_tp2_pp2_and_dp2_equal_one_process(tmp_path, cases):
+    """Cases of the update's settings drawn together (micro- and mini-batches, epochs, clipping, dual
+    clip, GSPO's ratio, the three loss normalisations, KL and its estimators, the entropy bonus, gradient
+    clipping, weight decay, overlong reward and filtering, dynamic sampling, a sharded
+    optimizer, recomputation, log-probs in pieces, sequence parallelism) on a Llama or a Qwen3, each
+    run at TP=2, PP=2 and DP=2 (one launch for all) against one process: the same rewards, rounds and
+    optimizer steps, the loss, gradient norm, entropy, clip fraction and KL (rel 1e-4), and weights
+    within 1e-4 (0.1 x lr; see the module's docstring) after one step of up to 4 optimizer steps."""
+    ckpts = {arch: tiny_policy_checkpoint(tmp_path / arch, with_heads=False, arch=arch) for arch in ("llama", "qwen3")}
+    drawn = [(f"case{i}", "qwen3" if i % 2 else "llama", drawn_update(1000 + i)) for i in range(cases)]
+    refs = {}
+    for name, arch, case in drawn:
+        refs[name] = run_here(ckpts[arch], tmp_path / name / "ref", *settings(case, "ref"))
+    for arch, ckpt in ckpts.items():  # (one launch per checkpoint: a job list takes one --ckpt each)
+        jobs = [(tmp_path / name / layout, tp, pp, *settings(case, layout))
+                for name, a, case in drawn if a == arch for layout, (tp, pp) in LAYOUTS.items()]
+        if not jobs:
+            continue
+        runs = run_jobs(ckpt, 2, *jobs)
+        for (out, tp, pp, *extra), got in zip(jobs, runs):
+            name, layout = out.parent.name, out.name
+            case = next(c for n, _, c in drawn if n == name)
+            ref, where = refs[name][0], (name, layout, case)
+            for k in ("response_len", "optimizer_steps", "skipped", "sampling_rounds", "groups_trained",
+                      "overlong_filtered"):
+                assert got[0].get(k) == ref.get(k), (k, got[0].get(k), ref.get(k), where)
+            assert got[0]["reward_mean"] == pytest.approx(ref["reward_mean"], rel=1e-6), where
+            for k in ("loss", "grad_norm", "entropy", "clip_fraction", "kl"):
+                if k in ref:
+                    assert got[0][k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), (k, where)
+            ref_w, w = load_full_state_dict(out.parent / "ref"), load_full_state_dict(out)
+            diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
+            assert diff < 1e-4, (diff, where)
+    updated = [name for name, arch, _ in drawn if not refs[name][0]["skipped"]]
+    assert len(updated) * 3 >= 2 * cases, refs  # (most cases train: the layouts' updates are compared)
+    for name in updated:  # (an update of ~lr a weight, against the layouts' 1e-4)
+        start = load_full_state_dict(ckpts[next(a for n, a, _ in drawn if n == name)])
+        ref_w = load_full_state_dict(tmp_path / name / "ref")
+        assert max((ref_w[k] - start[k]).abs().max().item() for k in ref_w) > 5e-4, name
 
 
 def test_bfloat16_policy_pp2_equals_pp1(tmp_path):
