@@ -18,6 +18,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -328,48 +329,53 @@ UPDATE_SETTINGS = {  # TrainConfig field: the values a drawn case takes (the fir
     "kl_estimator": ["k3", "k2"], "entropy_coeff": [0.0, 0.05], "grad_clip": [1.0, 0.05, 0.0],
     "weight_decay": [0.0, 0.1], "overlong_buffer": [0, 4], "overlong_filter": [False, True],
     "dynamic_sampling": [False, True], "shard_optimizer": [False, True]}
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (TP, PP) of 2 processes; dp2: two replicas
+LAYOUTS = {  # (TP, PP, overrides) of 2 processes; dp2: two replicas; ep2: two replicas splitting the experts
+    "tp2": (2, 1, ()), "pp2": (1, 2, ()), "dp2": (1, 1, ()), "ep2": (1, 1, ("parallel.expert_model_parallel_size=2",))}
+ARCH_LAYOUTS = {"llama": ("tp2", "pp2", "dp2"), "qwen3": ("tp2", "pp2", "dp2"), "qwen3_moe": ("pp2", "dp2", "ep2")}
 
 
-def drawn_update(seed: int) -> dict:
+def drawn_update(seed: int, arch: str = "llama") -> dict:
     """A case of the update's settings: each field of UPDATE_SETTINGS at its default or, one time in
-    three, at a value drawn from the others; a TP layout with sequence parallelism half the time."""
+    three, at a value drawn from the others; a TP layout with sequence parallelism half the time; a
+    mixture of experts with routing replay half the time (no load-balancing loss: it is per
+    micro-batch, which the layouts fill differently)."""
     r = random.Random(seed)
     case = {k: r.choice(v[1:]) for k, v in UPDATE_SETTINGS.items() if r.random() < 1 / 3}
     if r.random() < 0.5:
         case["parallel.sequence_parallel"] = True  # (TP=2 only)
+    if arch == "qwen3_moe" and r.random() < 0.5:
+        case["routing_replay"] = True
     return case
 
 
-def settings(case: dict, layout: str) -> list:
+def settings(case: dict, layout: Optional[str] = None) -> list:
+    """A drawn case's overrides at ``layout`` (LAYOUTS; None: one process)."""
     return [f"--set={k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
-            for k, v in case.items() if layout == "tp2" or k != "parallel.sequence_parallel"]
+            for k, v in case.items() if layout == "tp2" or k != "parallel.sequence_parallel"] + [
+        f"--set={o}" for o in (LAYOUTS[layout][2] if layout else ())]
 
 
 @pytest.mark.parametrize("cases", [3, pytest.param(24, marks=pytest.mark.slow)])
-def test_random_update_settings_at_tp2_pp2_and_dp2_equal_one_process(tmp_path, cases):
+def test_random_update_settings_at_tp2_pp2_dp2_and_ep2_equal_one_process(tmp_path, cases):
     """Cases of the update's settings drawn together (micro- and mini-batches, epochs, clipping, dual
     clip, GSPO's ratio, the three loss normalisations, KL and its estimators, the entropy bonus, gradient
-    clipping, weight decay, overlong reward and filtering, dynamic sampling, a sharded
-    optimizer, recomputation, log-probs in pieces, sequence parallelism) on a Llama or a Qwen3, each
-    run at TP=2, PP=2 and DP=2 (one launch for all) against one process: the same rewards, rounds and
-    optimizer steps, the loss, gradient norm, entropy, clip fraction and KL (rel 1e-4), and weights
-    within 1e-4 (0.1 x lr; see the module's docstring) after one step of up to 4 optimizer steps."""
-    ckpts = {arch: tiny_policy_checkpoint(tmp_path / arch, with_heads=False, arch=arch) for arch in ("llama", "qwen3")}
-    drawn = [(f"case{i}", "qwen3" if i % 2 else "llama", drawn_update(1000 + i)) for i in range(cases)]
-    refs = {}
-    for name, arch, case in drawn:
-        refs[name] = run_here(ckpts[arch], tmp_path / name / "ref", *settings(case, "ref"))
+    clipping, weight decay, overlong reward and filtering, dynamic sampling, a sharded optimizer,
+    recomputation, log-probs in pieces, sequence parallelism, routing replay) on a Llama or a Qwen3, run
+    at TP=2, PP=2 and DP=2, or a Qwen3-MoE, run at PP=2, DP=2 and EP=2 (one launch per model), against
+    one process: the same rewards, rounds and optimizer steps, the loss, gradient norm, entropy, clip
+    fraction and KL (rel 1e-4), and weights within 1e-4 (0.1 x lr; see the module's docstring) after
+    one step of up to 4 optimizer steps. Found: mini-batches that depended on the data-parallel size."""
+    archs = tuple(ARCH_LAYOUTS)
+    drawn = [(f"case{i}", archs[i % 3], drawn_update(1000 + i, archs[i % 3])) for i in range(cases)]
+    ckpts = {arch: tiny_policy_checkpoint(tmp_path / arch, with_heads=False, arch=arch)
+             for arch in {a for _, a, _ in drawn}}
+    refs = {name: run_here(ckpts[arch], tmp_path / name / "ref", *settings(case)) for name, arch, case in drawn}
     for arch, ckpt in ckpts.items():  # (one launch per checkpoint: a job list takes one --ckpt each)
-        jobs = [(tmp_path / name / layout, tp, pp, *settings(case, layout))
-                for name, a, case in drawn if a == arch for layout, (tp, pp) in LAYOUTS.items()]
-        if not jobs:
-            continue
-        runs = run_jobs(ckpt, 2, *jobs)
-        for (out, tp, pp, *extra), got in zip(jobs, runs):
+        jobs = [(tmp_path / name / layout, *LAYOUTS[layout][:2], *settings(case, layout))
+                for name, a, case in drawn if a == arch for layout in ARCH_LAYOUTS[arch]]
+        for (out, *_), got in zip(jobs, run_jobs(ckpt, 2, *jobs)):
             name, layout = out.parent.name, out.name
-            case = next(c for n, _, c in drawn if n == name)
-            ref, where = refs[name][0], (name, layout, case)
+            ref, where = refs[name][0], (name, layout, next(c for n, _, c in drawn if n == name))
             for k in ("response_len", "optimizer_steps", "skipped", "sampling_rounds", "groups_trained",
                       "overlong_filtered"):
                 assert got[0].get(k) == ref.get(k), (k, got[0].get(k), ref.get(k), where)
@@ -380,11 +386,10 @@ def test_random_update_settings_at_tp2_pp2_and_dp2_equal_one_process(tmp_path, c
             ref_w, w = load_full_state_dict(out.parent / "ref"), load_full_state_dict(out)
             diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
             assert diff < 1e-4, (diff, where)
-    updated = [name for name, arch, _ in drawn if not refs[name][0]["skipped"]]
-    assert len(updated) * 3 >= 2 * cases, refs  # (most cases train: the layouts' updates are compared)
-    for name in updated:  # (an update of ~lr a weight, against the layouts' 1e-4)
-        start = load_full_state_dict(ckpts[next(a for n, a, _ in drawn if n == name)])
-        ref_w = load_full_state_dict(tmp_path / name / "ref")
+    updated = [(name, arch) for name, arch, _ in drawn if not refs[name][0]["skipped"]]
+    assert len(updated) * 2 >= cases, refs  # (most cases train: the layouts' updates are compared)
+    for name, arch in updated:  # (an update of ~lr a weight, against the layouts' 1e-4)
+        start, ref_w = load_full_state_dict(ckpts[arch]), load_full_state_dict(tmp_path / name / "ref")
         assert max((ref_w[k] - start[k]).abs().max().item() for k in ref_w) > 5e-4, name
 
 
