@@ -1091,12 +1091,12 @@ class TrainConfig:
     """DAPO's dynamic sampling: train only on groups whose rewards are not all equal (the others
     have zero advantage), rolling out further prompts within the step until ``prompts_per_step``
     such groups are in hand; the surplus of the last round is dropped (as in verl). The groups are
-    dealt out evenly over the data-parallel replicas."""
+    dealt out evenly over the data-parallel replicas (fewer groups than replicas: their responses)."""
 
     max_sampling_rounds: int = 3
     """With ``dynamic_sampling``: rollout rounds of ``prompts_per_step`` prompts per step at most. A step
     that still has fewer groups trains on those it has (verl's ``max_num_gen_batches`` raises instead),
-    and skips its update (counted) with fewer than one group per data-parallel replica."""
+    and skips its update (counted) with none."""
 
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: a response longer than ``sampling.max_new_tokens -

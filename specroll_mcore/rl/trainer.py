@@ -349,7 +349,8 @@ class GRPOTrainer:
         if cfg.dynamic_sampling:
             row.update(sampling_rounds=len(rounds), groups_varied=varied, groups_trained=trained_groups)
         if cfg.overlong_filter:  # responses cut at the length limit, masked out of the loss
-            row["overlong_filtered"] = int(ctx.all_reduce_dp(torch.tensor(float(sum(not s[4] for s in seqs)))))
+            cut = sum(not trained(s) for s in seqs if s[6] is not None)  # (not an idle_sequence)
+            row["overlong_filtered"] = int(ctx.all_reduce_dp(torch.tensor(float(cut))))
         if "tau" in stats:
             row["tau"] = stats["tau"]
             row["nodes_per_row"] = stats["nodes_per_row"]
@@ -402,7 +403,9 @@ class GRPOTrainer:
         """This replica's (prompt, response tokens, rollout log-probs, advantage) to train on, and the
         number of groups trained on over all replicas. One round: its own responses. With dynamic
         sampling: the first P groups of varied rewards in (round, prompt) order, dealt out evenly over
-        the replicas (none if there are fewer groups than replicas)."""
+        the replicas; fewer groups than replicas, their responses dealt out one by one (a replica left
+        without one takes one with no loss, to join the update's reductions), so that the step trains
+        on them at any data-parallel size."""
         ctx, G = self.ctx, self.cfg.sampling.num_samples
         # (a replica's prompt j is the step's prompt j x dp_size + dp_rank: prompts are dealt out in turn)
         seqs = [response_sequences(r.prompts, r.rollout, r.advantages, G, self.cfg.overlong_filter,
@@ -413,9 +416,12 @@ class GRPOTrainer:
                   for place, r, j in chosen_groups([r.varied for r in rounds], self.cfg.prompts_per_step,
                                                    ctx.dp_size, ctx.dp_rank)]
         groups = sorted((g for part in ctx.all_gather_object_dp(chosen) for g in part), key=lambda g: g[0])
-        if len(groups) < ctx.dp_size:
+        if not groups:
             return [], 0
-        return [seq for _, g in groups[ctx.dp_rank::ctx.dp_size] for seq in g], len(groups)
+        if len(groups) >= ctx.dp_size:
+            return [seq for _, g in groups[ctx.dp_rank::ctx.dp_size] for seq in g], len(groups)
+        every = [seq for _, g in groups for seq in g]
+        return every[ctx.dp_rank::ctx.dp_size] or [idle_sequence(every[0])], len(groups)
 
     def _balanced(self, seqs: list[tuple]) -> tuple[list[tuple], dict[str, float]]:
         """This replica's share of the update's sequences once they are dealt out over the replicas by
@@ -600,7 +606,7 @@ class GRPOTrainer:
         here holds one with no loss, so that this replica still joins that optimizer step's reductions
         (a step whose replicas all have none skips it)."""
         M, train = self.cfg.mini_batches, [s for s in seqs if trained(s)]
-        idle = (*seqs[0][:4], False, *seqs[0][5:])
+        idle = idle_sequence(seqs[0])
         if M == 1:
             return [self._micro_batches(train or [idle])]
         places = sorted(p for part in self.ctx.all_gather_object_dp([s[6] for s in train]) for p in part)
@@ -793,6 +799,12 @@ def response_sequences(prompts: list[list[int]], rollout: Any, advantages: torch
     return [(prompts[k // G], toks, lps, float(advantages[k]), not (overlong_filter and reason == FINISH_LENGTH),
              routing[k], places[k // G] * G + k % G)
             for k, (toks, lps, reason) in enumerate(zip(rollout.tokens, rollout.logprobs, rollout.finish_reason))]
+
+
+def idle_sequence(seq: tuple) -> tuple:
+    """``seq`` (response_sequences) with nothing to learn and no place in the step: one a replica holds
+    to join an optimizer step's reductions where it has no response to train on."""
+    return (*seq[:4], False, seq[5], None)
 
 
 def chosen_groups(varied: list[torch.Tensor], count: int, dp_size: int, dp_rank: int) -> list[tuple[int, int, int]]:

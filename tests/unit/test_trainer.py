@@ -349,6 +349,36 @@ def test_dynamic_sampling_without_a_signal_skips_the_update_and_overlong_respons
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
+@pytest.mark.parametrize("dp_rank, place", [(0, 0), (2, 2), (5, 5), (6, None), (7, None)])
+def test_fewer_varied_groups_than_replicas_are_dealt_out_response_by_response(dp_rank, place):
+    """Dynamic sampling with fewer groups of varied rewards than data-parallel replicas (8 here, one
+    prompt a round each; two groups of 3 responses, at places 0 and 1 of the step, rolled out by
+    replicas 0 and 2 in two rounds): their responses go round the replicas one by one, so the step
+    trains on them as one process would; a replica left without one holds a sequence with nothing to
+    learn and no place (it joins the update's reductions; overlong filtering does not count it)."""
+    from types import SimpleNamespace
+
+    def round_(varied):
+        rollout = SimpleNamespace(tokens=[[5], [6], [7]], logprobs=[torch.tensor([-1.0])] * 3,
+                                  finish_reason=["eos"] * 3, routing=None)
+        return SimpleNamespace(prompts=[[1, 2]], rollout=rollout, advantages=torch.tensor([1.0, -1.0, 0.0]),
+                               varied=torch.tensor(varied))
+
+    rounds = [round_([r == 0 for r in range(8)]), round_([r == 2 for r in range(8)])]
+    cfg = SimpleNamespace(sampling=SimpleNamespace(num_samples=3), overlong_filter=False, dynamic_sampling=True,
+                          prompts_per_step=8)
+    parts = []
+    for rank in range(8):  # each replica's chosen groups, as the all-gather collects them
+        ctx = SimpleNamespace(dp_size=8, dp_rank=rank, all_gather_object_dp=lambda obj: parts.append(obj) or [obj])
+        GRPOTrainer._training_sequences(SimpleNamespace(ctx=ctx, cfg=cfg), rounds)
+    assert [len(p) for p in parts] == [1, 0, 1, 0, 0, 0, 0, 0]
+    ctx = SimpleNamespace(dp_size=8, dp_rank=dp_rank, all_gather_object_dp=lambda obj: parts)
+    (seq,), groups = GRPOTrainer._training_sequences(SimpleNamespace(ctx=ctx, cfg=cfg), rounds)
+    assert groups == 2 and seq[6] == place and seq[4] == (place is not None)
+    if place is not None:  # (response place % 3 of the group at place // 3)
+        assert seq[1] == [[5], [6], [7]][place % 3] and seq[3] == [1.0, -1.0, 0.0][place % 3]
+
+
 def test_overlong_filtering_masks_cut_responses_as_if_they_were_dropped():
     """DAPO's overlong filtering: responses cut at the length limit are marked untrained, get no loss
     tokens, and the loss (token- and sequence-level, with the trainer's denominators: trained tokens,
