@@ -197,6 +197,28 @@ def test_dynamic_sampling_at_dp2_equals_dp1(tmp_path):
         proc.stdout + proc.stderr)
 
 
+def test_dynamic_sampling_with_fewer_groups_than_replicas_at_dp2_equals_dp1(tmp_path):
+    """Dynamic sampling that finds one group of varied rewards in its rounds (one prompt of four has
+    an odd answer: flat_for_even_answers_reward) at DP=2: its responses are dealt out over the two
+    replicas, and the step trains on them as one process does (the step was skipped there)."""
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
+    rows = [{"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"} for a, b in ((2, 2), (3, 5), (4, 6), (3, 4))]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = (f"--set=data.source={data}", "--set=data.limit=4", "--set=dynamic_sampling=true",
+              "--set=max_sampling_rounds=2", "--set=reward_fn=rewards_for_tests:flat_for_even_answers_reward",
+              "--set=mini_batches=2")
+    ref = run_here(ckpt, tmp_path / "dp1", *common)
+    got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *common)
+    for k in ("sampling_rounds", "groups_varied", "groups_trained", "skipped", "optimizer_steps"):
+        assert got[0].get(k) == ref[0].get(k), (k, got[0].get(k), ref[0].get(k))
+    assert (ref[0]["sampling_rounds"], ref[0]["groups_trained"], ref[0]["skipped"]) == (2, 1, False), ref[0]
+    for k in ("loss", "grad_norm", "entropy"):
+        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
+    ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+
+
 @pytest.mark.parametrize("tp", [1, 2])  # DP=2, or TP=2
 def test_slow_path_under_data_and_tensor_parallelism(tmp_path, tp):
     """Consolidations run every step; the collective decisions and updates do not deadlock, and every
@@ -328,7 +350,8 @@ UPDATE_SETTINGS = {  # TrainConfig field: the values a drawn case takes (the fir
     "loss_normalization": ["token", "sequence", "constant"], "adv_mean_only": [False, True], "kl_beta": [0.0, 0.1],
     "kl_estimator": ["k3", "k2"], "entropy_coeff": [0.0, 0.05], "grad_clip": [1.0, 0.05, 0.0],
     "weight_decay": [0.0, 0.1], "overlong_buffer": [0, 4], "overlong_filter": [False, True],
-    "dynamic_sampling": [False, True], "shard_optimizer": [False, True]}
+    "dynamic_sampling": [False, True], "shard_optimizer": [False, True], "sampling.num_samples": [3, 2, 4],
+    "sampling.temperature": [1.0, 0.7], "sampling.top_p": [1.0, 0.9], "sampling.top_k": [0, 20]}
 LAYOUTS = {  # (TP, PP, overrides) of 2 processes; dp2: two replicas; ep2: two replicas splitting the experts
     "tp2": (2, 1, ()), "pp2": (1, 2, ()), "dp2": (1, 1, ()), "ep2": (1, 1, ("parallel.expert_model_parallel_size=2",))}
 ARCH_LAYOUTS = {"llama": ("tp2", "pp2", "dp2"), "qwen3": ("tp2", "pp2", "dp2"), "qwen3_moe": ("pp2", "dp2", "ep2")}
