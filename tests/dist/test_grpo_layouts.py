@@ -351,7 +351,8 @@ UPDATE_SETTINGS = {  # TrainConfig field: the values a drawn case takes (the fir
     "kl_estimator": ["k3", "k2"], "entropy_coeff": [0.0, 0.05], "grad_clip": [1.0, 0.05, 0.0],
     "weight_decay": [0.0, 0.1], "overlong_buffer": [0, 4], "overlong_filter": [False, True],
     "dynamic_sampling": [False, True], "shard_optimizer": [False, True], "sampling.num_samples": [3, 2, 4],
-    "sampling.temperature": [1.0, 0.7], "sampling.top_p": [1.0, 0.9], "sampling.top_k": [0, 20]}
+    "sampling.temperature": [1.0, 0.9], "sampling.top_p": [1.0, 0.98]}  # (the tiny models put ~0.3 on one
+# token and the rest on a flat tail: a tighter nucleus, or a top-k, often keeps that token alone)
 LAYOUTS = {  # (TP, PP, overrides) of 2 processes; dp2: two replicas; ep2: two replicas splitting the experts
     "tp2": (2, 1, ()), "pp2": (1, 2, ()), "dp2": (1, 1, ()), "ep2": (1, 1, ("parallel.expert_model_parallel_size=2",))}
 ARCH_LAYOUTS = {"llama": ("tp2", "pp2", "dp2"), "qwen3": ("tp2", "pp2", "dp2"), "qwen3_moe": ("pp2", "dp2", "ep2")}
@@ -387,7 +388,8 @@ def test_random_update_settings_at_tp2_pp2_dp2_and_ep2_equal_one_process(tmp_pat
     at TP=2, PP=2 and DP=2, or a Qwen3-MoE, run at PP=2, DP=2 and EP=2 (one launch per model), against
     one process: the same rewards, rounds and optimizer steps, the loss, gradient norm, entropy, clip
     fraction and KL (rel 1e-4), and weights within 1e-4 (0.1 x lr; see the module's docstring) after
-    one step of up to 4 optimizer steps. Found: mini-batches that depended on the data-parallel size."""
+    one step of up to 4 optimizer steps, but for at most 3 whose gradient is near Adam's eps. Found:
+    mini-batches, and dynamic sampling's skipped steps, that depended on the data-parallel size."""
     archs = tuple(ARCH_LAYOUTS)
     drawn = [(f"case{i}", archs[i % 3], drawn_update(1000 + i, archs[i % 3])) for i in range(cases)]
     ckpts = {arch: tiny_policy_checkpoint(tmp_path / arch, with_heads=False, arch=arch)
@@ -408,8 +410,12 @@ def test_random_update_settings_at_tp2_pp2_dp2_and_ep2_equal_one_process(tmp_pat
                     assert got[0][k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), (k, where)
             ref_w, w = load_full_state_dict(out.parent / "ref"), load_full_state_dict(out)
             diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
-            assert diff < 1e-4, (diff, where)
-    updated = [(name, arch) for name, arch, _ in drawn if not refs[name][0]["skipped"]]
+            far = sum(int(((w[k] - ref_w[k]).abs() > 1e-4).sum()) for k in ref_w)
+            # (a weight whose gradient is near Adam's eps can take an update of up to lr per optimizer step
+            # from a rounding: a few such; a wrong shard or reduction moves many)
+            assert far <= 3 and diff < 4e-3, (far, diff, where)
+    updated = [(name, arch) for name, arch, _ in drawn  # (top-k with top-p can leave one token: equal rewards)
+               if not refs[name][0]["skipped"] and refs[name][0]["reward_std"] > 0]
     assert len(updated) * 2 >= cases, refs  # (most cases train: the layouts' updates are compared)
     for name, arch in updated:  # (an update of ~lr a weight, against the layouts' 1e-4)
         start, ref_w = load_full_state_dict(ckpts[arch]), load_full_state_dict(tmp_path / name / "ref")
