@@ -95,24 +95,24 @@ def test_the_comparison_reports_what_a_layout_changed(ctx):
     assert case.sampling.max_new_tokens > 2 and len(case.prompts) == 4
     case = dataclasses.replace(case, subset=[1, 3])
     outputs = fuzz.rollouts(case)
-    assert fuzz.compare_layout(case, {"plain": [case.plain], "outputs": outputs}) == []
+    assert fuzz.compare_layout(case, {"plain": [case.plain], "outputs": outputs})["failures"] == []
 
     part = outputs["specroll, a subset of the prompts"]
     tokens = [list(t) for t in part.tokens]
     tokens[-1][1] = (tokens[-1][1] + 1) % 300
     changed = dict(outputs, **{"specroll, a subset of the prompts": dataclasses.replace(part, tokens=tokens)})
-    (f,) = fuzz.compare_layout(case, {"plain": [case.plain], "outputs": changed})
+    (f,) = fuzz.compare_layout(case, {"plain": [case.plain], "outputs": changed})["failures"]
     assert f["engine"] == "specroll, a subset of the prompts, against one process" and f["position"] == 1
     assert f["response"] == case.subset_rows[-1]  # (its row among all prompts' responses)
 
     logprobs = [lp.clone() for lp in outputs["specroll"].logprobs]
     logprobs[0][0] += 1e-6
     changed = dict(outputs, specroll=dataclasses.replace(outputs["specroll"], logprobs=logprobs))
-    (f,) = fuzz.compare_layout(case, {"plain": [case.plain], "outputs": changed})
+    (f,) = fuzz.compare_layout(case, {"plain": [case.plain], "outputs": changed})["failures"]
     assert f["engine"] == "specroll, against one process" and f["response"] == 0 and f["logprob_gap"] > 1e-9
 
     plain = dataclasses.replace(case.plain, tokens=[[t + 1 for t in ts] for ts in case.plain.tokens])
-    failures = fuzz.compare_layout(case, {"plain": [case.plain, plain], "outputs": changed})
+    failures = fuzz.compare_layout(case, {"plain": [case.plain, plain], "outputs": changed})["failures"]
     assert [f["engine"] for f in failures] == ["vanilla, no EOS, all prompts at once, against one process"]
 
 

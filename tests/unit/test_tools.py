@@ -629,7 +629,7 @@ def test_fuzz_exactness_counts_a_layouts_float32_near_ties_against_one_process(c
     """In float32 a layout's rollouts part from one process's by near-ties, counted as checks "...,
     against one process": a log-prob apart in the plain rollout is counted and the comparison goes on;
     a token sampled otherwise there ends it (the layout drew its EOS from other tokens: another case);
-    a finish reason of equal tokens is a failure. In float64 each is a failure."""
+    a finish reason of equal tokens is a failure (float64: tests/dist/test_fuzz_layouts.py)."""
     fuzz = import_tool("fuzz_exactness")
     case = fuzz.draw_case(5, ctx, ["llama"], "float32")
     outputs = fuzz.rollouts(case)
@@ -647,9 +647,6 @@ def test_fuzz_exactness_counts_a_layouts_float32_near_ties_against_one_process(c
     finished = dataclasses.replace(plain, finish_reason=["eos"] * len(plain.tokens))
     got = fuzz.compare_layout(case, {"plain": [finished], "outputs": outputs}, "float32")
     assert got["failures"][0]["finish_reason"] == ["length", "eos"] and len(got["responses"]) == 1
-    got = fuzz.compare_layout(case, {"plain": [nudged], "outputs": outputs}, "float64")
-    assert got["failures"][0]["engine"] == "vanilla, no EOS, all prompts at once, against one process"
-    assert got["failures"][0]["logprob_gap"] > 1e-9
 
 
 @pytest.mark.parametrize("field, found", [("tokens", "position"), ("logprobs", "logprob_gap")])
