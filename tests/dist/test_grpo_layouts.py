@@ -351,8 +351,9 @@ UPDATE_SETTINGS = {  # TrainConfig field: the values a drawn case takes (the fir
     "kl_estimator": ["k3", "k2"], "entropy_coeff": [0.0, 0.05], "grad_clip": [1.0, 0.05, 0.0],
     "weight_decay": [0.0, 0.1], "overlong_buffer": [0, 4], "overlong_filter": [False, True],
     "dynamic_sampling": [False, True], "shard_optimizer": [False, True], "sampling.num_samples": [3, 2, 4],
-    "sampling.temperature": [1.0, 0.9], "sampling.top_p": [1.0, 0.98]}  # (the tiny models put ~0.3 on one
-# token and the rest on a flat tail: a tighter nucleus, or a top-k, often keeps that token alone)
+    # (the tiny models put ~0.3 on one token and the rest on a flat tail: a tighter nucleus, or a top-k,
+    # often keeps that token alone, and equal rewards leave nothing to learn)
+    "sampling.temperature": [1.0, 0.9], "sampling.top_p": [1.0, 0.98]}
 LAYOUTS = {  # (TP, PP, overrides) of 2 processes; dp2: two replicas; ep2: two replicas splitting the experts
     "tp2": (2, 1, ()), "pp2": (1, 2, ()), "dp2": (1, 1, ()), "ep2": (1, 1, ("parallel.expert_model_parallel_size=2",))}
 ARCH_LAYOUTS = {"llama": ("tp2", "pp2", "dp2"), "qwen3": ("tp2", "pp2", "dp2"), "qwen3_moe": ("pp2", "dp2", "ep2")}
@@ -384,7 +385,8 @@ def test_random_update_settings_at_tp2_pp2_dp2_and_ep2_equal_one_process(tmp_pat
     """Cases of the update's settings drawn together (micro- and mini-batches, epochs, clipping, dual
     clip, GSPO's ratio, the three loss normalisations, KL and its estimators, the entropy bonus, gradient
     clipping, weight decay, overlong reward and filtering, dynamic sampling, a sharded optimizer,
-    recomputation, log-probs in pieces, sequence parallelism, routing replay) on a Llama or a Qwen3, run
+    recomputation, log-probs in pieces, sequence parallelism, routing replay, the samples, temperature
+    and top-p, whose filter has the old log-probs recomputed) on a Llama or a Qwen3, run
     at TP=2, PP=2 and DP=2, or a Qwen3-MoE, run at PP=2, DP=2 and EP=2 (one launch per model), against
     one process: the same rewards, rounds and optimizer steps, the loss, gradient norm, entropy, clip
     fraction and KL (rel 1e-4), and weights within 1e-4 (0.1 x lr; see the module's docstring) after
@@ -393,7 +395,7 @@ def test_random_update_settings_at_tp2_pp2_dp2_and_ep2_equal_one_process(tmp_pat
     archs = tuple(ARCH_LAYOUTS)
     drawn = [(f"case{i}", archs[i % 3], drawn_update(1000 + i, archs[i % 3])) for i in range(cases)]
     ckpts = {arch: tiny_policy_checkpoint(tmp_path / arch, with_heads=False, arch=arch)
-             for arch in {a for _, a, _ in drawn}}
+             for arch in dict.fromkeys(a for _, a, _ in drawn)}
     refs = {name: run_here(ckpts[arch], tmp_path / name / "ref", *settings(case)) for name, arch, case in drawn}
     for arch, ckpt in ckpts.items():  # (one launch per checkpoint: a job list takes one --ckpt each)
         jobs = [(tmp_path / name / layout, *LAYOUTS[layout][:2], *settings(case, layout))
