@@ -280,21 +280,27 @@ def rollouts(case: Case, names: Iterable[str] = tuple(ROLLOUTS)) -> dict[str, Ro
 def judge(case: Case, outs: dict[str, RolloutOutput], dtype: str) -> dict[str, Any]:
     """The CHECKS whose two rollouts are in ``outs``: SpecRoll's tokens per step and the failures; in
     float32 the responses near-ties parted too (by check: responses, parted)."""
-    checks = {name: (outs[a], outs[b], case.subset_rows if ROLLOUTS[b][2] > ROLLOUTS[a][2] else None)
-              for name, (a, b) in CHECKS.items() if a in outs and b in outs}
-    got: dict[str, Any] = {"case": case.info, "tau": outs["specroll"].stats["tau"] if "specroll" in outs else None}
-    if dtype != "float32":
-        got["failures"] = [{"engine": name, **diff} for name, (expected, out, rows) in checks.items()
-                           if (diff := differences(expected, out, rows)) is not None]
-        return got
-    got.update(failures=[], responses={}, parted=[])
-    for name, (expected, out, rows) in checks.items():
-        parted, failure = divergences(expected, out, rows)
-        got["responses"][name] = len(out.tokens)
-        got["parted"] += [{"engine": name, **x} for x in parted]
-        if failure is not None:
-            got["failures"].append({"engine": name, **failure})
+    got: dict[str, Any] = {"case": case.info, "tau": outs["specroll"].stats["tau"] if "specroll" in outs else None,
+                           "failures": [], **({"responses": {}, "parted": []} if dtype == "float32" else {})}
+    for name, (a, b) in CHECKS.items():
+        if a in outs and b in outs:
+            compare(got, name, outs[a], outs[b], case.subset_rows if ROLLOUTS[b][2] > ROLLOUTS[a][2] else None, dtype)
     return got
+
+
+def compare(into: dict[str, Any], name: str, expected: RolloutOutput, out: RolloutOutput, rows: Optional[list[int]],
+            dtype: str) -> None:
+    """Check ``name``: ``out`` against ``expected`` (``rows`` as in :func:`differences`), its failure
+    added to ``into["failures"]``; in float32 (:func:`divergences`) its responses counted in
+    ``into["responses"]`` and those a near-tie parted added to ``into["parted"]``."""
+    if dtype == "float32":
+        parted, failure = divergences(expected, out, rows)
+        into["responses"][name] = into["responses"].get(name, 0) + len(out.tokens)
+        into["parted"] += [{"engine": name, **x} for x in parted]
+    else:
+        failure = differences(expected, out, rows)
+    if failure is not None:
+        into["failures"].append({"engine": name, **failure})
 
 
 def run_case(case_seed: int, ctx: Any, archs: list[str], dtype: str = "float64") -> dict[str, Any]:
@@ -320,26 +326,15 @@ def compare_layout(case: Case, got: dict[str, Any], dtype: str = "float64") -> d
     float32 the responses compared and those a near-tie parted, by check (as :func:`judge` counts them).
     Where the plain rollout, whose tokens the EOS is drawn from, has other tokens at the layout, the
     layout's case is another: the comparison ends there."""
-    against: dict[str, Any] = {"failures": [], "responses": Counter(), "parted": []}
-
-    def check(name: str, expected: RolloutOutput, out: RolloutOutput, rows: Optional[list[int]] = None) -> None:
-        name += ", against one process"
-        if dtype == "float32":
-            parted, failure = divergences(expected, out, rows)
-            against["responses"][name] += len(out.tokens)
-            against["parted"] += [{"engine": name, **x} for x in parted]
-        else:
-            failure = differences(expected, out, rows)
-        if failure is not None:
-            against["failures"].append({"engine": name, **failure})
-
+    against: dict[str, Any] = {"failures": [], "responses": {}, "parted": []}
     for plain in got["plain"]:
-        check("vanilla, no EOS, all prompts at once", case.plain, plain)
+        compare(against, "vanilla, no EOS, all prompts at once, against one process", case.plain, plain, None, dtype)
     if against["failures"] or any(plain.tokens != case.plain.tokens for plain in got["plain"]):
         return against
     ref = case.generate(speculative=False, scheduled=False)
     for name, out in got["outputs"].items():
-        check(name, ref, out, case.subset_rows if ROLLOUTS[name][2] else None)
+        compare(against, f"{name}, against one process", ref, out, case.subset_rows if ROLLOUTS[name][2] else None,
+                dtype)
     return against
 
 
@@ -473,7 +468,8 @@ def across_layout(args: argparse.Namespace, archs: list[str], ctx: Any) -> tuple
                 continue
             failures += against["failures"]
             if args.dtype == "float32":
-                counts = {"responses": sum((Counter(part["responses"]) for part in parts), against["responses"]),
+                counts = {"responses": sum((Counter(part["responses"]) for part in parts),
+                                           Counter(against["responses"])),
                           "parted": [y for part in parts for y in part["parted"]] + against["parted"]}
         tau = next((part["tau"] for part in parts if part["tau"] is not None), None)
         results.append({"seed": seed, "case": parts[0]["case"], "tau": tau, "failures": failures, **counts})
