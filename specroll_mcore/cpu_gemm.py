@@ -145,7 +145,7 @@ def build_extension(source: Path, flags: tuple[str, ...], fallback: str, switch:
         key = (str(source.resolve()), torch.__version__) + flags
         digest = hashlib.sha256(source.read_bytes() + " ".join(key).encode())
         name = f"specroll_{source.stem}_{digest.hexdigest()[:12]}"
-        _clear_stale_build_lock(name)
+        _await_build_lock(name)
         ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
         return load(name, [str(source)], extra_cflags=list(flags), extra_ldflags=ldflags, verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: slower, same results
@@ -157,16 +157,16 @@ def build_extension(source: Path, flags: tuple[str, ...], fallback: str, switch:
         return None
 
 
-STALE_BUILD_LOCK_S = 600.0
+STALE_BUILD_LOCK_S = 300.0
 """A build lock this old is a dead build's (a build takes well under a minute)."""
 
 
-def _clear_stale_build_lock(name: str) -> None:
-    """Remove the lock a killed build left in torch's build directory for ``name``. torch waits on
-    that file with no time limit, so after a build was killed (SIGKILL during a job's first minute),
-    every later process would hang at its first CPU product; a lock older than
-    :data:`STALE_BUILD_LOCK_S` is removed, with a warning. A build in progress elsewhere (another
-    rank) holds a fresh lock and is waited for."""
+def _await_build_lock(name: str, poll_s: float = 0.5) -> None:
+    """Wait for a build of ``name`` in progress elsewhere (another rank, another job) to finish, and
+    remove the lock a killed build left. torch waits on that file with no time limit, so after a
+    build was killed (SIGKILL during a job's first minute), every later process would hang at its
+    first CPU product. A lock is waited on until it goes or is :data:`STALE_BUILD_LOCK_S` old; then
+    it is removed, with a warning."""
     import time
 
     from torch.utils import cpp_extension
@@ -174,14 +174,17 @@ def _clear_stale_build_lock(name: str) -> None:
     if not hasattr(cpp_extension, "_get_build_directory"):  # (private; present in torch 2.6-2.13)
         return
     lock = Path(cpp_extension._get_build_directory(name, False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_BUILD_LOCK_S:
-        warnings.warn(f"specroll_mcore: removing a build lock left {age / 60:.0f} minutes ago by a build that did "
-                      f"not finish ({lock})", RuntimeWarning, stacklevel=3)
-        lock.unlink(missing_ok=True)
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_BUILD_LOCK_S:
+            warnings.warn(f"specroll_mcore: removing a build lock left {age / 60:.0f} minutes ago by a build that "
+                          f"did not finish ({lock})", RuntimeWarning, stacklevel=3)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(min(poll_s, STALE_BUILD_LOCK_S - age + 1e-3))
 
 
 def contents_key(t: torch.Tensor) -> tuple:

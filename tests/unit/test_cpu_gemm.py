@@ -102,8 +102,10 @@ def test_a_failed_panel_build_warns_and_falls_back(monkeypatch):
 
 def test_a_killed_build_does_not_hang_later_processes(monkeypatch, tmp_path):
     """torch waits on a build lock with no time limit: a lock left by a killed build is removed (with
-    a warning) before building; a fresh one (a build in progress in another process) is waited for."""
+    a warning) before building; a fresh one (a build in progress in another process) is waited for
+    until it goes, or until it is stale (that build was killed meanwhile)."""
     import os
+    import threading
     import time
 
     import torch.utils.cpp_extension as cpp_extension
@@ -117,24 +119,31 @@ def test_a_killed_build_does_not_hang_later_processes(monkeypatch, tmp_path):
         seen.append((name, os.path.exists(lock)))
         return "kernels"
 
+    def build_with(lock_age_s=0.0, released_after_s=None):
+        open(lock, "w").close()
+        os.utime(lock, (time.time() - lock_age_s,) * 2)
+        if released_after_s is not None:  # the other process's build ends
+            threading.Timer(released_after_s, os.remove, (lock,)).start()
+        cpu_gemm._build_panel_kernels.cache_clear()
+        start = time.monotonic()
+        assert cpu_gemm._build_panel_kernels() == "kernels"
+        assert seen[-1] == (name, False)  # torch found no lock to wait on
+        return time.monotonic() - start
+
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     cpu_gemm._build_panel_kernels.cache_clear()
     try:
         assert cpu_gemm._build_panel_kernels() == "kernels"
         name = seen[-1][0]
         lock = os.path.join(cpp_extension._get_build_directory(name, False), "lock")
-        open(lock, "w").close()
-        os.utime(lock, (time.time() - 3600, time.time() - 3600))
-        cpu_gemm._build_panel_kernels.cache_clear()
         with pytest.warns(RuntimeWarning, match="removing a build lock left 60 minutes ago"):
-            cpu_gemm._build_panel_kernels()
-        assert seen[-1] == (name, False)
-        open(lock, "w").close()  # fresh: another process is building
-        cpu_gemm._build_panel_kernels.cache_clear()
+            assert build_with(lock_age_s=3600) < 0.5
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            cpu_gemm._build_panel_kernels()
-        assert seen[-1] == (name, True)
+            assert build_with(released_after_s=0.3) >= 0.3
+        monkeypatch.setattr(cpu_gemm, "STALE_BUILD_LOCK_S", 0.4)
+        with pytest.warns(RuntimeWarning, match="removing a build lock left 0 minutes ago"):
+            assert build_with() >= 0.4  # its build was killed while this one waited
     finally:
         cpu_gemm._build_panel_kernels.cache_clear()
 
