@@ -11,7 +11,10 @@ megatron-core compatibility
 ---------------------------
 megatron-core 0.16.1 assumes CUDA in a few places we reach (:func:`apply_cpu_compat`) and Transformer
 Engine in one (:func:`apply_megatron_compat`). Those two functions are the complete list of what we
-change, and why; nothing else in the project patches megatron-core.
+change, and why; nothing else in the project patches megatron-core. One private name is read, not
+changed: the list of the process groups megatron-core created (:func:`_destroy_model_parallel`), so
+that a process which initialises another layout destroys the old groups rather than leaking them;
+:func:`initialize` in the layout already initialised keeps its groups.
 """
 
 from __future__ import annotations
@@ -428,8 +431,12 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
 
+    sizes = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+             parallel.expert_model_parallel_size)
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        if _layout_sizes() == sizes:  # (another trainer or tool in this process, the same layout)
+            return context_from_parallel_state(device, parallel)
+        _destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -546,6 +553,28 @@ def destroy() -> None:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        _destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _layout_sizes() -> tuple[int, int, int]:
+    """(TP, PP, EP) of megatron's initialised parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size())
+
+
+def _destroy_model_parallel() -> None:
+    """megatron's ``destroy_model_parallel``, and first the process groups it created destroyed.
+    Alone it only forgets them: each re-initialisation in one process (jobs in other layouts one
+    after the other) would keep ~20 more groups, their sockets open, until the process runs out of
+    file descriptors. The groups are those megatron lists as its own (``_global_process_group_list``,
+    private; read, not changed; None there stands for the default group, destroyed by :func:`destroy`)."""
+    from megatron.core import parallel_state as ps
+
+    for group in getattr(ps, "_global_process_group_list", None) or ():
+        if group is not None:
+            dist.destroy_process_group(group)
+    ps.destroy_model_parallel()
