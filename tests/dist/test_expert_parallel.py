@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_fixtures import tiny_policy_checkpoint
+from grpo_fixtures import max_apart, tiny_policy_checkpoint
 from specroll_mcore.checkpoint.megatron import load_full_state_dict
 from test_grpo_layouts import launch, run, run_jobs
 from test_train_heads_layouts import train
@@ -101,13 +101,13 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
     experts = [k for k in ref_w if ".local_experts." in k]
     assert len(experts) == 2 * 2 * 4 and all((ref_w[k] != start[k]).any() for k in experts)  # every expert moved
     w = load_full_state_dict(tmp_path / "ep2")  # the checkpoint holds every expert, as without EP
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    assert max_apart(w, ref_w) < 1e-4
     assert (tmp_path / "ep2" / "iter_0000002" / "mp_rank_00" / "optim_ep1.pt").is_file()
 
     # and with AdamW's state sharded (ZeRO-1): the experts' over the replicas holding the same experts (here
     # one each), the rest over both replicas, each of which saves its part
     w = load_full_state_dict(tmp_path / "ep2_sharded")
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    assert max_apart(w, ref_w) < 1e-4
     parts = torch.load(tmp_path / "ep2_sharded" / "iter_0000002" / "mp_rank_00" / "optim_dp1.pt",
                        weights_only=False)["optimizer"]
     assert parts["dense"]["zero_shard"] == [1, 2] and "zero_shard" not in parts["experts"]
@@ -126,7 +126,7 @@ def test_grpo_steps_at_ep2_equal_ep1_and_resume(tmp_path):
     for i, ((name, extra), rows) in enumerate(zip(resumes, runs)):
         assert rows[-1]["step"] == 2 and rows[-1]["grad_norm"] == pytest.approx(got[1]["grad_norm"], rel=1e-4)
         w = load_full_state_dict(tmp_path / f"resumed{i}")
-        assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4, (name, extra)
+        assert max_apart(w, ref_w) < 1e-4, (name, extra)
 
     # an iteration saved before checkpoints recorded their layout resumes only in its own
     (tmp_path / "resumed0" / "iter_0000002" / "layout.json").unlink()
@@ -165,4 +165,4 @@ def test_grpo_step_at_pp2_ep2_equals_ep1(tmp_path):
         assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4), k
     ref_w, w = load_full_state_dict(tmp_path / "ep1"), load_full_state_dict(tmp_path / "ep2")
     # 0.1 x lr (see test_grpo_steps_at_ep2_equal_ep1_and_resume)
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    assert max_apart(w, ref_w) < 1e-4

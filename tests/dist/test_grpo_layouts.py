@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import grpo_worker
-from grpo_fixtures import tiny_policy_checkpoint
-from specroll_mcore.checkpoint.megatron import load_full_state_dict
+from grpo_fixtures import max_apart, tiny_policy_checkpoint
+from specroll_mcore.checkpoint.megatron import load_full_state_dict, load_heads
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.dist
@@ -54,11 +54,13 @@ def run(ckpt, out, tp, pp, nproc, *extra):
 
 def run_here(ckpt, out, *extra):
     """:func:`run`'s run at TP=1, PP=1 in one process: in this one (the tests' TP=1 parallel state), on
-    one thread as in a launch; the reference the launched layouts are compared with."""
+    one thread as in a launch; the reference the launched layouts are compared with. ``ckpt`` None:
+    ``extra`` names it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        grpo_worker.run(grpo_worker.parser().parse_args([f"--ckpt={ckpt}", f"--out={out}", *extra]))
+        grpo_worker.run(grpo_worker.parser().parse_args([f"--ckpt={ckpt}"] * (ckpt is not None) +
+                                                        [f"--out={out}", *extra]))
     finally:
         torch.set_num_threads(threads)
     return metrics(out)
@@ -66,9 +68,12 @@ def run_here(ckpt, out, *extra):
 
 def run_jobs(ckpt, nproc, *jobs):
     """Runs ``(out, tp, pp, *extra)`` one after the other in one launch of ``nproc`` processes (each
-    run as :func:`run`'s, a launch's start paid once); their metrics, in order."""
-    args = [[f"--ckpt={ckpt}", f"--out={out}", f"--tp={tp}", f"--pp={pp}", *extra] for out, tp, pp, *extra in jobs]
+    run as :func:`run`'s, a launch's start paid once); their metrics, in order. ``ckpt`` None: each
+    job's ``extra`` names its own."""
+    args = [[f"--ckpt={ckpt}"] * (ckpt is not None) + [f"--out={out}", f"--tp={tp}", f"--pp={pp}", *extra]
+            for out, tp, pp, *extra in jobs]
     listing = Path(jobs[0][0]).parent / f"{Path(jobs[0][0]).name}.jobs.json"
+    listing.parent.mkdir(parents=True, exist_ok=True)
     listing.write_text(json.dumps(args))
     proc = torchrun(nproc, f"--jobs={listing}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -94,7 +99,7 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     norms = [k for k in ref_w if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
     assert len(norms) == 4 and all((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in norms)  # they moved
     assert refs[()][0]["optimizer_steps"] == 2
-    assert max((ref_ws[bonus][k] - ref_w[k]).abs().max().item() for k in ref_w) > 1e-4  # the bonus moves the step
+    assert max_apart(ref_ws[bonus], ref_w) > 1e-4  # the bonus moves the step
     # PP=2 with one sequence per micro-batch (6 micro-batches of different lengths through 1F1B, in the
     # token budget's order: longest first, where TP=1 runs 2 of 3 in the rollout's order) and activation
     # recomputation (PP=2 with several padded sequences a micro-batch: the uneven-split test)
@@ -112,7 +117,7 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
         for k in ("loss", "grad_norm", "entropy"):  # (the entropy: over TP's vocabulary shards)
             assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), (tp, pp, k)
         w = load_full_state_dict(tmp_path / f"layout{i}")
-        diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
+        diff = max_apart(w, ref_w)
         print(f"TP={tp} PP={pp} {extra + added}: max |weight diff| after two optimizer steps = {diff:.2e}")
         assert diff < 1e-4
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
@@ -131,7 +136,7 @@ def test_grpo_step_with_sequence_parallelism_over_tp2_pp2_equals_tp1(tmp_path):
     for k in ("loss", "grad_norm", "entropy"):
         assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
     ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(tmp_path / "tp2pp2")
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    assert max_apart(w, ref_w) < 1e-4
 
 
 def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
@@ -152,7 +157,7 @@ def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
     for k in ("loss", "grad_norm"):
         assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
     ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(tmp_path / "pp2")
-    diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
+    diff = max_apart(w, ref_w)
     print(f"Qwen3-MoE, PP=2 split 2 + 1: max |weight diff| after one step = {diff:.2e}")
     assert diff < 1e-4
     before = load_full_state_dict(ckpt)
@@ -191,7 +196,7 @@ def test_dynamic_sampling_at_dp2_equals_dp1(tmp_path):
         for k in ("loss", "grad_norm", "moe_aux_loss"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
     ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    assert max_apart(w, ref_w) < 1e-4
     proc = launch(ckpt, tmp_path / "p1", 1, 1, 2, "--set=prompts_per_step=1")
     assert proc.returncode != 0 and "TrainConfig.prompts_per_step (1) is below the data-parallel size (2)" in (
         proc.stdout + proc.stderr)
@@ -216,7 +221,7 @@ def test_dynamic_sampling_with_fewer_groups_than_replicas_at_dp2_equals_dp1(tmp_
     for k in ("loss", "grad_norm", "entropy"):
         assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
     ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    assert max_apart(w, ref_w) < 1e-4
 
 
 @pytest.mark.parametrize("tp", [1, 2])  # DP=2, or TP=2
@@ -278,7 +283,7 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
     assert any((ref[k] != start[k]).any() for k in ref)
     for name in ("sharded", "resumed"):
         w = load_full_state_dict(tmp_path / name)
-        diff = max((w[k] - ref[k]).abs().max().item() for k in ref)
+        diff = max_apart(w, ref)
         assert diff < 1e-6, (name, diff)
     shard_dir = tmp_path / "sharded" / "iter_0000002" / "mp_rank_00"
     parts = [torch.load(shard_dir / "model_optim_rng.pt", weights_only=False)["optimizer"],
@@ -291,10 +296,10 @@ def test_sharded_optimizer_equals_replicated_and_resumes(tmp_path):
                        "--set=resume=true"),
              (tmp_path / "sharded", 1, 1, "--set=steps=3", "--set=weight_decay=0.1", "--set=resume=true"))
     three = load_full_state_dict(tmp_path / "three")
-    assert max((three[k] - ref[k]).abs().max().item() for k in ref) > 1e-4
+    assert max_apart(three, ref) > 1e-4
     for name in ("replicated", "sharded"):
         w = load_full_state_dict(tmp_path / name)
-        diff = max((w[k] - three[k]).abs().max().item() for k in three)
+        diff = max_apart(w, three)
         assert diff < 1e-6, (name, diff)
 
 
@@ -397,31 +402,30 @@ def test_random_update_settings_at_tp2_pp2_dp2_and_ep2_equal_one_process(tmp_pat
     ckpts = {arch: tiny_policy_checkpoint(tmp_path / arch, with_heads=False, arch=arch)
              for arch in dict.fromkeys(a for _, a, _ in drawn)}
     refs = {name: run_here(ckpts[arch], tmp_path / name / "ref", *settings(case)) for name, arch, case in drawn}
-    for arch, ckpt in ckpts.items():  # (one launch per checkpoint: a job list takes one --ckpt each)
-        jobs = [(tmp_path / name / layout, *LAYOUTS[layout][:2], *settings(case, layout))
-                for name, a, case in drawn if a == arch for layout in ARCH_LAYOUTS[arch]]
-        for (out, *_), got in zip(jobs, run_jobs(ckpt, 2, *jobs)):
-            name, layout = out.parent.name, out.name
-            ref, where = refs[name][0], (name, layout, next(c for n, _, c in drawn if n == name))
-            for k in ("response_len", "optimizer_steps", "skipped", "sampling_rounds", "groups_trained",
-                      "overlong_filtered"):
-                assert got[0].get(k) == ref.get(k), (k, got[0].get(k), ref.get(k), where)
-            assert got[0]["reward_mean"] == pytest.approx(ref["reward_mean"], rel=1e-6), where
-            for k in ("loss", "grad_norm", "entropy", "clip_fraction", "kl"):
-                if k in ref:
-                    assert got[0][k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), (k, where)
-            ref_w, w = load_full_state_dict(out.parent / "ref"), load_full_state_dict(out)
-            diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
-            far = sum(int(((w[k] - ref_w[k]).abs() > 1e-4).sum()) for k in ref_w)
-            # (a weight whose gradient is near Adam's eps can take an update of up to lr per optimizer step
-            # from a rounding: a few such; a wrong shard or reduction moves many)
-            assert far <= 3 and diff < 4e-3, (far, diff, where)
+    jobs = [(tmp_path / name / layout, *LAYOUTS[layout][:2], f"--ckpt={ckpts[arch]}", *settings(case, layout))
+            for name, arch, case in drawn for layout in ARCH_LAYOUTS[arch]]  # (in one launch, each its checkpoint)
+    for (out, *_), got in zip(jobs, run_jobs(None, 2, *jobs)):
+        name, layout = out.parent.name, out.name
+        ref, where = refs[name][0], (name, layout, next(c for n, _, c in drawn if n == name))
+        for k in ("response_len", "optimizer_steps", "skipped", "sampling_rounds", "groups_trained",
+                  "overlong_filtered"):
+            assert got[0].get(k) == ref.get(k), (k, got[0].get(k), ref.get(k), where)
+        assert got[0]["reward_mean"] == pytest.approx(ref["reward_mean"], rel=1e-6), where
+        for k in ("loss", "grad_norm", "entropy", "clip_fraction", "kl"):
+            if k in ref:
+                assert got[0][k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), (k, where)
+        ref_w, w = load_full_state_dict(out.parent / "ref"), load_full_state_dict(out)
+        diff = max_apart(w, ref_w)
+        far = sum(int(((w[k] - ref_w[k]).abs() > 1e-4).sum()) for k in ref_w)
+        # (a weight whose gradient is near Adam's eps can take an update of up to lr per optimizer step
+        # from a rounding: a few such; a wrong shard or reduction moves many)
+        assert far <= 3 and diff < 4e-3, (far, diff, where)
     updated = [(name, arch) for name, arch, _ in drawn  # (top-k with top-p can leave one token: equal rewards)
                if not refs[name][0]["skipped"] and refs[name][0]["reward_std"] > 0]
     assert len(updated) * 2 >= cases, refs  # (most cases train: the layouts' updates are compared)
     for name, arch in updated:  # (an update of ~lr a weight, against the layouts' 1e-4)
         start, ref_w = load_full_state_dict(ckpts[arch]), load_full_state_dict(tmp_path / name / "ref")
-        assert max((ref_w[k] - start[k]).abs().max().item() for k in ref_w) > 5e-4, name
+        assert max_apart(ref_w, start) > 5e-4, name
 
 
 def test_bfloat16_policy_pp2_equals_pp1(tmp_path):
@@ -470,7 +474,7 @@ def test_balanced_replicas_equal_dp1(tmp_path):
     for k in ("loss", "grad_norm"):
         assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
     ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    assert max_apart(w, ref_w) < 1e-4
 
 
 @pytest.mark.parametrize("common", [
@@ -495,7 +499,7 @@ def test_mini_batches_at_dp2_equal_dp1(tmp_path, common):
     for k in ("loss", "grad_norm", "entropy", "clip_fraction", "kl"):  # (the last two were replica 0's alone)
         assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
     ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
-    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4
+    assert max_apart(w, ref_w) < 1e-4
 
 
 def test_a_replica_whose_responses_are_all_overlong_filtered_equals_dp1(tmp_path):
@@ -518,7 +522,7 @@ def test_a_replica_whose_responses_are_all_overlong_filtered_equals_dp1(tmp_path
         for k in ("loss", "grad_norm", "entropy"):
             assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), (balance, k)
         w = load_full_state_dict(tmp_path / f"dp2-{balance}")
-        assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-4, balance
+        assert max_apart(w, ref_w) < 1e-4, balance
 
 
 def test_a_sigterm_on_one_rank_ends_every_rank_after_the_same_step(tmp_path):
@@ -529,6 +533,83 @@ def test_a_sigterm_on_one_rank_ends_every_rank_after_the_same_step(tmp_path):
     rows = run(ckpt, out, 1, 1, 2, "--set=steps=4", "--set=save_every=100", "--sigterm-after-step=2")
     assert [r["step"] for r in rows] == [1, 2]
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+RUN_SETTINGS = {  # what else a run carries from step to step (the first: the default)
+    "lr_warmup_steps": [0, 2], "lr_decay": ["constant", "cosine"], "data.limit": [16, 5],
+    "spec.reflex.enabled": [True, False], "spec.slow_path.enabled": [True, False], "async_save": [False, True],
+    "eval.every": [0, 2], "compare_vanilla_every": [0, 2]}
+EVAL = ["eval.data.limit=4", "eval.sampling.max_new_tokens=8", "eval.batch_prompts=4"]
+TIMINGS = {"slow_path_event": ("seconds",)}  # (and every metric ending in _s or _share)
+
+
+def drawn_run(seed: int, arch: str, layout: Optional[str]) -> tuple[str, int, int, list, int]:
+    """A run of :func:`drawn_update`'s settings at ``layout`` (LAYOUTS; None: one process), with
+    SpecRoll rollouts and a busy slow path half the time, each of RUN_SETTINGS drawn half the time
+    and a bfloat16 policy one time in three: the policy's dtype, TP, PP, the worker's other
+    arguments, and the step (1 or 2 of 3) after which it is interrupted."""
+    r = random.Random(seed)
+    case = drawn_update(seed, arch)
+    case.update({k: r.choice(v[1:]) for k, v in RUN_SETTINGS.items() if r.random() < 1 / 2})
+    specroll = ["--specroll"] if r.random() < 1 / 2 else []
+    tp, pp = LAYOUTS[layout][:2] if layout else (1, 1)
+    extra = specroll + settings(case, layout) + [f"--set={o}" for o in EVAL + ["save_every=1", "steps=3"]]
+    stop = r.choice([1, 2])
+    return "bfloat16" if r.random() < 1 / 3 else "float32", tp, pp, extra, stop
+
+
+def deterministic(row: dict) -> dict:
+    """A metrics row less its timings."""
+    row = {k: v for k, v in row.items() if not k.endswith(("_s", "_share"))}
+    for k, timings in TIMINGS.items():
+        if k in row and row[k]:
+            row[k] = {f: v for f, v in row[k].items() if f not in timings}
+    return row
+
+
+@pytest.mark.parametrize("cases, launched", [(3, False), pytest.param(18, False, marks=pytest.mark.slow),
+                                             pytest.param(9, True, marks=pytest.mark.slow)])
+def test_random_runs_interrupted_and_resumed_continue_the_uninterrupted_ones(tmp_path, cases, launched):
+    """Runs of drawn settings (:func:`drawn_update`'s and RUN_SETTINGS: SpecRoll with Reflex and a
+    slow path consolidating a head nearly every step, learning-rate warm-up and decay, a dataset that
+    wraps around, evaluation, vanilla comparisons, checkpoints in the background) on a Llama, a Qwen3
+    or a Qwen3-MoE, in float32 or bfloat16 (float32 main weights), in one process or (``launched``) at TP = 2, PP = 2, DP = 2 or EP = 2, stopped by
+    SIGTERM after step 1 or 2 of 3 and resumed in fresh processes: every metric of every step but the
+    timings, the policy's weights and the heads equal the uninterrupted run's, bit for bit (the same
+    layout, one thread a process)."""
+    archs = tuple(ARCH_LAYOUTS)
+    drawn = []
+    for i in range(cases):
+        arch = archs[i % 3]
+        layout = ARCH_LAYOUTS[arch][i // 3 % 3] if launched else None
+        drawn.append((f"case{i}", arch, *drawn_run(2000 + i, arch, layout)))
+    ckpts = {(arch, dtype): tiny_policy_checkpoint(tmp_path / f"{arch}-{dtype}", arch=arch, params_dtype=dtype)
+             for arch, dtype in dict.fromkeys((a, d) for _, a, d, *_ in drawn)}
+    # (each job names its checkpoint: the runs of a stage in one launch, its start paid once)
+    ran = [(tmp_path / name, tp, pp, f"--ckpt={ckpts[arch, dtype]}", *extra, stop)
+           for name, arch, dtype, tp, pp, extra, stop in drawn]
+    first = [(d / "ref", tp, pp, *extra) for d, tp, pp, *extra, _ in ran] + [
+        (d / "resumed", tp, pp, f"--sigterm-after-step={stop}", *extra) for d, tp, pp, *extra, stop in ran]
+    if launched:
+        run_jobs(None, 2, *first)
+    else:
+        for out, _, _, *extra in first:
+            run_here(None, out, *extra)
+    for d, *_, stop in ran:  # (SIGTERM ended the run after that step's checkpoint)
+        assert (d / "resumed" / "latest_checkpointed_iteration.txt").read_text().strip() == str(stop), d
+    run_jobs(None, 2 if launched else 1, *[(d / "resumed", tp, pp, "--set=resume=true", *extra)
+                                           for d, tp, pp, *extra, _ in ran])
+    for name, arch, dtype, _, _, extra, stop in drawn:
+        where = (name, arch, dtype, stop, extra)
+        ref, got = metrics(tmp_path / name / "ref"), metrics(tmp_path / name / "resumed")
+        assert [r["step"] for r in ref] == [r["step"] for r in got] == [1, 2, 3], where
+        for a, b in zip(ref, got):
+            assert deterministic(b) == deterministic(a), (a["step"], where)
+        w, ref_w = (load_full_state_dict(tmp_path / name / d) for d in ("resumed", "ref"))
+        assert w.keys() == ref_w.keys() and all(torch.equal(w[k], ref_w[k]) for k in w), where
+        if "--specroll" in extra:  # (a run of vanilla rollouts keeps no heads)
+            (h, meta), (ref_h, ref_meta) = (load_heads(tmp_path / name / d) for d in ("resumed", "ref"))
+            assert meta == ref_meta and h.keys() == ref_h.keys() and all(torch.equal(h[k], ref_h[k]) for k in h), where
 
 
 def test_a_run_resumed_in_other_layouts_continues_the_uninterrupted_one(tmp_path):
@@ -560,10 +641,10 @@ def test_a_run_resumed_in_other_layouts_continues_the_uninterrupted_one(tmp_path
         for k in ("loss", "grad_norm"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
     ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(out)
-    diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
+    diff = max_apart(w, ref_w)
     print(f"four steps over TP=2, PP=2, DP=2 (sharded) and one process: max |weight diff| = {diff:.2e}")
     assert diff < 1e-4
-    assert max((w[k] - at3[k]).abs().max().item() for k in w) > 1e-4  # (step 4 moved them)
+    assert max_apart(w, at3) > 1e-4  # (step 4 moved them)
     # an iteration written before checkpoints recorded their layout resumes only in its own
     (tmp_path / "tp1" / "iter_0000004" / "layout.json").unlink()
     proc = launch(ckpt, tmp_path / "tp1", 2, 1, 2, "--set=steps=5", "--set=resume=true", *common)
