@@ -33,6 +33,8 @@ from specroll_mcore.config import ModelConfig, ParallelConfig, pipeline_split
 
 _CPU_COMPAT_APPLIED = False
 _MEGATRON_COMPAT_APPLIED: list[str] = []
+_INITIALIZED: Optional[tuple] = None
+"""(default process group, TP, PP, EP) of megatron's parallel state as :func:`initialize` last set it."""
 
 
 def apply_cpu_compat() -> list[str]:
@@ -431,12 +433,14 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
 
-    sizes = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-             parallel.expert_model_parallel_size)
+    global _INITIALIZED
+    layout = (dist.group.WORLD, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+              parallel.expert_model_parallel_size)
     if ps.model_parallel_is_initialized():
-        if _layout_sizes() == sizes:  # (another trainer or tool in this process, the same layout)
+        if _INITIALIZED == layout:  # (another trainer or tool in this process, the same layout and world)
             return context_from_parallel_state(device, parallel)
         _destroy_model_parallel()
+    _INITIALIZED = layout
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -552,18 +556,12 @@ def destroy() -> None:
     """Tear down megatron's parallel state and the default process group."""
     from megatron.core import parallel_state as ps
 
+    global _INITIALIZED
     if ps.model_parallel_is_initialized():
         _destroy_model_parallel()
+    _INITIALIZED = None
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _layout_sizes() -> tuple[int, int, int]:
-    """(TP, PP, EP) of megatron's initialised parallel state."""
-    from megatron.core import parallel_state as ps
-
-    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_expert_model_parallel_world_size())
 
 
 def _destroy_model_parallel() -> None:

@@ -573,10 +573,10 @@ def test_random_runs_interrupted_and_resumed_continue_the_uninterrupted_ones(tmp
     """Runs of drawn settings (:func:`drawn_update`'s and RUN_SETTINGS: SpecRoll with Reflex and a
     slow path consolidating a head nearly every step, learning-rate warm-up and decay, a dataset that
     wraps around, evaluation, vanilla comparisons, checkpoints in the background) on a Llama, a Qwen3
-    or a Qwen3-MoE, in float32 or bfloat16 (float32 main weights), in one process or (``launched``) at TP = 2, PP = 2, DP = 2 or EP = 2, stopped by
-    SIGTERM after step 1 or 2 of 3 and resumed in fresh processes: every metric of every step but the
-    timings, the policy's weights and the heads equal the uninterrupted run's, bit for bit (the same
-    layout, one thread a process)."""
+    or a Qwen3-MoE, in float32 or bfloat16 (float32 main weights), in one process or (``launched``)
+    at TP = 2, PP = 2, DP = 2 or EP = 2, stopped by SIGTERM after step 1 or 2 of 3 and resumed in
+    fresh processes: every metric of every step but the timings, the policy's weights and the heads
+    equal the uninterrupted run's, bit for bit (the same layout, one thread a process)."""
     archs = tuple(ARCH_LAYOUTS)
     drawn = []
     for i in range(cases):

@@ -66,3 +66,17 @@ def test_single_process_context(ctx):
     t = torch.arange(4)
     assert ctx.broadcast_from_last_stage([t])[0] is t
     assert ctx.gather_vocab(t) is t
+
+
+def test_initialising_the_layout_again_keeps_its_process_groups(ctx):
+    """A trainer or tool after another in one process: the same groups, none created (megatron-core's
+    own re-initialisation would leave the old ones open; other layouts: tests/dist/test_process_groups.py)."""
+    import torch.distributed as dist
+
+    from specroll_mcore.config import ParallelConfig
+
+    first = parallel.initialize(ParallelConfig())
+    groups = len(dist.distributed_c10d._world.pg_map)
+    again = parallel.initialize(ParallelConfig())
+    assert (again.tp_group, again.pp_group, again.dp_group) == (first.tp_group, first.pp_group, first.dp_group)
+    assert len(dist.distributed_c10d._world.pg_map) == groups
