@@ -436,17 +436,17 @@ def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
     global _INITIALIZED
     layout = (dist.group.WORLD, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
               parallel.expert_model_parallel_size)
-    if ps.model_parallel_is_initialized():
-        if _INITIALIZED == layout:  # (another trainer or tool in this process, the same layout and world)
-            return context_from_parallel_state(device, parallel)
-        _destroy_model_parallel()
-    _INITIALIZED = layout
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        create_gloo_process_groups=False,
-    )
+    # (the layout already set up here, as for another trainer or tool in this process: its groups kept)
+    if not (ps.model_parallel_is_initialized() and _INITIALIZED == layout):
+        if ps.model_parallel_is_initialized():
+            _destroy_model_parallel()
+        _INITIALIZED = layout
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            create_gloo_process_groups=False,
+        )
     if use_cuda:
         # megatron-core initialises weights on the GPU inside its model-parallel RNG tracker, which
         # must hold a state first. Checkpoints overwrite these weights; the seed only makes a
