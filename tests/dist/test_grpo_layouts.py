@@ -314,10 +314,7 @@ def test_a_sharded_bfloat16_optimizer_keeps_each_main_copy_on_one_replica(tmp_pa
     takes its own by name."""
     import shutil
 
-    from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
-
-    tiny_policy_checkpoint(tmp_path, with_heads=False)
-    ckpt = convert_hf_to_mcore(tmp_path / "hf", tmp_path / "bf16", params_dtype="bfloat16")
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, params_dtype="bfloat16")
     sharded = ["--set=shard_optimizer=true"]
     run_jobs(ckpt, 2, (tmp_path / "replicated", 1, 1, "--set=steps=2"), (tmp_path / "three", 1, 1, "--set=steps=3"),
              (tmp_path / "sharded", 1, 1, "--set=steps=2", *sharded))
@@ -434,17 +431,14 @@ def test_bfloat16_policy_pp2_equals_pp1(tmp_path):
     weights differ only where float32 sums in another order land on another bfloat16 value. One
     step: a second one's rollouts would sample from those differing weights, and rollouts are the
     same only for the same weights."""
-    from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
-
-    tiny_policy_checkpoint(tmp_path, with_heads=False)
-    ckpt = convert_hf_to_mcore(tmp_path / "hf", tmp_path / "bf16", params_dtype="bfloat16")
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, params_dtype="bfloat16")
     extra = ("--set=steps=1", "--set=micro_batch_size=1")
     ref = run_here(ckpt, tmp_path / "pp1", *extra)
     got = run(ckpt, tmp_path / "pp2", 1, 2, 2, *extra)
     assert len(ref) == len(got) == 1
     for ra, rb in zip(ref, got):
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
-    start, a, b = (load_full_state_dict(tmp_path / d) for d in ("bf16", "pp1", "pp2"))
+    start, a, b = (load_full_state_dict(d) for d in (ckpt, tmp_path / "pp1", tmp_path / "pp2"))
     for k in a:
         assert a[k].dtype == torch.bfloat16
         assert (a[k] != b[k]).float().mean() < 0.1, k
@@ -540,7 +534,6 @@ RUN_SETTINGS = {  # what else a run carries from step to step (the first: the de
     "spec.reflex.enabled": [True, False], "spec.slow_path.enabled": [True, False], "async_save": [False, True],
     "eval.every": [0, 2], "compare_vanilla_every": [0, 2]}
 EVAL = ["eval.data.limit=4", "eval.sampling.max_new_tokens=8", "eval.batch_prompts=4"]
-TIMINGS = {"slow_path_event": ("seconds",)}  # (and every metric ending in _s or _share)
 
 
 def drawn_run(seed: int, arch: str, layout: Optional[str]) -> tuple[str, int, int, list, int]:
@@ -559,11 +552,10 @@ def drawn_run(seed: int, arch: str, layout: Optional[str]) -> tuple[str, int, in
 
 
 def deterministic(row: dict) -> dict:
-    """A metrics row less its timings."""
+    """A metrics row less its timings (every metric ending in _s or _share, a slow-path event's seconds)."""
     row = {k: v for k, v in row.items() if not k.endswith(("_s", "_share"))}
-    for k, timings in TIMINGS.items():
-        if k in row and row[k]:
-            row[k] = {f: v for f, v in row[k].items() if f not in timings}
+    if row.get("slow_path_event"):
+        row["slow_path_event"] = {k: v for k, v in row["slow_path_event"].items() if k != "seconds"}
     return row
 
 
@@ -657,12 +649,10 @@ def test_a_bfloat16_run_resumed_in_another_layout_keeps_its_float32_main_weights
     rounds to the weight loaded from the same checkpoint, and carries the bits below bfloat16's (were
     they lost, the run would continue from the rounding). Its AdamW moments come back too (a step's
     worth of gradient, nonzero), and a parameter saved without them stays without."""
-    from specroll_mcore.checkpoint.convert import convert_hf_to_mcore
     from specroll_mcore.config import TrainConfig, load_config
     from specroll_mcore.rl.trainer import GRPOTrainer
 
-    tiny_policy_checkpoint(tmp_path, with_heads=False)
-    ckpt = convert_hf_to_mcore(tmp_path / "hf", tmp_path / "bf16", params_dtype="bfloat16")
+    ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False, params_dtype="bfloat16")
     run(ckpt, tmp_path / "tp2", 2, 1, 2, "--set=steps=1")
     weights = load_full_state_dict(tmp_path / "tp2")
     # a parameter AdamW holds no state for (one that has not taken a step yet) stays without one
