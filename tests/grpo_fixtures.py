@@ -15,6 +15,13 @@ from specroll_mcore.checkpoint.megatron import save_heads
 
 _TESTS_CACHE = os.environ.get("SPECROLL_CACHE")  # (conftest's private directory, as it was at import)
 
+BUSY_SLOW_PATH = ["spec.slow_path.window=4", "spec.slow_path.min_records=4", "spec.slow_path.cooldown_batches=1",
+                  "spec.slow_path.time_cap=1.0", "spec.slow_path.reference_windows=1",
+                  "spec.slow_path.degraded_windows=1", "spec.slow_path.tolerance=0.01", "spec.slow_path.lr=1e-2"]
+"""TrainConfig overrides of a slow path that consolidates a head nearly every step of a tiny run (a
+window of 4 records, one degraded window, a cooldown of one batch, no time cap): the runs that
+check its state across layouts, kills and resumes have it busy."""
+
 
 def tiny_policy_checkpoint(root: Path, with_heads: bool = True, num_layers: int = 2, arch: str = "llama",
                            params_dtype: Optional[str] = None) -> Path:

@@ -5,26 +5,33 @@ other in the same processes (each its own trainer and layout over the one proces
 pays torchrun's start and the imports, ~8 s on 2 cores against ~2 s for a run of these tests."""
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the test reward
 
+from grpo_fixtures import BUSY_SLOW_PATH  # noqa: E402
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.config import TrainConfig, load_config  # noqa: E402
 from specroll_mcore.distill import full_head_state  # noqa: E402
 from specroll_mcore.rl.trainer import GRPOTrainer  # noqa: E402
+from specroll_mcore.rollout import profile  # noqa: E402
 from specroll_mcore.rollout.base import FINISH_EOS, FINISH_LENGTH  # noqa: E402
+from specroll_mcore.tree import budget  # noqa: E402
 
-BUSY_SLOW_PATH = ["engine=specroll", "steps=3", "spec.slow_path.window=4", "spec.slow_path.min_records=4",
-                  "spec.slow_path.cooldown_batches=1", "spec.slow_path.time_cap=1.0",
-                  "spec.slow_path.reference_windows=1", "spec.slow_path.degraded_windows=1",
-                  "spec.slow_path.tolerance=0.01", "spec.slow_path.lr=1e-2", "spec.c_hw=64"]
+SPECROLL = ["engine=specroll", "steps=3", *BUSY_SLOW_PATH, "spec.c_hw=64"]  # (--specroll)
+
+
+WEIGHED_TREES = {"c_hw": 64, "rule": "a test's", "curve": {"tokens": [1, 8, 64], "tree_row_s": [1.0, 1.1, 3.0]}}
+"""A capacity profile in which a forward's latency grows with its tokens: each step weighs its trees'
+nodes by the drafts' beliefs times the tree-size calibration (SpecConfig.adaptive_nodes)."""
 
 
 def overrides(ckpt: str, out: str, tp: int, pp: int) -> list[str]:
@@ -49,13 +56,34 @@ def parser() -> argparse.ArgumentParser:
                     help="each rank writes its own rollouts' statistics per step (rollout_stats_rank{R}.json)")
     ap.add_argument("--sigterm-after-step", type=int,
                     help="the last rank sends itself SIGTERM when this step ends (the others get none)")
+    ap.add_argument("--weighed-trees", action="store_true",
+                    help="cache WEIGHED_TREES as the policy's capacity profile (where the engine looks it up, on every "
+                         "rank) and price no step overhead: trees sized by a latency that depends on no clock")
     ap.add_argument("--jobs", help="a JSON file holding a list of runs, each the arguments above as a list")
     return ap
 
 
+@contextlib.contextmanager
+def weighed_trees() -> Iterator[None]:
+    """The engines built inside find WEIGHED_TREES cached as their policy's capacity profile."""
+    cached = profile.cached_profile
+
+    def cached_profile(policy, fingerprint):
+        budget.save_capacity(profile.capacity_key(policy, fingerprint), WEIGHED_TREES)
+        return cached(policy, fingerprint)
+
+    profile.cached_profile = cached_profile
+    try:
+        yield
+    finally:
+        profile.cached_profile = cached
+
+
 def run(a: argparse.Namespace) -> None:
-    trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(a.ckpt, a.out, a.tp, a.pp) +
-                                      (BUSY_SLOW_PATH if a.specroll else []) + a.set))
+    with weighed_trees() if a.weighed_trees else contextlib.nullcontext():
+        trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(a.ckpt, a.out, a.tp, a.pp) +
+                                          (SPECROLL if a.specroll else []) + a.set +
+                                          ["spec.step_overhead=false"] * a.weighed_trees))
     if a.cut_odd_prompts:  # at DP=2 every response of replica 1 is cut (prompts are dealt out in turn)
         rollout_round = trainer._rollout_round
 

@@ -538,13 +538,14 @@ EVAL = ["eval.data.limit=4", "eval.sampling.max_new_tokens=8", "eval.batch_promp
 
 def drawn_run(seed: int, arch: str, layout: Optional[str]) -> tuple[str, int, int, list, int]:
     """A run of :func:`drawn_update`'s settings at ``layout`` (LAYOUTS; None: one process), with
-    SpecRoll rollouts and a busy slow path half the time, each of RUN_SETTINGS drawn half the time
+    SpecRoll rollouts half the time (a busy slow path, trees weighed by a latency profile: the
+    tree-size calibration shapes them from step to step), each of RUN_SETTINGS drawn half the time
     and a bfloat16 policy one time in three: the policy's dtype, TP, PP, the worker's other
     arguments, and the step (1 or 2 of 3) after which it is interrupted."""
     r = random.Random(seed)
     case = drawn_update(seed, arch)
     case.update({k: r.choice(v[1:]) for k, v in RUN_SETTINGS.items() if r.random() < 1 / 2})
-    specroll = ["--specroll"] if r.random() < 1 / 2 else []
+    specroll = ["--specroll", "--weighed-trees"] if r.random() < 1 / 2 else []
     tp, pp = LAYOUTS[layout][:2] if layout else (1, 1)
     extra = specroll + settings(case, layout) + [f"--set={o}" for o in EVAL + ["save_every=1", "steps=3"]]
     stop = r.choice([1, 2])
@@ -562,13 +563,16 @@ def deterministic(row: dict) -> dict:
 @pytest.mark.parametrize("cases, launched", [(3, False), pytest.param(18, False, marks=pytest.mark.slow),
                                              pytest.param(9, True, marks=pytest.mark.slow)])
 def test_random_runs_interrupted_and_resumed_continue_the_uninterrupted_ones(tmp_path, cases, launched):
-    """Runs of drawn settings (:func:`drawn_update`'s and RUN_SETTINGS: SpecRoll with Reflex and a
-    slow path consolidating a head nearly every step, learning-rate warm-up and decay, a dataset that
-    wraps around, evaluation, vanilla comparisons, checkpoints in the background) on a Llama, a Qwen3
-    or a Qwen3-MoE, in float32 or bfloat16 (float32 main weights), in one process or (``launched``)
-    at TP = 2, PP = 2, DP = 2 or EP = 2, stopped by SIGTERM after step 1 or 2 of 3 and resumed in
-    fresh processes: every metric of every step but the timings, the policy's weights and the heads
-    equal the uninterrupted run's, bit for bit (the same layout, one thread a process)."""
+    """Runs of drawn settings (:func:`drawn_update`'s and RUN_SETTINGS: SpecRoll with Reflex, a slow
+    path consolidating a head nearly every step and trees sized by the tree-size calibration,
+    learning-rate warm-up and decay, a dataset that wraps around, evaluation, vanilla comparisons,
+    checkpoints in the background) on a Llama, a Qwen3 or a Qwen3-MoE, in float32 or bfloat16
+    (float32 main weights), in one process or (``launched``) at TP = 2, PP = 2, DP = 2 or EP = 2,
+    stopped by SIGTERM after step 1 or 2 of 3 and resumed in fresh processes: every metric of every
+    step but the timings, the policy's weights and the heads equal the uninterrupted run's, bit for
+    bit (the same layout, one thread a process). A resume that forgot the calibration would size
+    the next trees from its prior: other nodes per row, acceptance, tau and, through the
+    verification forward's shape, log-probs a few ulps apart."""
     archs = tuple(ARCH_LAYOUTS)
     drawn = []
     for i in range(cases):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_fixtures import tiny_policy_checkpoint
+from grpo_fixtures import BUSY_SLOW_PATH, tiny_policy_checkpoint
 from specroll_mcore.config import TrainConfig, load_config
 from specroll_mcore.rl.grpo import policy_loss
 from specroll_mcore.rl.schedule import (finalize_grads, forward_backward, forward_logprobs, pack_micro_batch,
@@ -417,11 +417,6 @@ def _train_cmd(ckpt, out, *extra):
         args += ["--set", o]
     return [sys.executable, "-m", "specroll_mcore.cli", "train", *args]
 
-
-# A slow path that consolidates a head almost every step, so its state must survive the kill.
-BUSY_SLOW_PATH = ["spec.slow_path.window=4", "spec.slow_path.min_records=4", "spec.slow_path.cooldown_batches=1",
-                  "spec.slow_path.time_cap=1.0", "spec.slow_path.reference_windows=1",
-                  "spec.slow_path.degraded_windows=1", "spec.slow_path.tolerance=0.01", "spec.slow_path.lr=1e-2"]
 
 
 def test_resume_after_sigkill_equals_uninterrupted(tiny_ckpt, tmp_path):
