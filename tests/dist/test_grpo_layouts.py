@@ -80,6 +80,28 @@ def run_jobs(ckpt, nproc, *jobs):
     return [metrics(out) for out, *_ in jobs]
 
 
+def assert_steps_agree(ref: list, got: list, exact=("reward_mean", "response_len"), summed=(),
+                       close=("loss", "grad_norm"), where=None) -> None:
+    """The metrics rows of a run in another layout against the reference's, step by step: ``exact``
+    metrics equal (or missing in both), ``summed`` ones to rel 1e-6 (float32 sums over the replicas
+    in another order), ``close`` ones to rel 1e-4, abs 1e-6 (reductions reordered: see above), each
+    of those two in both rows or in neither."""
+    assert [r["step"] for r in got] == [r["step"] for r in ref], where
+    for a, b in zip(ref, got):
+        for k in exact:
+            assert b.get(k) == a.get(k), (a["step"], k, a.get(k), b.get(k), where)
+        for k in (*summed, *close):
+            assert (k in a) == (k in b), (a["step"], k, where)
+            if k in a:
+                tolerance = {"rel": 1e-6} if k in summed else {"rel": 1e-4, "abs": 1e-6}
+                assert b[k] == pytest.approx(a[k], **tolerance), (a["step"], k, a[k], b[k], where)
+
+
+def weights_apart(ref_out: Path, out: Path) -> float:
+    """The largest difference between the policy weights two runs saved last (:func:`max_apart`)."""
+    return max_apart(load_full_state_dict(out), load_full_state_dict(ref_out))
+
+
 def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     """On a Qwen3 (the other layout tests run Llamas): its q/k norms are replicated over TP, but each
     rank's heads give only part of their gradient; without the TP sum the two ranks' copies would
@@ -111,13 +133,9 @@ def test_grpo_step_tp2_and_pp2_equal_tp1(tmp_path):
     runs = run_jobs(ckpt, 2, *[(tmp_path / f"layout{i}", tp, pp, *kl, *extra, *added)
                                for i, (tp, pp, extra, added) in enumerate(layouts)])
     for i, ((tp, pp, extra, added), got) in enumerate(zip(layouts, runs)):
-        ref, ref_w = refs[added], ref_ws[added]
-        for k in ("reward_mean", "response_len"):
-            assert got[0][k] == ref[0][k], (tp, pp, k)
-        for k in ("loss", "grad_norm", "entropy"):  # (the entropy: over TP's vocabulary shards)
-            assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), (tp, pp, k)
-        w = load_full_state_dict(tmp_path / f"layout{i}")
-        diff = max_apart(w, ref_w)
+        # (the entropy: over TP's vocabulary shards)
+        assert_steps_agree(refs[added], got, close=("loss", "grad_norm", "entropy"), where=(tp, pp))
+        diff = max_apart(load_full_state_dict(tmp_path / f"layout{i}"), ref_ws[added])
         print(f"TP={tp} PP={pp} {extra + added}: max |weight diff| after two optimizer steps = {diff:.2e}")
         assert diff < 1e-4
         assert any((ref_w[k] != load_full_state_dict(ckpt)[k]).any() for k in ref_w)  # the step moved the weights
@@ -131,12 +149,8 @@ def test_grpo_step_with_sequence_parallelism_over_tp2_pp2_equals_tp1(tmp_path):
     ref = run_here(ckpt, tmp_path / "tp1")
     got = run(ckpt, tmp_path / "tp2pp2", 2, 2, 4, "--set=parallel.sequence_parallel=true", "--set=micro_batch_size=1",
               "--set=recompute_activations=true")
-    for k in ("reward_mean", "response_len"):
-        assert got[0][k] == ref[0][k], k
-    for k in ("loss", "grad_norm", "entropy"):
-        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
-    ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(tmp_path / "tp2pp2")
-    assert max_apart(w, ref_w) < 1e-4
+    assert_steps_agree(ref, got, close=("loss", "grad_norm", "entropy"))
+    assert weights_apart(tmp_path / "tp1", tmp_path / "tp2pp2") < 1e-4
 
 
 def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
@@ -152,12 +166,9 @@ def test_grpo_step_on_an_uneven_pipeline_split_equals_tp1(tmp_path):
               "--set=recompute_activations=true", *common)
     assert got[0]["moe_aux_loss"] == pytest.approx(ref[0]["moe_aux_loss"], rel=1e-6) and ref[0]["moe_aux_loss"] > 1
     assert json.loads((tmp_path / "pp2" / "specroll_config.json").read_text())["pipeline_stage_layers"] == [2, 1]
-    for k in ("reward_mean", "response_len"):
-        assert got[0][k] == ref[0][k], k
-    for k in ("loss", "grad_norm"):
-        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
-    ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(tmp_path / "pp2")
-    diff = max_apart(w, ref_w)
+    assert_steps_agree(ref, got)
+    ref_w = load_full_state_dict(tmp_path / "tp1")
+    diff = max_apart(load_full_state_dict(tmp_path / "pp2"), ref_w)
     print(f"Qwen3-MoE, PP=2 split 2 + 1: max |weight diff| after one step = {diff:.2e}")
     assert diff < 1e-4
     before = load_full_state_dict(ckpt)
@@ -189,14 +200,9 @@ def test_dynamic_sampling_at_dp2_equals_dp1(tmp_path):
         assert b["eval_reward_mean"] == pytest.approx(a["eval_reward_mean"], rel=1e-6)
     ref, got = ref[1:], got[1:]
     assert sum(r["sampling_rounds"] for r in ref) > len(ref), ref  # a step took another round
-    for a, b in zip(ref, got):
-        for k in ("sampling_rounds", "groups_varied", "groups_trained", "response_len"):
-            assert a[k] == b[k], (k, a[k], b[k])
-        assert b["reward_mean"] == pytest.approx(a["reward_mean"], rel=1e-6)  # (float32 sums in another order)
-        for k in ("loss", "grad_norm", "moe_aux_loss"):
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
-    ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
-    assert max_apart(w, ref_w) < 1e-4
+    assert_steps_agree(ref, got, exact=("sampling_rounds", "groups_varied", "groups_trained", "response_len"),
+                       summed=("reward_mean",), close=("loss", "grad_norm", "moe_aux_loss"))
+    assert weights_apart(tmp_path / "dp1", tmp_path / "dp2") < 1e-4
     proc = launch(ckpt, tmp_path / "p1", 1, 1, 2, "--set=prompts_per_step=1")
     assert proc.returncode != 0 and "TrainConfig.prompts_per_step (1) is below the data-parallel size (2)" in (
         proc.stdout + proc.stderr)
@@ -215,13 +221,10 @@ def test_dynamic_sampling_with_fewer_groups_than_replicas_at_dp2_equals_dp1(tmp_
               "--set=mini_batches=2")
     ref = run_here(ckpt, tmp_path / "dp1", *common)
     got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *common)
-    for k in ("sampling_rounds", "groups_varied", "groups_trained", "skipped", "optimizer_steps"):
-        assert got[0].get(k) == ref[0].get(k), (k, got[0].get(k), ref[0].get(k))
+    assert_steps_agree(ref, got, exact=("sampling_rounds", "groups_varied", "groups_trained", "skipped",
+                                        "optimizer_steps"), close=("loss", "grad_norm", "entropy"))
     assert (ref[0]["sampling_rounds"], ref[0]["groups_trained"], ref[0]["skipped"]) == (2, 1, False), ref[0]
-    for k in ("loss", "grad_norm", "entropy"):
-        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
-    ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
-    assert max_apart(w, ref_w) < 1e-4
+    assert weights_apart(tmp_path / "dp1", tmp_path / "dp2") < 1e-4
 
 
 @pytest.mark.parametrize("tp", [1, 2])  # DP=2, or TP=2
@@ -403,14 +406,11 @@ def test_random_update_settings_at_tp2_pp2_dp2_and_ep2_equal_one_process(tmp_pat
             for name, arch, case in drawn for layout in ARCH_LAYOUTS[arch]]  # (in one launch, each its checkpoint)
     for (out, *_), got in zip(jobs, run_jobs(None, 2, *jobs)):
         name, layout = out.parent.name, out.name
-        ref, where = refs[name][0], (name, layout, next(c for n, _, c in drawn if n == name))
-        for k in ("response_len", "optimizer_steps", "skipped", "sampling_rounds", "groups_trained",
-                  "overlong_filtered"):
-            assert got[0].get(k) == ref.get(k), (k, got[0].get(k), ref.get(k), where)
-        assert got[0]["reward_mean"] == pytest.approx(ref["reward_mean"], rel=1e-6), where
-        for k in ("loss", "grad_norm", "entropy", "clip_fraction", "kl"):
-            if k in ref:
-                assert got[0][k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), (k, where)
+        where = (name, layout, next(c for n, _, c in drawn if n == name))
+        assert_steps_agree(refs[name], got, exact=("response_len", "optimizer_steps", "skipped", "sampling_rounds",
+                                                   "groups_trained", "overlong_filtered"),
+                           summed=("reward_mean",), close=("loss", "grad_norm", "entropy", "clip_fraction", "kl"),
+                           where=where)
         ref_w, w = load_full_state_dict(out.parent / "ref"), load_full_state_dict(out)
         diff = max_apart(w, ref_w)
         far = sum(int(((w[k] - ref_w[k]).abs() > 1e-4).sum()) for k in ref_w)
@@ -463,12 +463,8 @@ def test_balanced_replicas_equal_dp1(tmp_path):
     assert got[0]["dp_sequences_moved"] > 0, got[0]
     assert got[0]["dp_tokens_max_over_mean"] < got[0]["dp_tokens_max_over_mean_rollout"], got[0]
     assert "dp_sequences_moved" not in ref[0]
-    for k in ("reward_mean", "response_len"):
-        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-6), k
-    for k in ("loss", "grad_norm"):
-        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
-    ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
-    assert max_apart(w, ref_w) < 1e-4
+    assert_steps_agree(ref, got, exact=(), summed=("reward_mean", "response_len"))
+    assert weights_apart(tmp_path / "dp1", tmp_path / "dp2") < 1e-4
 
 
 @pytest.mark.parametrize("common", [
@@ -488,12 +484,10 @@ def test_mini_batches_at_dp2_equal_dp1(tmp_path, common):
     got = run(ckpt, tmp_path / "dp2", 1, 1, 2, *common)
     M = int(common[1].split("=")[-1]) * (2 if "--set=ppo_epochs=2" in common else 1)
     assert ref[0]["optimizer_steps"] == got[0]["optimizer_steps"] == M
-    for k in ("reward_mean", "response_len"):
-        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-6), k
-    for k in ("loss", "grad_norm", "entropy", "clip_fraction", "kl"):  # (the last two were replica 0's alone)
-        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), k
-    ref_w, w = load_full_state_dict(tmp_path / "dp1"), load_full_state_dict(tmp_path / "dp2")
-    assert max_apart(w, ref_w) < 1e-4
+    # (the clip fraction and KL were replica 0's alone)
+    assert_steps_agree(ref, got, exact=(), summed=("reward_mean", "response_len"),
+                       close=("loss", "grad_norm", "entropy", "clip_fraction", "kl"))
+    assert weights_apart(tmp_path / "dp1", tmp_path / "dp2") < 1e-4
 
 
 def test_a_replica_whose_responses_are_all_overlong_filtered_equals_dp1(tmp_path):
@@ -504,7 +498,6 @@ def test_a_replica_whose_responses_are_all_overlong_filtered_equals_dp1(tmp_path
     ckpt = tiny_policy_checkpoint(tmp_path, with_heads=False)
     common = ("--cut-odd-prompts", "--set=prompts_per_step=4", "--set=overlong_filter=true")
     ref = run_here(ckpt, tmp_path / "dp1", *common)
-    ref_w = load_full_state_dict(tmp_path / "dp1")
     runs = run_jobs(ckpt, 2, *[(tmp_path / f"dp2-{balance}", 1, 1, *common, f"--set=balance_batch={balance}")
                                for balance in ("true", "false")])
     for balance, got in zip(("true", "false"), runs):
@@ -513,10 +506,8 @@ def test_a_replica_whose_responses_are_all_overlong_filtered_equals_dp1(tmp_path
             assert got[0]["dp_sequences_moved"] > 0 and got[0]["dp_tokens_max_over_mean_rollout"] == 2.0
         else:
             assert "dp_sequences_moved" not in got[0], got[0]
-        for k in ("loss", "grad_norm", "entropy"):
-            assert got[0][k] == pytest.approx(ref[0][k], rel=1e-4, abs=1e-6), (balance, k)
-        w = load_full_state_dict(tmp_path / f"dp2-{balance}")
-        assert max_apart(w, ref_w) < 1e-4, balance
+        assert_steps_agree(ref, got, exact=(), close=("loss", "grad_norm", "entropy"), where=balance)
+        assert weights_apart(tmp_path / "dp1", tmp_path / f"dp2-{balance}") < 1e-4, balance
 
 
 def test_a_sigterm_on_one_rank_ends_every_rank_after_the_same_step(tmp_path):
@@ -631,11 +622,7 @@ def test_a_run_resumed_in_other_layouts_continues_the_uninterrupted_one(tmp_path
     at3 = load_full_state_dict(out)
     got = run_here(ckpt, out, "--set=steps=4", "--set=resume=true", *common)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for a, b in zip(ref, got):
-        for k in ("reward_mean", "response_len"):
-            assert a[k] == b[k], (a["step"], k)
-        for k in ("loss", "grad_norm"):
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    assert_steps_agree(ref, got)
     ref_w, w = load_full_state_dict(tmp_path / "tp1"), load_full_state_dict(out)
     diff = max_apart(w, ref_w)
     print(f"four steps over TP=2, PP=2, DP=2 (sharded) and one process: max |weight diff| = {diff:.2e}")
