@@ -20,6 +20,10 @@ fsyncs the tree's directories, renames it into place and fsyncs ``OUT``, then re
 any moment, or a crash of the machine, leaves either the previous complete checkpoint or the new
 one, never a partial directory that the tracker points at.
 
+Every rank writes into the one ``OUT``, which rank 0 renames: ``OUT`` must be one directory every rank
+sees (a shared file system at the same path on every node, as Megatron-LM's ``--save``); the trainer
+checks that before it trains (:func:`check_shared_directory`).
+
 A run resumes at the layout it was saved in by loading each rank's files as they are. At another
 layout (TP, PP and its split of the layers, EP, DP with the optimizer states sharded, sharded or not)
 the weights and AdamW's states are gathered into their full form from the saved shards, parameter by
@@ -33,8 +37,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import secrets
 import shutil
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -52,6 +59,44 @@ ENGINE_STATE_FILE = "engine_state_dp{dp}.pt"
 OPTIMIZER_SHARD_FILE = "optim_dp{dp}.pt"  # a sharded optimizer's state on data-parallel replica dp > 0
 EXPERT_OPTIMIZER_FILE = "optim_ep{ep}.pt"  # the optimizer state of expert-parallel rank ep > 0
 OLD_ENGINE_STATE_FILE = "slow_path_dp{dp}.pt"  # checkpoints written before the tree-size calibration
+
+SHARED_CHECK_WAIT_S = 30.0
+"""How long a rank looks for the file rank 0 left in the output directory before it calls the
+directory not shared (a network file system can show another node's new file only once its
+caches are refreshed)."""
+
+
+def check_shared_directory(ctx: Any, directory: Path, wait_s: Optional[float] = None) -> None:
+    """Raise on every rank unless every rank sees ``directory`` as rank 0 does (collective). Each rank
+    writes its part of a checkpoint into it and rank 0 renames the whole and names it in the tracker:
+    on a directory of each node's own (a node-local disk, or a relative path from other working
+    directories) a checkpoint would hold rank 0's node's files alone, and a resume would find it on
+    one node and not on the others. Rank 0 leaves a file of a random name there (the name goes to
+    every rank by an all-reduce) and removes it once every rank has looked for it, for up to
+    ``wait_s`` (default :data:`SHARED_CHECK_WAIT_S`)."""
+    if ctx.world_size == 1:
+        return
+    wait_s = SHARED_CHECK_WAIT_S if wait_s is None else wait_s
+    token = torch.tensor([float(secrets.randbits(52) + 1) if ctx.rank == 0 else 0.0], dtype=torch.float64)
+    token = int(ctx.all_reduce_max(token).item())
+    probe = Path(directory) / f".shared-check-{token}"
+    if ctx.rank == 0:
+        write_text_atomic(probe, socket.gethostname())
+    ctx.barrier()
+    deadline = time.monotonic() + wait_s
+    while not probe.is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    missing = torch.zeros(ctx.world_size, dtype=torch.float64)
+    missing[ctx.rank] = float(not probe.is_file())
+    missing = [r for r, m in enumerate(ctx.all_reduce_max(missing).tolist()) if m]
+    if ctx.rank == 0:
+        probe.unlink(missing_ok=True)
+    if missing:
+        raise RuntimeError(f"TrainConfig.output_dir {directory} is not one directory every rank shares: rank(s) "
+                           f"{missing} of {ctx.world_size} do not see the file rank 0 wrote there within {wait_s:g} s "
+                           f"(this is rank {ctx.rank} on {socket.gethostname()}). Every rank writes its part of a "
+                           "checkpoint into it and rank 0 renames the whole: give an absolute path on a file system "
+                           "every node mounts at that path (NFS, Lustre, GPFS), as for Megatron-LM's --save")
 
 
 def training_layout(policy: Any, optimizer: Any) -> dict[str, Any]:

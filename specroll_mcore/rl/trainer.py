@@ -35,9 +35,9 @@ from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, LAYOUT_KEYS, iteration_layout, load_policy,
                                                 model_config_of, read_checkpoint_config, stage_layers_of,
                                                 stop_token_ids, write_text_atomic)
-from specroll_mcore.checkpoint.train_state import (PendingCheckpoint, latest_training_checkpoint, layout_changes,
-                                                   load_training_checkpoint, reshard_refusal, save_training_checkpoint,
-                                                   training_layout)
+from specroll_mcore.checkpoint.train_state import (PendingCheckpoint, check_shared_directory,
+                                                   latest_training_checkpoint, layout_changes, load_training_checkpoint,
+                                                   reshard_refusal, save_training_checkpoint, training_layout)
 from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.model import PolicyModel
@@ -172,6 +172,10 @@ class GRPOTrainer:
         return evaluate(self.engine, self.eval_set, self.cfg.eval, self.scorer, self.ctx)
 
     def _prepare_output(self) -> None:
+        if self.ctx.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.ctx.barrier()
+        check_shared_directory(self.ctx, self.out)  # (before any rank reads what it holds)
         latest = latest_training_checkpoint(self.out)
         if not self.cfg.resume and latest is not None:
             raise FileExistsError(f"{self.out} already holds a training checkpoint; pass --resume to continue it "
@@ -188,7 +192,6 @@ class GRPOTrainer:
                 print(f"resuming {self.out} with changed settings: "
                       + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed))
         if self.ctx.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
             if not self.cfg.resume and (self.out / "metrics.jsonl").is_file():
                 (self.out / "metrics.jsonl").unlink()  # a fresh run: no rows from an earlier, unsaved one
             meta = read_checkpoint_config(self.source)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the t
 
 from grpo_fixtures import BUSY_SLOW_PATH  # noqa: E402
 from specroll_mcore import parallel  # noqa: E402
+from specroll_mcore.checkpoint import train_state  # noqa: E402
 from specroll_mcore.config import TrainConfig, load_config  # noqa: E402
 from specroll_mcore.distill import full_head_state  # noqa: E402
 from specroll_mcore.rl.trainer import GRPOTrainer  # noqa: E402
@@ -59,6 +60,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--weighed-trees", action="store_true",
                     help="cache WEIGHED_TREES as the policy's capacity profile (where the engine looks it up, on every "
                          "rank) and price no step overhead: trees sized by a latency that depends on no clock")
+    ap.add_argument("--own-directory-per-rank", action="store_true",
+                    help="each rank works in a folder of its own under --out, with the output directory 'run' "
+                         "relative to it (as nodes with output directories on their own disks); the shared-directory "
+                         "check waits 1 s")
     ap.add_argument("--jobs", help="a JSON file holding a list of runs, each the arguments above as a list")
     return ap
 
@@ -80,8 +85,14 @@ def weighed_trees() -> Iterator[None]:
 
 
 def run(a: argparse.Namespace) -> None:
+    out = a.out
+    if a.own_directory_per_rank:
+        here = Path(a.out) / f"rank{os.environ['RANK']}"
+        here.mkdir(parents=True, exist_ok=True)
+        os.chdir(here)
+        out, train_state.SHARED_CHECK_WAIT_S = "run", 1.0
     with weighed_trees() if a.weighed_trees else contextlib.nullcontext():
-        trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(a.ckpt, a.out, a.tp, a.pp) +
+        trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(a.ckpt, out, a.tp, a.pp) +
                                           (SPECROLL if a.specroll else []) + a.set +
                                           ["spec.step_overhead=false"] * a.weighed_trees))
     if a.cut_odd_prompts:  # at DP=2 every response of replica 1 is cut (prompts are dealt out in turn)

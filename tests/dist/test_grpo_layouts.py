@@ -510,6 +510,20 @@ def test_a_replica_whose_responses_are_all_overlong_filtered_equals_dp1(tmp_path
         assert weights_apart(tmp_path / "dp1", tmp_path / f"dp2-{balance}") < 1e-4, balance
 
 
+def test_an_output_directory_the_ranks_do_not_share_is_refused(tmp_path):
+    """Ranks that see different directories at TrainConfig.output_dir (output directories on each
+    node's own disk; here a relative path from two working directories) stop before they train,
+    with an error that names the ranks that do not see rank 0's directory and what to give instead:
+    a checkpoint would hold rank 0's files alone, and a resume would find it on one node only."""
+    ckpt = tiny_policy_checkpoint(tmp_path / "ckpt", with_heads=False)
+    proc = launch(ckpt, tmp_path / "runs", 1, 1, 2, "--own-directory-per-rank", "--set=save_every=1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert ("TrainConfig.output_dir run is not one directory every rank shares: rank(s) [1] of 2 do not see the "
+            "file rank 0 wrote there within 1 s") in out and "a file system every node mounts" in out, out[-3000:]
+    assert not list((tmp_path / "runs").glob("rank*/run/*"))  # (rank 0's probe removed; nothing trained or saved)
+
+
 def test_a_sigterm_on_one_rank_ends_every_rank_after_the_same_step(tmp_path):
     """At DP=2 only the last rank gets the signal: both stop after that step, with its checkpoint (without
     the ranks agreeing, the other one would wait in the next step's collectives)."""
