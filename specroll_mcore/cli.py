@@ -23,7 +23,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import transformers
 
     from specroll_mcore import parallel
-    from specroll_mcore.checkpoint.megatron import load_policy, stop_token_ids
+    from specroll_mcore.checkpoint.megatron import load_policy, stop_token_ids, write_text_atomic
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
     from specroll_mcore.config import load_generate_config
     from specroll_mcore.rl.data import chat_prompt_ids
@@ -58,11 +58,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   f"{len(r['tokens'])} tokens)\n{r['prompt']}\n>>> {r['response']}")
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.items()
                           if k != "per_step"}))
-        if cfg.output:
-            Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-            with open(cfg.output, "w", encoding="utf-8") as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
+        if cfg.output:  # (a kill while it is written leaves the previous file whole)
+            write_text_atomic(Path(cfg.output), "".join(json.dumps(r) + "\n" for r in rows))
     parallel.destroy()
     return 0
 
@@ -144,7 +141,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import transformers
 
     from specroll_mcore import parallel
-    from specroll_mcore.checkpoint.megatron import load_policy, stop_token_ids, write_json_atomic
+    from specroll_mcore.checkpoint.megatron import load_policy, stop_token_ids, write_json_atomic, write_text_atomic
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
     from specroll_mcore.config import TrainConfig, load_config
     from specroll_mcore.rl.data import load_data
@@ -177,10 +174,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             write_json_atomic(Path(args.out), row)
         if args.responses:
             responses.sort(key=lambda r: (r["id"], r["sample"]))
-            Path(args.responses).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.responses, "w", encoding="utf-8") as f:
-                for r in responses:
-                    f.write(json.dumps(r) + "\n")
+            write_text_atomic(Path(args.responses), "".join(json.dumps(r) + "\n" for r in responses))
     parallel.destroy()
     return 0
 
