@@ -57,13 +57,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 warnings.filterwarnings("ignore")
 
@@ -124,12 +125,16 @@ def main() -> int:
     if args.replicas > args.prompts:
         raise SystemExit(f"--replicas {args.replicas} exceeds --prompts {args.prompts}: every replica rolls out "
                          "whole groups, so it needs a prompt")
-    with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(TrainConfig, args.config, [
+    def config(out: str) -> TrainConfig:
+        return load_config(TrainConfig, args.config, [
             f"checkpoint={args.checkpoint}", "engine=vanilla", f"prompts_per_step={args.prompts}",
             f"sampling.num_samples={args.samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
             f"micro_batch_size={args.micro_batch_size}", "micro_batch_tokens=0", f"output_dir={out}",
             "tensorboard=false", "compare_vanilla_every=0", *args.set])
+
+    ctx = parallel.initialize(config("unused").parallel)  # (the trainer keeps these groups)
+    with run_directory(ctx) as out:
+        cfg = config(out)
         if args.compare_sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
             raise SystemExit("--compare-sequence-parallel splits the update's activations over the tensor-parallel "
                              "ranks: launch with torchrun and --set parallel.tensor_model_parallel_size=N (N > 1)")
@@ -165,6 +170,21 @@ def main() -> int:
         print(f"wrote {args.out}")
     parallel.destroy()
     return 0
+
+
+@contextlib.contextmanager
+def run_directory(ctx) -> Iterator[str]:
+    """The trainer's output directory: a temporary one, the same on every rank (rank 0 makes it and
+    names it to the others: the trainer refuses ranks that see different ones), removed at the end."""
+    name = [tempfile.mkdtemp(prefix="bench_update.") if ctx.rank == 0 else None]
+    if ctx.world_size > 1:
+        torch.distributed.broadcast_object_list(name, src=0)
+    try:
+        yield name[0]
+    finally:
+        ctx.barrier()
+        if ctx.rank == 0:
+            shutil.rmtree(name[0], ignore_errors=True)
 
 
 def one_step(trainer: GRPOTrainer) -> tuple[list[tuple], float]:
