@@ -181,10 +181,13 @@ def run_directory(ctx) -> Iterator[str]:
         torch.distributed.broadcast_object_list(name, src=0)
     try:
         yield name[0]
-    finally:
-        ctx.barrier()
+    except BaseException:  # (no barrier: the other ranks need not be here)
         if ctx.rank == 0:
             shutil.rmtree(name[0], ignore_errors=True)
+        raise
+    ctx.barrier()  # (every rank's trainer is done with it)
+    if ctx.rank == 0:
+        shutil.rmtree(name[0], ignore_errors=True)
 
 
 def one_step(trainer: GRPOTrainer) -> tuple[list[tuple], float]:
