@@ -3,8 +3,10 @@ forward's shape, rows x nodes per row x context (what the speculative engine siz
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+import zlib
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -63,15 +65,15 @@ def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None, with
 def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_fingerprint: Optional[str],
                     tolerance: float = DEFAULT_TOLERANCE) -> Capacity:
     """C_hw and the latency profile for this policy, hardware and layout: SpecConfig.c_hw if set
-    (with the cached profile where every rank has one; nothing is measured), else the cached
-    profile's (C_hw derived from its one-row curve by today's rule), else (where any rank lacks it:
-    :func:`missing_anywhere`) a quick profile now (45-66 s for SmolLM2 on a 2-core CPU, most of it
+    (with the cached profile where every rank has the same one; nothing is measured), else the cached
+    profile's (C_hw derived from its one-row curve by today's rule), else (where any rank lacks it or
+    holds another: :func:`unshared_profile`) a quick profile now (45-66 s for SmolLM2 on a 2-core CPU, most of it
     the grid; 1 to 128 tokens, and on to 2048 while the curve stays flat: :data:`QUICK_MORE_SIZES`;
     see :func:`measure_capacity`). Collective: every rank gets the same."""
     from specroll_mcore.tree.budget import capacity_from_latency
 
     record = cached_profile(policy, policy_fingerprint)
-    if missing_anywhere(policy.ctx, record):
+    if unshared_profile(policy.ctx, record):
         record = None if configured else measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=QUICK_REPS,
                                                           tolerance=tolerance, quick=True, more_sizes=QUICK_MORE_SIZES)
     curve = LatencyCurve.from_profile(record) if record is not None else None
@@ -146,7 +148,7 @@ def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency
     """``latency`` with the step's work around its forward added (tree/budget.StepCost): the cached
     step-overhead profile of this policy, hardware, layout and engine settings, else one measured
     now (:func:`measure_step_overhead`; ~11 s for SmolLM2 on 2 CPU cores) and cached. Collective
-    (:func:`missing_anywhere`). ``latency`` itself where nothing is weighed
+    (:func:`unshared_profile`). ``latency`` itself where nothing is weighed
     (no latency profile, ``spec.adaptive_nodes`` off) or ``spec.step_overhead`` is off."""
     from specroll_mcore.tree.budget import StepCost, StepOverhead, load_profile, save_capacity
 
@@ -154,7 +156,7 @@ def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency
         return latency
     key = overhead_key(policy, spec, policy_fingerprint)
     record = load_profile(key)
-    if missing_anywhere(policy.ctx, record):
+    if unshared_profile(policy.ctx, record):
         record = measure_step_overhead(policy, spec)
         save_capacity(key, record)
     return StepCost(latency, StepOverhead.from_record(record))
@@ -255,11 +257,15 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
     return record
 
 
-def missing_anywhere(ctx: Any, record: Optional[dict]) -> bool:
-    """Whether any rank lacks a cached profile (``record`` None): then every rank measures it again,
-    together (the measurements are collective), and caches what they measured, so that nodes
-    with caches of their own (not a shared home directory) end up with the same profile."""
-    return ctx.all_reduce_max(torch.tensor([float(record is None)])).item() > 0
+def unshared_profile(ctx: Any, record: Optional[dict]) -> bool:
+    """Whether any rank lacks a cached profile (``record`` None) or holds another than the others
+    (nodes with caches of their own, not a shared home directory, profiled apart): then every rank
+    measures it again, together (the measurements are collective), and caches what they measured,
+    so that they end up with the same profile. Ranks that sized trees or C_hw from different
+    profiles would build trees of different shapes for one forward."""
+    digest = -1.0 if record is None else float(zlib.crc32(json.dumps(record, sort_keys=True).encode()))
+    top, bottom = ctx.all_reduce_max(torch.tensor([digest, -digest], dtype=torch.float64)).tolist()
+    return top < 0 or top != -bottom
 
 
 def _committed_cache(policy: PolicyModel, rows: int, context: int, capacity: int) -> Any:

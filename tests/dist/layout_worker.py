@@ -46,24 +46,32 @@ def policy(arch: str, dtype: str, ctx) -> tuple[PolicyModel, torch.Generator]:
 
 
 def caches(ctx, cache_root: Path) -> dict:
-    """Profiles where only rank 0 has them cached (each rank a node with a cache of its own): with a
-    configured C_hw no rank takes rank 0's latency profile; the step-overhead profile is measured on
-    every rank (rank 0 alone skipping the collective measurement would hang the others) and cached
-    on each."""
+    """Profiles where only rank 0 has them cached (each rank a node with a cache of its own), and
+    profiles every rank has cached but each another one (nodes profiled apart): with a configured
+    C_hw no rank takes its own latency profile; the step-overhead profile is measured on every rank
+    (one rank alone skipping the collective measurement would hang the others) and cached on each,
+    the same everywhere."""
     from specroll_mcore.rollout import profile
     from specroll_mcore.tree import budget
 
     os.environ["SPECROLL_CACHE"] = str(cache_root / f"rank{ctx.rank}")
     model, _ = policy("llama", "float32", ctx)
-    spec = SpecConfig(c_hw=8)
-    key = profile.overhead_key(model, spec, "fp")
-    if ctx.rank == 0:
-        budget.save_capacity(key, {"rows": [1], "plain_s": [9.0], "drafted_s": [9.0], "drafting_s": [9.0]})
-        budget.save_capacity(profile.capacity_key(model, "fp"),
-                             {"c_hw": 4, "curve": {"tokens": [1, 4, 8], "tree_row_s": [1.0, 1.5, 3.0]}})
-    cost = profile.with_step_overhead(model, spec, MID_LATENCY, "fp")
-    return {"latency": profile.ensure_capacity(model, 8, "fp").latency, "rows": cost.overhead.rows,
-            "stale_kept": cost.overhead.plain == (9.0,), "cached": budget.load_profile(key)["rows"]}
+    out = {}
+    for case, spec, fingerprint in (("missing", SpecConfig(c_hw=8), "fp"),
+                                    ("differ", SpecConfig(c_hw=8, topk=2), "fp2")):
+        key = profile.overhead_key(model, spec, fingerprint)
+        if ctx.rank == 0 or case == "differ":
+            stale = 9.0 + ctx.rank
+            budget.save_capacity(key, {"rows": [1], "plain_s": [stale], "drafted_s": [stale], "drafting_s": [stale]})
+            budget.save_capacity(profile.capacity_key(model, fingerprint),
+                                 {"c_hw": 4, "curve": {"tokens": [1, 4, 8], "tree_row_s": [1.0, 1.5, 3.0 + ctx.rank]}})
+        cost = profile.with_step_overhead(model, spec, MID_LATENCY, fingerprint)
+        cached = [None] * ctx.world_size
+        torch.distributed.all_gather_object(cached, budget.load_profile(key))
+        out[case] = {"latency": profile.ensure_capacity(model, 8, fingerprint).latency, "rows": cost.overhead.rows,
+                     "stale_kept": cost.overhead.plain[0] >= 9.0, "cached": cached[ctx.rank]["rows"],
+                     "same_everywhere": all(c == cached[0] for c in cached)}
+    return out
 
 
 def run(arch: str, dtype: str, ctx) -> dict:
