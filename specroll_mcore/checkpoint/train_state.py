@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import secrets
 import shutil
 import socket
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -260,6 +262,24 @@ def latest_training_checkpoint(out_dir: Path) -> Optional[Path]:
     except FileNotFoundError:
         return None
     return d if (d / STATE_FILE).is_file() else None
+
+
+def agreed_latest_checkpoint(ctx: Any, out_dir: Path) -> Optional[Path]:
+    """:func:`latest_training_checkpoint`, the same on every rank (collective): where ranks read
+    different latest iterations (a network file system's stale caches, a tracker file replaced while
+    they read it) every rank raises, rather than resume from different steps."""
+    latest = latest_training_checkpoint(out_dir)
+    seen = torch.full((ctx.world_size,), -math.inf, dtype=torch.float64)
+    seen[ctx.rank] = -1.0 if latest is None else float(zlib.crc32(latest.name.encode()))
+    seen = ctx.all_reduce_max(seen).tolist()
+    others = [r for r, v in enumerate(seen) if v != seen[0]]
+    if others:
+        raise RuntimeError(f"the ranks read different latest checkpoints in {out_dir}: rank(s) {others} of "
+                           f"{ctx.world_size} another than rank 0 (this is rank {ctx.rank}, reading "
+                           f"{latest.name if latest is not None else 'none'}): the file system shows the ranks "
+                           "different files; wait until it does not (or check that no other run writes there) and "
+                           "resume again")
+    return latest
 
 
 def load_training_checkpoint(iter_dir: Path, policy: Any, optimizer: Any

@@ -35,9 +35,9 @@ from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 from specroll_mcore.checkpoint.megatron import (CONFIG_FILE, LAYOUT_KEYS, iteration_layout, load_policy,
                                                 model_config_of, read_checkpoint_config, stage_layers_of,
                                                 stop_token_ids, write_text_atomic)
-from specroll_mcore.checkpoint.train_state import (PendingCheckpoint, check_shared_directory,
-                                                   latest_training_checkpoint, layout_changes, load_training_checkpoint,
-                                                   reshard_refusal, save_training_checkpoint, training_layout)
+from specroll_mcore.checkpoint.train_state import (PendingCheckpoint, agreed_latest_checkpoint, check_shared_directory,
+                                                   layout_changes, load_training_checkpoint, reshard_refusal,
+                                                   save_training_checkpoint, training_layout)
 from specroll_mcore.config import TrainConfig
 from specroll_mcore.distill import full_head_state
 from specroll_mcore.model import PolicyModel
@@ -159,9 +159,9 @@ class GRPOTrainer:
         self.state: dict[str, Any] = {"step": 0, "policy_version": 0, "cursor": 0, "epoch": 0,
                                       "skipped_steps": 0, "data_skipped": self.data_report.skipped}
         self.heads_meta: dict[str, Any] = {"num_heads": self.policy.num_heads}
-        self._prepare_output()
-        if cfg.resume:
-            self._resume()
+        latest = self._prepare_output()
+        if cfg.resume and latest is not None:
+            self._resume(latest)
         if cfg.offload_optimizer:  # (from the first rollout on; each step brings the state back)
             self.optimizer.offload()
         self.writer = self._tensorboard()
@@ -171,12 +171,14 @@ class GRPOTrainer:
         """TrainConfig.eval's held-out evaluation of the current policy (see rl/evaluation.py)."""
         return evaluate(self.engine, self.eval_set, self.cfg.eval, self.scorer, self.ctx)
 
-    def _prepare_output(self) -> None:
+    def _prepare_output(self) -> Optional[Path]:
+        """Checks the output directory and writes the run's config there; returns its latest
+        checkpoint (every rank the same), None where it holds none."""
         if self.ctx.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         self.ctx.barrier()
         check_shared_directory(self.ctx, self.out)  # (before any rank reads what it holds)
-        latest = latest_training_checkpoint(self.out)
+        latest = agreed_latest_checkpoint(self.ctx, self.out)
         if not self.cfg.resume and latest is not None:
             raise FileExistsError(f"{self.out} already holds a training checkpoint; pass --resume to continue it "
                                   f"or choose another TrainConfig.output_dir")
@@ -202,6 +204,7 @@ class GRPOTrainer:
                 if (self.source / name).is_file():
                     shutil.copy2(self.source / name, self.out / name)
         self.ctx.barrier()
+        return latest
 
     def _check_layout(self, latest: Path, meta: dict[str, Any], here: dict[str, Any]) -> None:
         """A resume at another layout reshards the latest checkpoint (checkpoint/train_state.py), one of
@@ -226,10 +229,7 @@ class GRPOTrainer:
             print(f"resuming {self.out} in another parallel layout ({'; '.join(changes)}): its weights and optimizer "
                   "state are resharded")
 
-    def _resume(self) -> None:
-        latest = latest_training_checkpoint(self.out)
-        if latest is None:
-            return
+    def _resume(self, latest: Path) -> None:
         state, heads, meta, engine_state = load_training_checkpoint(latest, self.policy, self.optimizer)
         self.state = state
         if heads is not None and self.policy.heads is not None:

@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
                     help="each rank works in a folder of its own under --out, with the output directory 'run' "
                          "relative to it (as nodes with output directories on their own disks); the shared-directory "
                          "check waits 1 s")
+    ap.add_argument("--last-rank-reads-no-checkpoint", action="store_true",
+                    help="the last rank finds no training checkpoint in the output directory (as a file system "
+                         "that shows it stale files would)")
     ap.add_argument("--jobs", help="a JSON file holding a list of runs, each the arguments above as a list")
     return ap
 
@@ -91,6 +94,8 @@ def run(a: argparse.Namespace) -> None:
         here.mkdir(parents=True, exist_ok=True)
         os.chdir(here)
         out, train_state.SHARED_CHECK_WAIT_S = "run", 1.0
+    if a.last_rank_reads_no_checkpoint and int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
+        train_state.latest_training_checkpoint = lambda out_dir: None
     with weighed_trees() if a.weighed_trees else contextlib.nullcontext():
         trainer = GRPOTrainer(load_config(TrainConfig, None, overrides(a.ckpt, out, a.tp, a.pp) +
                                           (SPECROLL if a.specroll else []) + a.set +

@@ -524,6 +524,22 @@ def test_an_output_directory_the_ranks_do_not_share_is_refused(tmp_path):
     assert not list((tmp_path / "runs").glob("rank*/run/*"))  # (rank 0's probe removed; nothing trained or saved)
 
 
+def test_ranks_that_read_different_latest_checkpoints_do_not_resume(tmp_path):
+    """A resume where the last rank finds no checkpoint and rank 0 finds step 1's (a file system that
+    shows one rank stale files): every rank stops with an error naming the ranks, none trains on
+    (rank 0 resumed at step 1 and the last rank started afresh, and their collectives hung)."""
+    ckpt = tiny_policy_checkpoint(tmp_path / "ckpt", with_heads=False)
+    out = tmp_path / "run"
+    run(ckpt, out, 1, 1, 2, "--set=steps=1", "--set=save_every=1")
+    proc = launch(ckpt, out, 1, 1, 2, "--set=steps=2", "--set=resume=true", "--last-rank-reads-no-checkpoint")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    assert f"the ranks read different latest checkpoints in {out}: rank(s) [1] of 2 another than rank 0" in text, (
+        text[-3000:])
+    assert "reading iter_0000001" in text and "reading none" in text, text[-3000:]
+    assert [r["step"] for r in metrics(out)] == [1]  # (step 2 never ran)
+
+
 def test_a_sigterm_on_one_rank_ends_every_rank_after_the_same_step(tmp_path):
     """At DP=2 only the last rank gets the signal: both stop after that step, with its checkpoint (without
     the ranks agreeing, the other one would wait in the next step's collectives)."""
