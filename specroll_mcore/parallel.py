@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -286,6 +287,13 @@ class ParallelContext:
         if self.world_size > 1:
             self._all_reduce(tensor, None, dist.ReduceOp.MAX)
         return tensor
+
+    def gather_values(self, value: float) -> list[float]:
+        """Every rank's ``value`` (a float64, exact for integers below 2 ** 53), in rank order: each
+        rank's slot of a vector -inf elsewhere, max-reduced (one small all-reduce)."""
+        values = torch.full((self.world_size,), -math.inf, dtype=torch.float64)
+        values[self.rank] = value
+        return self.all_reduce_max(values).tolist()
 
     def all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group (gradients, token counts)."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import secrets
 import shutil
@@ -88,9 +87,7 @@ def check_shared_directory(ctx: Any, directory: Path, wait_s: Optional[float] = 
     deadline = time.monotonic() + wait_s
     while not probe.is_file() and time.monotonic() < deadline:
         time.sleep(0.1)
-    missing = torch.zeros(ctx.world_size, dtype=torch.float64)
-    missing[ctx.rank] = float(not probe.is_file())
-    missing = [r for r, m in enumerate(ctx.all_reduce_max(missing).tolist()) if m]
+    missing = [r for r, m in enumerate(ctx.gather_values(float(not probe.is_file()))) if m]
     if ctx.rank == 0:
         probe.unlink(missing_ok=True)
     if missing:
@@ -269,9 +266,7 @@ def agreed_latest_checkpoint(ctx: Any, out_dir: Path) -> Optional[Path]:
     different latest iterations (a network file system's stale caches, a tracker file replaced while
     they read it) every rank raises, rather than resume from different steps."""
     latest = latest_training_checkpoint(out_dir)
-    seen = torch.full((ctx.world_size,), -math.inf, dtype=torch.float64)
-    seen[ctx.rank] = -1.0 if latest is None else float(zlib.crc32(latest.name.encode()))
-    seen = ctx.all_reduce_max(seen).tolist()
+    seen = ctx.gather_values(-1.0 if latest is None else float(zlib.crc32(latest.name.encode())))
     others = [r for r, v in enumerate(seen) if v != seen[0]]
     if others:
         raise RuntimeError(f"the ranks read different latest checkpoints in {out_dir}: rank(s) {others} of "

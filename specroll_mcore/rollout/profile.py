@@ -263,9 +263,8 @@ def unshared_profile(ctx: Any, record: Optional[dict]) -> bool:
     measures it again, together (the measurements are collective), and caches what they measured,
     so that they end up with the same profile. Ranks that sized trees or C_hw from different
     profiles would build trees of different shapes for one forward."""
-    digest = -1.0 if record is None else float(zlib.crc32(json.dumps(record, sort_keys=True).encode()))
-    top, bottom = ctx.all_reduce_max(torch.tensor([digest, -digest], dtype=torch.float64)).tolist()
-    return top < 0 or top != -bottom
+    seen = ctx.gather_values(-1.0 if record is None else float(zlib.crc32(json.dumps(record, sort_keys=True).encode())))
+    return min(seen) < 0 or len(set(seen)) > 1
 
 
 def _committed_cache(policy: PolicyModel, rows: int, context: int, capacity: int) -> Any:
