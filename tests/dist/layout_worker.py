@@ -112,12 +112,17 @@ def run(arch: str, dtype: str, ctx) -> dict:
                                                         window=16))
             out["heads_filter_kept"] = ctx.all_reduce_tp(kept.sum(-1), "sum")
     engine = VanillaEngine(model, eos_token_ids=[3])
-    for name, sp in {"t1": SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=16, num_samples=2, seed=5),
-                     "greedy": SamplingConfig(temperature=0.0, max_new_tokens=16)}.items():
+    samplings = {"t1": SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=16, num_samples=2, seed=5),
+                 "greedy": SamplingConfig(temperature=0.0, max_new_tokens=16)}
+    if dtype == "float32":  # (T=1 tokens at another layout may part at float32 near-ties: compared in float64)
+        del samplings["t1"]
+    for name, sp in samplings.items():
         r = engine.generate(PROMPTS, sp, step=1, features_topk=4)
         out[name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason, "features": r.features}
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3]).generate(PROMPTS, sp, step=1)
         out["spec-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
+        if arch != "llama":  # (the engines' scheduling variants below on the Llama: the Qwen2 differs in its model)
+            continue
         # trees cut to what pays for its latency (each TP rank decides alone, from the same drafts)
         r = SpeculativeEngine(model, SpecConfig(c_hw=24), eos_token_ids=[3], latency=MID_LATENCY).generate(
             PROMPTS, sp, step=1)
@@ -151,7 +156,7 @@ def run(arch: str, dtype: str, ctx) -> dict:
         out["spec-pieces-" + name] = {"tokens": r.tokens, "logprobs": r.logprobs, "finish": r.finish_reason}
     out["refused"] = refused(model, ctx)
     out["adapt"] = adapt(model, ctx)
-    out["draft_vocab"] = draft_vocab(model)
+    out["draft_vocab"] = draft_vocab(model) if dtype == "float64" else None  # (compared in float64)
     return out
 
 

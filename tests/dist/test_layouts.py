@@ -84,22 +84,24 @@ def test_layout_matches_single_process(launched, reference, tp, pp, last_stage_l
         live = torch.isfinite(ref_values)  # (a row may keep fewer than 4 ids: the rest tie at -inf)
         assert torch.equal(torch.isfinite(values), live) and torch.equal(ids[live], ref_ids[live]), name
         assert torch.equal(got[name]["heads_filter_kept"], ref["heads_filter_kept"]), name
-        for key in ("t1", "greedy", "spec-t1", "spec-greedy", "spec-adaptive-t1", "spec-adaptive-greedy",
-                    "spec-idle-t1", "spec-idle-greedy", "groups1-t1", "groups1-greedy", "spec-groups3-t1",
-                    "spec-groups3-greedy", "continuous-t1", "continuous-greedy", "spec-continuous-t1",
-                    "spec-continuous-greedy", "spec-one-prompt-t1", "spec-one-prompt-greedy",
-                    "one-row-t1", "one-row-greedy", "pieces-t1", "pieces-greedy", "spec-pieces-t1",
-                    "spec-pieces-greedy"):
+        # T=1 in float64 only (float32 near-ties may part a layout's tokens from one process's)
+        # the engines' scheduling variants on the Llama, the Qwen2 in the plain engines
+        samplings = ("t1", "greedy") if name.endswith("float64") else ("greedy",)
+        engines = ("", "spec-", "spec-adaptive-", "spec-idle-", "groups1-", "spec-groups3-", "continuous-",
+                   "spec-continuous-", "spec-one-prompt-", "one-row-", "pieces-", "spec-pieces-")
+        rollouts = [f"{engine}{sampling}" for sampling in samplings
+                    for engine in (engines if name.startswith("llama") else engines[:2])]
+        assert {k for k in got[name] if k.endswith(("t1", "greedy"))} == set(rollouts), name
+        for key in rollouts:
             # equal to the vanilla engine of TP=1/PP=1
             if key.startswith(("spec-", "groups1-", "continuous-", "one-row-", "pieces-")):
                 vanilla = ref[key.split("-")[-1]]
                 if name.endswith("float64") or key == "spec-greedy":
                     assert got[name][key]["tokens"] == vanilla["tokens"], (name, key)
-            if name.endswith("float64") or key.endswith("greedy"):
-                assert got[name][key]["tokens"] == ref[key]["tokens"], (name, key)
-                assert got[name][key]["finish"] == ref[key]["finish"]
-                for a, b in zip(got[name][key]["logprobs"], ref[key]["logprobs"]):
-                    assert torch.allclose(a, b, atol=1e-5)
+            assert got[name][key]["tokens"] == ref[key]["tokens"], (name, key)
+            assert got[name][key]["finish"] == ref[key]["finish"]
+            for a, b in zip(got[name][key]["logprobs"], ref[key]["logprobs"]):
+                assert torch.allclose(a, b, atol=1e-5)
             if key in ("t1", "greedy") and name.endswith("float64"):  # distillation features
                 for a, b in zip(got[name][key]["features"], ref[key]["features"]):
                     assert torch.equal(a.top_ids, b.top_ids), (name, key)
