@@ -27,8 +27,8 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def refused(capsys, name, *args):
-    """(exit status, stderr) of a tool that refuses ``args`` before it loads anything, run in this
-    process, whose imports are loaded already (a new interpreter spends seconds on them)."""
+    """(exit status, stderr) of a tool that refuses ``args``, run in this process, whose imports are
+    loaded already (a new interpreter spends seconds on them)."""
     main = import_tool(name.removesuffix(".py")).main
     with mock.patch.object(sys, "argv", [name, *map(str, args)]), pytest.raises(SystemExit) as stop:
         main()
@@ -130,7 +130,7 @@ def test_plot_metrics_plots_a_run_and_names_what_a_file_lacks(tmp_path):
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
 
-def test_bench_specroll_against_the_one_row_curve(tiny_ckpt, tmp_path):
+def test_bench_specroll_against_the_one_row_curve(tiny_ckpt, tmp_path, capsys, monkeypatch):
     """--one-row-curve adds SpecRoll sized by the profile's one-row curve to every scenario; it needs
     a cached profile, which a configured C_hw does not measure; so does --forward-only (SpecRoll
     pricing the forward alone, which tools/gpu_checks.sh's dry run runs)."""
@@ -144,15 +144,12 @@ def test_bench_specroll_against_the_one_row_curve(tiny_ckpt, tmp_path):
     for scenario in ("batch1", "full"):
         third = report[scenario]["one_row_curve"]
         assert third["identical_tokens"] and len(third["specroll_s"]) == 1 and third["speedup_median"] > 0
-    env = dict(os.environ, SPECROLL_CACHE=str(tmp_path / "empty"))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_specroll.py"), *map(str, args), "--c-hw", "16"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--one-row-curve needs a cached capacity profile" in proc.stderr
+    monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path / "empty"))  # (the refusals: in this process)
+    code, err = refused(capsys, "bench_specroll.py", *args, "--c-hw", "16")
+    assert code == 1 and "--one-row-curve needs a cached capacity profile" in err
     args[args.index("--one-row-curve")] = "--forward-only"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_specroll.py"), *map(str, args), "--c-hw", "16"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and ("--forward-only compares against the step overhead, which needs a latency "
-                                     "profile") in proc.stderr
+    code, err = refused(capsys, "bench_specroll.py", *args, "--c-hw", "16")
+    assert code == 1 and "--forward-only compares against the step overhead, which needs a latency profile" in err
 
 
 def test_bench_drift_smoke(tiny_ckpt, tmp_path, capsys):
@@ -189,11 +186,9 @@ def test_acceptance_ceiling_smoke(tiny_ckpt, tmp_path):
     assert cover == sorted(cover) and 0 <= cover[0] and cover[-1] <= 1
 
 
-def test_acceptance_ceiling_needs_two_prompts(tiny_ckpt, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "acceptance_ceiling.py"), "--checkpoint",
-                           str(tiny_ckpt), "--prompts", "1"], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--prompts >= 2" in proc.stderr
+def test_acceptance_ceiling_needs_two_prompts(tiny_ckpt, capsys):
+    code, err = refused(capsys, "acceptance_ceiling.py", "--checkpoint", tiny_ckpt, "--prompts", "1")
+    assert code == 2 and "--prompts >= 2" in err
 
 
 def test_profile_capacity_smoke(tiny_ckpt, tmp_path):
@@ -470,12 +465,10 @@ def test_train_heads_smoke_and_bad_checkpoint(tmp_path, capsys):
     run_tool("train_heads.py", *args)  # the same records, read back from the cache
     assert json.loads(out.read_text())["train_positions"] == summary["train_positions"]
     cache.write_bytes(b"not records")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "is not a records file of this version" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_heads.py"), "--checkpoint", tmp_path / "nope"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "is not a specroll Megatron checkpoint" in proc.stderr
+    code, err = refused(capsys, "train_heads.py", *args)
+    assert code == 1 and "is not a records file of this version" in err
+    with pytest.raises(FileNotFoundError, match="is not a specroll Megatron checkpoint"):
+        refused(capsys, "train_heads.py", "--checkpoint", tmp_path / "nope")
     code, err = refused(capsys, "train_heads.py", "--target-topk", "0")
     assert code == 2 and "--target-topk must be >= 1" in err
     code, err = refused(capsys, "train_heads.py", "--steps", "1")
