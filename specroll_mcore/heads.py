@@ -296,8 +296,9 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_si
     """Top-k over the full vocabulary of vocab-parallel logits [n, V/tp] -> values, global ids [n, k].
 
     Each rank takes its local top-k; the tp x k candidates are all-gathered (a few numbers per row,
-    never the vocabulary) and reduced to the global top-k. Ties resolve to the lower id, as
-    ``torch.topk`` on the gathered logits would."""
+    never the vocabulary; values and ids in one float64 message, which holds both exactly) and
+    reduced to the global top-k. Ties resolve to the lower id, as ``torch.topk`` on the gathered
+    logits would."""
     logits = _mask_padding(logits, vocab_start, vocab_size)
     values, idx = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)  # a shard may hold fewer than k
     idx = idx + vocab_start
@@ -307,10 +308,10 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_si
         pad = k - values.shape[-1]
         values = torch.cat([values, values.new_full((values.shape[0], pad), float("-inf"))], -1)
         idx = torch.cat([idx, idx.new_full((idx.shape[0], pad), vocab_size)], -1)
-    all_values = ctx.all_gather_tp(values)  # [tp, n, k], rank order = vocabulary order
-    all_idx = ctx.all_gather_tp(idx)
-    values = all_values.permute(1, 0, 2).reshape(values.shape[0], -1)
-    idx = all_idx.permute(1, 0, 2).reshape(idx.shape[0], -1)
+    # [tp, n, 2k], rank order = vocabulary order (ids below 2**53: exact in float64, as every value dtype is)
+    gathered = ctx.all_gather_tp(torch.cat([values.double(), idx.double()], -1))
+    values = gathered[..., :k].permute(1, 0, 2).reshape(values.shape[0], -1).to(values.dtype)
+    idx = gathered[..., k:].permute(1, 0, 2).reshape(idx.shape[0], -1).long()
     order = torch.argsort(-values, dim=-1, stable=True)[:, :k]
     return values.gather(-1, order), idx.gather(-1, order)
 

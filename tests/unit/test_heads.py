@@ -229,3 +229,55 @@ def test_the_differentiable_entropy_gives_torchs_entropy_and_gradient(ctx, tempe
     assert torch.autograd.gradcheck(lambda x: vocab_parallel_entropy(x, 0, 8, ctx, temperature),
                                     (small,))
     assert vocab_parallel_entropy(logits.detach().float(), 0, 60, ctx).dtype == torch.float32
+
+
+class _ThreadedTP:
+    """One TP rank of a group whose ranks are threads of this process: all_gather_tp exchanges
+    through shared memory (what the top-k's reduction does with the message, without processes)."""
+
+    def __init__(self, rank: int, sent: dict, meet):
+        self.tp_size, self.tp_rank, self._sent, self._meet = 2, rank, sent, meet
+
+    def all_gather_tp(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._sent[self.tp_rank] = tensor.clone()
+        self._meet.wait()
+        gathered = torch.stack([self._sent[r] for r in range(self.tp_size)])
+        self._meet.wait()  # (both read before either sends again)
+        return gathered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_vocab_parallel_topk_over_two_shards_equals_the_whole_vocabularys(dtype):
+    """Values and global ids of the top-k over two vocabulary shards (an uneven split, padded ids
+    past the vocabulary, ties across the shards, a k above one shard's size, a row one shard holds no
+    finite logit of): torch's top-k over the whole vocabulary, ties to the lower id, values bit for
+    bit in the logits' dtype."""
+    import threading
+
+    from specroll_mcore.heads import vocab_parallel_topk
+
+    g = torch.Generator().manual_seed(3)
+    vocab, split = 13, 5  # rank 0 holds ids 0-4, rank 1 ids 5-12 (and 3 padded ids past the vocabulary)
+    # distinct values, exact in every dtype (ties within a shard are torch.topk's to order)
+    full = torch.stack([torch.randperm(vocab, generator=g) for _ in range(4)]).sub(6).div(4).to(dtype)
+    full[0, 2] = full[0, 9] = 2.5  # a tie across the shards: id 2 first
+    full[1, 6:] = float("-inf")  # rank 1 holds no finite logit of row 1
+    shards = [full[:, :split], torch.cat([full[:, split:], torch.full((4, 3), 50.0).to(dtype)], -1)]
+    for k in (3, 7):
+        got, meet, sent = [None, None], threading.Barrier(2), {}
+
+        def rank(r):
+            got[r] = vocab_parallel_topk(shards[r], k, (0, split)[r], vocab, _ThreadedTP(r, sent, meet))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        order = torch.argsort(-full.double(), dim=-1, stable=True)[:, :k]  # ties: the lower id first
+        want = full.gather(-1, order)
+        live = torch.isfinite(want)  # (past a row's finite logits any id may fill its -inf places)
+        assert not live[1, 6:].any() and live[1, :6].all()
+        for values, ids in got:
+            assert values.dtype == dtype and ids.dtype == torch.long
+            assert torch.equal(values, want) and torch.equal(ids[live], order[live]), (k, dtype)
