@@ -161,12 +161,13 @@ STALE_BUILD_LOCK_S = 300.0
 """A build lock this old is a dead build's (a build takes well under a minute)."""
 
 
-def _await_build_lock(name: str, poll_s: float = 0.5) -> None:
+def _await_build_lock(name: str, poll_s: float = 0.02) -> None:
     """Wait for a build of ``name`` in progress elsewhere (another rank, another job) to finish, and
     remove the lock a killed build left. torch waits on that file with no time limit, so after a
     build was killed (SIGKILL during a job's first minute), every later process would hang at its
     first CPU product. A lock is waited on until it goes or is :data:`STALE_BUILD_LOCK_S` old; then
-    it is removed, with a warning."""
+    it is removed, with a warning. Polled often: torch takes the lock to check a built extension is up
+    to date too, for milliseconds, and ranks starting together meet it at every start."""
     import time
 
     from torch.utils import cpp_extension
