@@ -10,8 +10,9 @@ single process. gloo on CPU, nccl on GPU, chosen automatically unless the config
 megatron-core compatibility
 ---------------------------
 megatron-core 0.16.1 assumes CUDA in a few places we reach (:func:`apply_cpu_compat`) and Transformer
-Engine in one (:func:`apply_megatron_compat`). Those two functions are the complete list of what we
-change, and why; nothing else in the project patches megatron-core. One private name is read, not
+Engine in one (:func:`apply_megatron_compat`), and builds its fused kernels' ``torch.compile``
+wrappers as it is imported (:func:`defer_megatron_compiles`). Those three functions are the complete
+list of what we change, and why; nothing else in the project patches megatron-core. One private name is read, not
 changed: the list of the process groups megatron-core created (:func:`_destroy_model_parallel`), so
 that a process which initialises another layout destroys the old groups rather than leaking them;
 :func:`initialize` in the layout already initialised keeps its groups.
@@ -21,9 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import importlib.abc
+import importlib.machinery
 import math
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
@@ -117,6 +122,66 @@ def apply_megatron_compat() -> list[str]:
         moe_utils.te_general_gemm = None
         _MEGATRON_COMPAT_APPLIED.append("moe_utils.te_general_gemm -> None")
     return list(_MEGATRON_COMPAT_APPLIED)
+
+
+def defer_megatron_compiles() -> list[str]:
+    """Have megatron-core compile its fused kernels on their first call, not when it is imported.
+    Idempotent; takes effect where megatron-core is imported after it (the package runs it on import).
+
+    Item (tested in tests/unit/test_parallel.py): ``megatron.core.jit.jit_fuser``, the decorator of
+    megatron-core's fused kernels (bias-GeLU, SwiGLU, the MoE router's helpers, ...), is
+    ``torch.compile``, which imports TorchDynamo and Inductor as soon as it decorates anything: ~0.9 s
+    at every import of megatron-core on a 2-core CPU, and ~0.5 s more at every process exit, in every
+    rank, CLI run and tool, for kernels our layers never call (ModelConfig turns every fusion off).
+    Once megatron.core.jit is loaded its ``jit_fuser`` becomes a decorator that calls
+    ``torch.compile`` with the kernel at its first call and runs the compiled kernel from then on:
+    what torch.compile's wrapper does anyway, which compiles at the first call too.
+
+    Returns the list of items in place.
+    """
+    if not any(isinstance(finder, _DeferredJitFuser) for finder in sys.meta_path):
+        jit = sys.modules.get("megatron.core.jit")
+        if jit is None:
+            sys.meta_path.insert(0, _DeferredJitFuser())
+        elif jit.jit_fuser is torch.compile:  # (imported already: its later importers get the deferral)
+            jit.jit_fuser = compile_on_first_call
+    return ["megatron.core.jit.jit_fuser -> torch.compile at a kernel's first call"]
+
+
+def compile_on_first_call(fn: Any) -> Any:
+    """``torch.compile`` as megatron-core's ``jit_fuser`` applies it, compiling ``fn`` at its first
+    call (item of :func:`defer_megatron_compiles`)."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+class _DeferredJitFuser(importlib.abc.MetaPathFinder):
+    """Loads ``megatron.core.jit`` as usual, then swaps its ``jit_fuser`` for
+    :func:`compile_on_first_call` before any kernel module imports it."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
+        if name != "megatron.core.jit":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        load = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            load(module)
+            if module.jit_fuser is torch.compile:  # (left alone where megatron-core chose otherwise)
+                module.jit_fuser = compile_on_first_call
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
 
 
 @contextlib.contextmanager

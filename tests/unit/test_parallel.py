@@ -80,3 +80,49 @@ def test_initialising_the_layout_again_keeps_its_process_groups(ctx):
     again = parallel.initialize(ParallelConfig())
     assert (again.tp_group, again.pp_group, again.dp_group) == (first.tp_group, first.pp_group, first.dp_group)
     assert len(dist.distributed_c10d._world.pg_map) == groups
+
+
+def test_megatron_compiles_deferred_to_a_kernels_first_call():
+    """In a new interpreter, importing our model imports megatron-core without TorchDynamo (its fused
+    kernels' torch.compile wrappers are made at their first call; every fusion is off in our layers)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, specroll_mcore.model, megatron.core.jit as jit; from specroll_mcore import parallel; "
+            "print(jit.jit_fuser is parallel.compile_on_first_call, 'torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "False"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_compile_on_first_call_compiles_once_at_the_first_call(monkeypatch):
+    compiled = []
+
+    def fake_compile(fn):
+        compiled.append(fn)
+        return lambda x: fn(x) + 1  # (marks the compiled kernel's results)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+
+    def kernel(x):
+        return 2 * x
+
+    fused = parallel.compile_on_first_call(kernel)
+    assert compiled == [] and fused.__name__ == "kernel"
+    assert fused(3) == 7 and fused(4) == 9 and compiled == [kernel]
+
+
+def test_defer_megatron_compiles_where_megatron_core_was_imported_first(monkeypatch):
+    """Applied after megatron-core's import (a program that imported it first): its jit_fuser is
+    swapped from then on; a jit_fuser megatron-core set to something else is left alone."""
+    import sys
+
+    import megatron.core.jit as jit
+
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, parallel._DeferredJitFuser)])
+    monkeypatch.setattr(jit, "jit_fuser", torch.compile)
+    assert parallel.defer_megatron_compiles() == ["megatron.core.jit.jit_fuser -> torch.compile at a kernel's "
+                                                  "first call"]
+    assert jit.jit_fuser is parallel.compile_on_first_call
+    monkeypatch.setattr(jit, "jit_fuser", jit.noop_decorator)  # (megatron.core.jit.disable_jit_fuser)
+    parallel.defer_megatron_compiles()
+    assert jit.jit_fuser is jit.noop_decorator
