@@ -12,10 +12,11 @@ megatron-core compatibility
 megatron-core 0.16.1 assumes CUDA in a few places we reach (:func:`apply_cpu_compat`) and Transformer
 Engine in one (:func:`apply_megatron_compat`), and builds its fused kernels' ``torch.compile``
 wrappers as it is imported (:func:`defer_megatron_compiles`). Those three functions are the complete
-list of what we change, and why; nothing else in the project patches megatron-core. One private name is read, not
-changed: the list of the process groups megatron-core created (:func:`_destroy_model_parallel`), so
-that a process which initialises another layout destroys the old groups rather than leaking them;
-:func:`initialize` in the layout already initialised keeps its groups.
+list of what we change, and why; nothing else in the project patches megatron-core. One private name
+is read, not changed: the list of the process groups megatron-core created
+(:func:`_destroy_model_parallel`), so that a process which initialises another layout destroys the
+old groups rather than leaking them; :func:`initialize` in the layout already initialised keeps its
+groups.
 """
 
 from __future__ import annotations
