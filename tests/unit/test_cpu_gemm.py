@@ -120,12 +120,12 @@ def test_a_killed_build_does_not_hang_later_processes(monkeypatch, tmp_path):
         return "kernels"
 
     def build_with(lock_age_s=0.0, released_after_s=None):
+        start = time.monotonic()  # (before the lock's time stamp: a wait until it is stale lasts that long)
         open(lock, "w").close()
         os.utime(lock, (time.time() - lock_age_s,) * 2)
         if released_after_s is not None:  # the other process's build ends
             threading.Timer(released_after_s, os.remove, (lock,)).start()
         cpu_gemm._build_panel_kernels.cache_clear()
-        start = time.monotonic()
         assert cpu_gemm._build_panel_kernels() == "kernels"
         assert seen[-1] == (name, False)  # torch found no lock to wait on
         return time.monotonic() - start
