@@ -264,7 +264,7 @@ def test_vocab_parallel_topk_over_two_shards_equals_the_whole_vocabularys(dtype)
     full[1, 6:] = float("-inf")  # rank 1 holds no finite logit of row 1
     shards = [full[:, :split], torch.cat([full[:, split:], torch.full((4, 3), 50.0).to(dtype)], -1)]
     for k in (3, 7):
-        got, meet, sent = [None, None], threading.Barrier(2), {}
+        got, meet, sent = [None, None], threading.Barrier(2, timeout=60), {}  # (a failing rank breaks it)
 
         def rank(r):
             got[r] = vocab_parallel_topk(shards[r], k, (0, split)[r], vocab, _ThreadedTP(r, sent, meet))
