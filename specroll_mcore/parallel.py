@@ -138,15 +138,17 @@ def defer_megatron_compiles() -> list[str]:
     ``torch.compile`` with the kernel at its first call and runs the compiled kernel from then on:
     what torch.compile's wrapper does anyway, which compiles at the first call too.
 
-    Returns the list of items in place.
+    Returns the list of items in place (empty where megatron-core, imported first, chose another
+    ``jit_fuser``).
     """
-    if not any(isinstance(finder, _DeferredJitFuser) for finder in sys.meta_path):
-        jit = sys.modules.get("megatron.core.jit")
-        if jit is None:
+    jit = sys.modules.get("megatron.core.jit")
+    if jit is None:
+        if not any(isinstance(finder, _DeferredJitFuser) for finder in sys.meta_path):
             sys.meta_path.insert(0, _DeferredJitFuser())
-        elif jit.jit_fuser is torch.compile:  # (imported already: its later importers get the deferral)
-            jit.jit_fuser = compile_on_first_call
-    return ["megatron.core.jit.jit_fuser -> torch.compile at a kernel's first call"]
+    elif jit.jit_fuser is torch.compile:  # (imported already: its later importers get the deferral)
+        jit.jit_fuser = compile_on_first_call
+    deferred = jit is None or jit.jit_fuser is compile_on_first_call
+    return ["megatron.core.jit.jit_fuser -> torch.compile at a kernel's first call"] if deferred else []
 
 
 def compile_on_first_call(fn: Any) -> Any:

@@ -123,6 +123,7 @@ def test_defer_megatron_compiles_where_megatron_core_was_imported_first(monkeypa
     assert parallel.defer_megatron_compiles() == ["megatron.core.jit.jit_fuser -> torch.compile at a kernel's "
                                                   "first call"]
     assert jit.jit_fuser is parallel.compile_on_first_call
+    assert parallel.defer_megatron_compiles() == ["megatron.core.jit.jit_fuser -> torch.compile at a kernel's "
+                                                  "first call"]  # (idempotent)
     monkeypatch.setattr(jit, "jit_fuser", jit.noop_decorator)  # (megatron.core.jit.disable_jit_fuser)
-    parallel.defer_megatron_compiles()
-    assert jit.jit_fuser is jit.noop_decorator
+    assert parallel.defer_megatron_compiles() == [] and jit.jit_fuser is jit.noop_decorator
