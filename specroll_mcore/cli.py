@@ -41,7 +41,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Data parallel: each DP rank takes every dp_size-th prompt; ids stay global, so the tokens do not
     # depend on the DP size.
     mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
-    engine = engine_for(cfg.engine, policy, cfg.spec, ckpt, eos_token_ids=stop_token_ids(ckpt, tokenizer),
+    engine = engine_for(cfg.engine, policy, cfg.spec, eos_token_ids=stop_token_ids(ckpt, tokenizer),
                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups,
                         max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens)
     out = engine.generate([prompts[i] for i in mine], cfg.sampling, prompt_ids=mine)
@@ -160,7 +160,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     math_verify = reward_fn is None
     training = usable_prompts(examples, cfg.data, tokenizer, positions, report, math_verify)[0]
     held_out = HeldOut.load(cfg.eval, cfg.seed, tokenizer, positions, training, ctx.dp_size, math_verify)
-    engine = engine_for(cfg.engine, policy, cfg.spec, ckpt, eos_token_ids=stop_token_ids(ckpt, tokenizer),
+    engine = engine_for(cfg.engine, policy, cfg.spec, eos_token_ids=stop_token_ids(ckpt, tokenizer),
                         tokenizer=tokenizer, pipeline_groups=cfg.parallel.rollout_groups,
                         max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens)
     responses: list[dict] = []

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import read_checkpoint_config, stop_token_ids, write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import stop_token_ids, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine  # noqa: E402
@@ -123,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, cap = open_for_rollout(args.checkpoint, ctx, args.c_hw)
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=cap.c_hw)
-    latency = with_step_overhead(policy, spec_cfg, cap.latency, read_checkpoint_config(ckpt).get("policy_fingerprint"))
+    latency = with_step_overhead(policy, spec_cfg, cap.latency)
     engine = SpeculativeEngine(policy, spec_cfg, eos_token_ids=stop_token_ids(ckpt, tok), latency=latency)
     sp = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     responses = []

@@ -59,7 +59,7 @@ def main() -> None:
     ctx = parallel.initialize(ParallelConfig())
     ckpt, policy, tok, _ = open_for_rollout(args.checkpoint, ctx, None)
     eos = stop_token_ids(ckpt, tok)
-    spec, latency = speculative_setup(policy, SpecConfig(num_heads=policy.num_heads), ckpt)
+    spec, latency = speculative_setup(policy, SpecConfig(num_heads=policy.num_heads))
 
     def engine(name: str, max_num_seqs):
         if name == "vanilla":

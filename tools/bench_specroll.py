@@ -35,8 +35,7 @@ import torch  # noqa: E402
 
 from specroll_mcore import parallel  # noqa: E402
 from specroll_mcore.config import ParallelConfig, SamplingConfig, SpecConfig  # noqa: E402
-from specroll_mcore.checkpoint.megatron import (read_checkpoint_config, stop_token_ids,  # noqa: E402
-                                                write_json_atomic)
+from specroll_mcore.checkpoint.megatron import stop_token_ids, write_json_atomic  # noqa: E402
 from specroll_mcore.rl.data import synthetic_chat_prompts  # noqa: E402
 from specroll_mcore.rollout import SpeculativeEngine, VanillaEngine  # noqa: E402
 from specroll_mcore.rollout.base import combined_stats  # noqa: E402
@@ -259,14 +258,13 @@ def main() -> int:
     spec_cfg = SpecConfig(num_heads=policy.num_heads, c_hw=c_hw, n_max=args.n_max, topk=args.topk,
                           coupled=args.coupled, draft_vocab=args.draft_vocab, adaptive_nodes=args.adaptive_nodes,
                           step_overhead=args.step_overhead)
-    fingerprint = read_checkpoint_config(ckpt).get("policy_fingerprint")
-    latency = with_step_overhead(policy, spec_cfg, cap.latency, fingerprint)
+    latency = with_step_overhead(policy, spec_cfg, cap.latency)
     eos = stop_token_ids(ckpt, tok)
     vanilla = VanillaEngine(policy, eos_token_ids=eos)
     spec = SpeculativeEngine(policy, spec_cfg, eos_token_ids=eos, latency=latency)
     third = None
     if args.one_row_curve:
-        record = cached_profile(policy, fingerprint)
+        record = cached_profile(policy)
         if record is None:
             raise SystemExit("--one-row-curve needs a cached capacity profile (run tools/profile_capacity.py)")
         curve = LatencyCurve.from_profile(record)  # (with the same step overhead: only the forward's model differs)

@@ -10,11 +10,12 @@ row holding an N-node tree on a 128-token context) and derives C_hw by the docum
 ``tolerance`` x the one-token latency; then the latency of R rows x N-node trees on 128- and
 512-token contexts (R, N powers of two up to C_hw, see rollout/profile.forward_grid), which the
 engine sizes each step's trees against. The result is cached (``$SPECROLL_CACHE/capacity_profiles.json``)
-under a key of the policy fingerprint, the dtype it computes in (``--dtype``: the checkpoint's, or
-the override a run loads it with, as ``params_dtype`` in a config), the hardware and the TP/PP
-layout, with the whole curve and grid; the
-speculative engine reads C_hw from it when SpecConfig.c_hw is unset, and the grid to keep each
-step's trees to the nodes that pay for their latency (SpecConfig.adaptive_nodes).
+under a key of the model's architecture (its shapes, not its weights: a policy trained from this one
+shares the profile), the dtype it computes in (``--dtype``: the checkpoint's, or the override a run
+loads it with, as ``params_dtype`` in a config), the hardware and the TP/PP/EP layout, with the
+whole curve and grid; the speculative engine reads C_hw from it when SpecConfig.c_hw is unset, and
+the grid to keep each step's trees to the nodes that pay for their latency
+(SpecConfig.adaptive_nodes).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 
 from specroll_mcore import parallel  # noqa: E402
-from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config, write_json_atomic  # noqa: E402
+from specroll_mcore.checkpoint.megatron import load_policy, write_json_atomic  # noqa: E402
 from specroll_mcore.config import ParallelConfig  # noqa: E402
 from specroll_mcore.rollout.profile import measure_capacity  # noqa: E402
 from specroll_mcore.tree.budget import DEFAULT_TOLERANCE, profile_path  # noqa: E402
@@ -53,8 +54,7 @@ def main() -> int:
                                              expert_model_parallel_size=args.ep))
     policy = load_policy(ckpt, ctx, params_dtype=args.dtype)
     sizes = [int(x) for x in args.tokens.split(",")]
-    fp = read_checkpoint_config(ckpt).get("policy_fingerprint")
-    record = measure_capacity(policy, fp, sizes, args.reps, args.tolerance, verbose=True)
+    record = measure_capacity(policy, sizes, args.reps, args.tolerance, verbose=True)
     if ctx.rank == 0:
         print(f"C_hw = {record['c_hw']} tokens (cached in {profile_path()})")
         if args.out:

@@ -134,7 +134,7 @@ class GRPOTrainer:
 
         scheduling = {"pipeline_groups": cfg.parallel.rollout_groups, "max_num_seqs": cfg.max_num_seqs,
                       "max_prefill_tokens": cfg.max_prefill_tokens}
-        self.engine = engine_for(cfg.engine, self.policy, cfg.spec, self.source, eos_token_ids=self.eos,
+        self.engine = engine_for(cfg.engine, self.policy, cfg.spec, eos_token_ids=self.eos,
                                  tokenizer=self.tokenizer, **scheduling)
         self.vanilla = VanillaEngine(self.policy, eos_token_ids=self.eos, tokenizer=self.tokenizer,
                                      **scheduling) if cfg.compare_vanilla_every else None
@@ -467,7 +467,7 @@ class GRPOTrainer:
         optimizer steps: its fall is the entropy collapse DAPO's clip-higher works against),
         ``moe_aux_loss`` (the unweighted load-balancing loss of a mixture of experts that applies one,
         mean over the optimizer steps) and, where there are several, ``optimizer_steps``."""
-        cfg, ctx, policy = self.cfg, self.ctx, self.policy
+        cfg, policy = self.cfg, self.policy
         every = [mb for mbs in minis for mb in mbs]
         recomputed = cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0 or cfg.sampling.min_p > 0
         if recomputed:

@@ -21,15 +21,15 @@ def make_engine(name: str, model: Any, spec: Any = None, latency: Any = None, **
     raise ValueError(f"unknown engine {name!r}; choose one of {ENGINES}")
 
 
-def engine_for(name: str, policy: Any, spec: Any, checkpoint: Any, **kwargs: Any):
-    """:func:`make_engine` for ``policy`` loaded from ``checkpoint``, as the commands and the trainer
-    build it: a speculative engine gets ``spec`` with its head count and C_hw filled in and the
-    profiled step latency (rollout/profile.speculative_setup; collective, it may measure them)."""
+def engine_for(name: str, policy: Any, spec: Any, **kwargs: Any):
+    """:func:`make_engine` for ``policy``, as the commands and the trainer build it: a speculative
+    engine gets ``spec`` with its head count and C_hw filled in and the profiled step latency
+    (rollout/profile.speculative_setup; collective, it may measure them)."""
     latency = None
     if name == "specroll":
         from specroll_mcore.rollout.profile import speculative_setup
 
-        spec, latency = speculative_setup(policy, spec, checkpoint)
+        spec, latency = speculative_setup(policy, spec)
     return make_engine(name, policy, spec, latency, **kwargs)
 
 

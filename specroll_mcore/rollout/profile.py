@@ -35,6 +35,27 @@ def dtype_name(policy: PolicyModel) -> str:
     return str(policy.dtype).removeprefix("torch.")
 
 
+LATENCY_NEUTRAL_FIELDS = frozenset({"rope_theta", "rope_scaling", "norm_eps", "max_position_embeddings",
+                                    "init_method_std", "moe_aux_loss_coeff", "params_dtype"})
+"""ModelConfig fields a forward's latency does not depend on: values its kernels compute with, not
+the shapes they run on (RoPE's frequencies are computed once per position either way), the
+initialisation and a training loss weight. The dtype the policy computes in is a key of its own
+(:func:`dtype_name`: a checkpoint may be loaded in another)."""
+
+
+def architecture(policy: PolicyModel) -> str:
+    """The shapes of this policy's forward, as a capacity profile's key holds them: a digest of its
+    ModelConfig less :data:`LATENCY_NEUTRAL_FIELDS`. Not the weights: a forward's latency does not
+    depend on them, so a policy trained from another (GRPO, fine-tuning) finds the profile measured
+    for it. (A mixture of experts' routing moves with the weights, and with it how evenly its experts
+    are loaded; its forwards are dropless, as many expert products in all whatever the routing: the
+    profile holds the routing of the weights it was measured with.)"""
+    import hashlib
+
+    shapes = {k: v for k, v in policy.config.to_dict().items() if k not in LATENCY_NEUTRAL_FIELDS}
+    return hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
+
+
 class Capacity(NamedTuple):
     """What the speculative engine needs to know about this policy, hardware and layout."""
 
@@ -52,18 +73,16 @@ def open_for_rollout(checkpoint: str, ctx: Any, c_hw: Optional[int] = None, with
     the rollout tools start from. ``params_dtype`` loads the checkpoint in another dtype."""
     import transformers
 
-    from specroll_mcore.checkpoint.megatron import load_policy, read_checkpoint_config
+    from specroll_mcore.checkpoint.megatron import load_policy
     from specroll_mcore.checkpoint.smollm2 import resolve_checkpoint
 
     path = resolve_checkpoint(checkpoint)
     policy = load_policy(path, ctx, params_dtype, with_heads=with_heads)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    fitted_on = read_checkpoint_config(path).get("policy_fingerprint")
-    return path, policy, tokenizer, ensure_capacity(policy, c_hw, fitted_on)
+    return path, policy, tokenizer, ensure_capacity(policy, c_hw)
 
 
-def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_fingerprint: Optional[str],
-                    tolerance: float = DEFAULT_TOLERANCE) -> Capacity:
+def ensure_capacity(policy: PolicyModel, configured: Optional[int], tolerance: float = DEFAULT_TOLERANCE) -> Capacity:
     """C_hw and the latency profile for this policy, hardware and layout: SpecConfig.c_hw if set
     (with the cached profile where every rank has the same one; nothing is measured), else the cached
     profile's (C_hw derived from its one-row curve by today's rule), else (where any rank lacks it or
@@ -72,10 +91,10 @@ def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_finge
     see :func:`measure_capacity`). Collective: every rank gets the same."""
     from specroll_mcore.tree.budget import capacity_from_latency
 
-    record = cached_profile(policy, policy_fingerprint)
+    record = cached_profile(policy)
     if unshared_profile(policy.ctx, record):
-        record = None if configured else measure_capacity(policy, policy_fingerprint, QUICK_SIZES, reps=QUICK_REPS,
-                                                          tolerance=tolerance, quick=True, more_sizes=QUICK_MORE_SIZES)
+        record = None if configured else measure_capacity(policy, QUICK_SIZES, reps=QUICK_REPS, tolerance=tolerance,
+                                                          quick=True, more_sizes=QUICK_MORE_SIZES)
     curve = LatencyCurve.from_profile(record) if record is not None else None
     latency = (LatencySurface.from_profile(record) or curve) if record is not None else None
     if configured:
@@ -83,35 +102,33 @@ def ensure_capacity(policy: PolicyModel, configured: Optional[int], policy_finge
     return Capacity(capacity_from_latency(curve.tokens, curve.seconds, tolerance), latency)
 
 
-def cached_profile(policy: PolicyModel, policy_fingerprint: Optional[str]) -> Optional[dict]:
-    """The cached capacity profile of this policy, its dtype, this hardware and the layout, or None."""
+def cached_profile(policy: PolicyModel) -> Optional[dict]:
+    """The cached capacity profile of this policy's architecture, its dtype, this hardware and the
+    layout, or None."""
     from specroll_mcore.tree.budget import load_profile
 
-    return load_profile(capacity_key(policy, policy_fingerprint))
+    return load_profile(capacity_key(policy))
 
 
-def capacity_key(policy: PolicyModel, policy_fingerprint: Optional[str]) -> str:
-    """The cache key of this policy's capacity profile (tree/budget.profile_key): its weights, the
-    dtype it computes in, this hardware and the layout."""
+def capacity_key(policy: PolicyModel) -> str:
+    """The cache key of this policy's capacity profile (tree/budget.profile_key): its architecture
+    (:func:`architecture`), the dtype it computes in, this hardware and the layout."""
     from specroll_mcore.tree.budget import hardware_name, profile_key
 
     ctx = policy.ctx
-    return profile_key(policy_fingerprint or "unknown", dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size,
-                       ctx.ep_size)
+    return profile_key(architecture(policy), dtype_name(policy), hardware_name(), ctx.tp_size, ctx.pp_size,
+                       ctx.ep_size, ctx.stage_layers(policy.config.num_layers))
 
 
-def speculative_setup(policy: PolicyModel, spec: Any, checkpoint: Any) -> tuple[Any, Optional[Latency]]:
-    """The SpecConfig a SpecRoll engine runs ``policy`` (loaded from ``checkpoint``) with: its head
-    count and C_hw filled in (:func:`ensure_capacity`), and the latency profile to size trees with
-    (with the step's work around its forward: :func:`with_step_overhead`)."""
+def speculative_setup(policy: PolicyModel, spec: Any) -> tuple[Any, Optional[Latency]]:
+    """The SpecConfig a SpecRoll engine runs ``policy`` with: its head count and C_hw filled in
+    (:func:`ensure_capacity`), and the latency profile to size trees with (with the step's work
+    around its forward: :func:`with_step_overhead`)."""
     import dataclasses
 
-    from specroll_mcore.checkpoint.megatron import read_checkpoint_config
-
-    fingerprint = read_checkpoint_config(checkpoint).get("policy_fingerprint")
-    cap = ensure_capacity(policy, spec.c_hw, fingerprint)
+    cap = ensure_capacity(policy, spec.c_hw)
     spec = dataclasses.replace(spec, num_heads=policy.num_heads, c_hw=cap.c_hw)
-    return spec, with_step_overhead(policy, spec, cap.latency, fingerprint)
+    return spec, with_step_overhead(policy, spec, cap.latency)
 
 
 OVERHEAD_WARMUP, OVERHEAD_STEPS = 2, 8
@@ -131,20 +148,19 @@ def overhead_rows(c_hw: int) -> list[int]:
     return [1 << i for i in range(top.bit_length())]
 
 
-def overhead_key(policy: PolicyModel, spec: Any, policy_fingerprint: Optional[str]) -> str:
-    """The cache key of a step-overhead profile: the capacity profile's (weights, dtype, hardware,
-    layout) and the engine settings that change a step's work around its forward."""
+def overhead_key(policy: PolicyModel, spec: Any) -> str:
+    """The cache key of a step-overhead profile: the capacity profile's (architecture, dtype,
+    hardware, layout) and the engine settings that change a step's work around its forward."""
     import hashlib
     import json
 
     settings = [spec.num_heads, spec.topk, spec.c_hw, spec.n_max, spec.shortlist, spec.draft_vocab, spec.coupled,
                 spec.reflex.enabled, spec.slow_path.enabled]
     digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
-    return f"{capacity_key(policy, policy_fingerprint)}:step-overhead:{digest}"
+    return f"{capacity_key(policy)}:step-overhead:{digest}"
 
 
-def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency],
-                       policy_fingerprint: Optional[str]) -> Optional[Latency]:
+def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency]) -> Optional[Latency]:
     """``latency`` with the step's work around its forward added (tree/budget.StepCost): the cached
     step-overhead profile of this policy, hardware, layout and engine settings, else one measured
     now (:func:`measure_step_overhead`; ~11 s for SmolLM2 on 2 CPU cores) and cached. Collective
@@ -154,7 +170,7 @@ def with_step_overhead(policy: PolicyModel, spec: Any, latency: Optional[Latency
 
     if latency is None or not (spec.adaptive_nodes and spec.step_overhead):
         return latency
-    key = overhead_key(policy, spec, policy_fingerprint)
+    key = overhead_key(policy, spec)
     record = load_profile(key)
     if unshared_profile(policy.ctx, record):
         record = measure_step_overhead(policy, spec)
@@ -214,9 +230,8 @@ def measure_step_overhead(policy: PolicyModel, spec: Any, rows: Optional[Sequenc
             "dtype": dtype_name(policy), "c_hw": c_hw, "n_max": spec.n_max}
 
 
-def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], sizes: Sequence[int], reps: int,
-                     tolerance: float = DEFAULT_TOLERANCE, quick: bool = False, verbose: bool = False,
-                     more_sizes: Sequence[int] = ()) -> dict:
+def measure_capacity(policy: PolicyModel, sizes: Sequence[int], reps: int, tolerance: float = DEFAULT_TOLERANCE,
+                     quick: bool = False, verbose: bool = False, more_sizes: Sequence[int] = ()) -> dict:
     """Profile the forward latency on every rank (collective; the slowest rank's latencies decide),
     derive C_hw by the documented rule (tree/budget.capacity_from_latency), measure the latency
     grid over the shapes trees of that C_hw take (:func:`forward_grid`) and cache the record (every
@@ -227,7 +242,6 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
                                             tree_row_seconds)
 
     ctx = policy.ctx
-    fp = policy_fingerprint or "unknown"
 
     def slowest_rank(measured: dict) -> dict:
         for name in ("tree_row_s", "decode_rows_s"):
@@ -251,9 +265,9 @@ def measure_capacity(policy: PolicyModel, policy_fingerprint: Optional[str], siz
     curve["grid"] = grid
     record = {"c_hw": c_hw, "rule": f"largest N with latency(N) <= {tolerance} x latency(1)",
               "hardware": hardware_name(), "dtype": dtype_name(policy), "tp": ctx.tp_size, "pp": ctx.pp_size,
-              "ep": ctx.ep_size,
-              "policy_fingerprint": fp, "curve": curve, "quick": quick}
-    save_capacity(capacity_key(policy, policy_fingerprint), record)
+              "ep": ctx.ep_size, "stage_layers": ctx.stage_layers(policy.config.num_layers),
+              "architecture": architecture(policy), "curve": curve, "quick": quick}
+    save_capacity(capacity_key(policy), record)
     return record
 
 

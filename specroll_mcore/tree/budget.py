@@ -330,12 +330,14 @@ def tree_size(expected: Sequence[float], rows: int, latency: Latency,
     return best
 
 
-def profile_key(model_fingerprint: str, dtype: str, hardware: str, tp: int, pp: int, ep: int = 1) -> str:
-    """The cache key of a capacity profile: the weights, the dtype the policy computes in (the same
-    checkpoint loaded in bfloat16 has another latency curve), the hardware and the layout (expert
-    parallelism, whose all-to-alls a forward waits for, only where it is used: profiles cached
-    before it keep their keys)."""
-    raw = json.dumps([model_fingerprint, dtype, hardware, tp, pp] + ([ep] if ep > 1 else []))
+def profile_key(architecture: str, dtype: str, hardware: str, tp: int, pp: int, ep: int = 1,
+                stage_layers: Sequence[int] = ()) -> str:
+    """The cache key of a capacity profile: the model's architecture (rollout/profile.architecture:
+    the shapes of its forward, not its weights, so a policy trained or fine-tuned from another shares
+    its profile), the dtype it computes in (the same checkpoint loaded in bfloat16 has another latency
+    curve), the hardware and the layout (expert parallelism, whose all-to-alls a forward waits for,
+    and the layers each pipeline stage holds, which sets the slowest stage's share of a forward)."""
+    raw = json.dumps([architecture, dtype, hardware, tp, pp, ep, list(stage_layers)])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

@@ -76,9 +76,9 @@ def weighed_trees() -> Iterator[None]:
     """The engines built inside find WEIGHED_TREES cached as their policy's capacity profile."""
     cached = profile.cached_profile
 
-    def cached_profile(policy, fingerprint):
-        budget.save_capacity(profile.capacity_key(policy, fingerprint), WEIGHED_TREES)
-        return cached(policy, fingerprint)
+    def cached_profile(policy):
+        budget.save_capacity(profile.capacity_key(policy), WEIGHED_TREES)
+        return cached(policy)
 
     profile.cached_profile = cached_profile
     try:

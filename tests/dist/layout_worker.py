@@ -54,21 +54,20 @@ def caches(ctx, cache_root: Path) -> dict:
     from specroll_mcore.rollout import profile
     from specroll_mcore.tree import budget
 
-    os.environ["SPECROLL_CACHE"] = str(cache_root / f"rank{ctx.rank}")
     model, _ = policy("llama", "float32", ctx)
     out = {}
-    for case, spec, fingerprint in (("missing", SpecConfig(c_hw=8), "fp"),
-                                    ("differ", SpecConfig(c_hw=8, topk=2), "fp2")):
-        key = profile.overhead_key(model, spec, fingerprint)
+    for case, spec in (("missing", SpecConfig(c_hw=8)), ("differ", SpecConfig(c_hw=8, topk=2))):
+        os.environ["SPECROLL_CACHE"] = str(cache_root / case / f"rank{ctx.rank}")
+        key = profile.overhead_key(model, spec)
         if ctx.rank == 0 or case == "differ":
             stale = 9.0 + ctx.rank
             budget.save_capacity(key, {"rows": [1], "plain_s": [stale], "drafted_s": [stale], "drafting_s": [stale]})
-            budget.save_capacity(profile.capacity_key(model, fingerprint),
+            budget.save_capacity(profile.capacity_key(model),
                                  {"c_hw": 4, "curve": {"tokens": [1, 4, 8], "tree_row_s": [1.0, 1.5, 3.0 + ctx.rank]}})
-        cost = profile.with_step_overhead(model, spec, MID_LATENCY, fingerprint)
+        cost = profile.with_step_overhead(model, spec, MID_LATENCY)
         cached = [None] * ctx.world_size
         torch.distributed.all_gather_object(cached, budget.load_profile(key))
-        out[case] = {"latency": profile.ensure_capacity(model, 8, fingerprint).latency, "rows": cost.overhead.rows,
+        out[case] = {"latency": profile.ensure_capacity(model, 8).latency, "rows": cost.overhead.rows,
                      "stale_kept": cost.overhead.plain[0] >= 9.0, "cached": cached[ctx.rank]["rows"],
                      "same_everywhere": all(c == cached[0] for c in cached)}
     return out

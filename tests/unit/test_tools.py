@@ -197,6 +197,7 @@ def test_profile_capacity_smoke(tiny_ckpt, tmp_path):
              SPECROLL_CACHE=str(tmp_path / "cache"))
     record = json.loads(out.read_text())
     assert record["c_hw"] in (1, 2, 4) and record["curve"]["tokens"] == [1, 2, 4]
+    assert len(record["architecture"]) == 16 and (record["tp"], record["pp"], record["ep"]) == (1, 1, 1)
     cached = json.loads((tmp_path / "cache" / "capacity_profiles.json").read_text())
     assert [r["c_hw"] for r in cached.values()] == [record["c_hw"]]
 

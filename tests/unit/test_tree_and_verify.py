@@ -396,23 +396,23 @@ def test_step_overhead_is_measured_once_per_engine_settings_and_cached(ctx, tmp_
     real = profile.measure_step_overhead
     monkeypatch.setattr(profile, "measure_step_overhead",
                         lambda policy, spec: measured.append(spec) or real(policy, spec))
-    cost = profile.with_step_overhead(model, spec, forward, "fp")
+    cost = profile.with_step_overhead(model, spec, forward)
     assert isinstance(cost, StepCost) and cost.forward == forward and len(measured) == 1
     assert cost.overhead.rows == (1, 2, 4) == tuple(profile.overhead_rows(8))
     assert all(d > p > 0 and d > a > 0 for d, p, a in zip(cost.overhead.drafted, cost.overhead.plain,
                                                           cost.overhead.drafting))
     (record,) = json.loads((tmp_path / "capacity_profiles.json").read_text()).values()
     assert record["kind"] == "step_overhead" and record["rows"] == [1, 2, 4] and record["c_hw"] == 8
-    assert profile.with_step_overhead(model, spec, forward, "fp") == cost and len(measured) == 1  # cached
+    assert profile.with_step_overhead(model, spec, forward) == cost and len(measured) == 1  # cached
     for other in (dataclasses.replace(spec, topk=2), dataclasses.replace(spec, c_hw=16),
                   dataclasses.replace(spec, reflex=dataclasses.replace(spec.reflex, enabled=False))):
-        assert profile.overhead_key(model, other, "fp") != profile.overhead_key(model, spec, "fp")
-    assert profile.overhead_key(model, dataclasses.replace(spec, probe_every=2), "fp") == profile.overhead_key(
-        model, spec, "fp")  # (speed-only settings that leave a step's work alone share it)
+        assert profile.overhead_key(model, other) != profile.overhead_key(model, spec)
+    assert profile.overhead_key(model, dataclasses.replace(spec, probe_every=2)) == profile.overhead_key(
+        model, spec)  # (speed-only settings that leave a step's work alone share it)
     # nothing to price: no latency profile, nothing weighed, or switched off
     for s, latency in ((spec, None), (dataclasses.replace(spec, adaptive_nodes=False), forward),
                        (dataclasses.replace(spec, step_overhead=False), forward)):
-        assert profile.with_step_overhead(model, s, latency, "fp") is latency
+        assert profile.with_step_overhead(model, s, latency) is latency
     assert len(measured) == 1
     assert profile.overhead_rows(1) == [1, 2] and profile.overhead_rows(32) == [1, 2, 4, 8, 16]
     assert profile.overhead_rows(4096) == [1, 2, 4, 8, 16, 32, 64]  # (at most 64 rows)
@@ -429,9 +429,9 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
     # bounded whatever the machine's timings (going on to 2048: test_quick_profile_goes_on_while_the_curve_is_flat)
     monkeypatch.setattr(profile, "QUICK_MORE_SIZES", profile.QUICK_MORE_SIZES[:1])
     model = make_policy(tiny_llama(), ctx)
-    assert profile.ensure_capacity(model, 24, "fp") == (24, None)  # configured wins, nothing measured
+    assert profile.ensure_capacity(model, 24) == (24, None)  # configured wins, nothing measured
     assert not (tmp_path / "capacity_profiles.json").exists()
-    cap = profile.ensure_capacity(model, None, "fp")
+    cap = profile.ensure_capacity(model, None)
     assert (tmp_path / "capacity_profiles.json").is_file()
     record = json.loads((tmp_path / "capacity_profiles.json").read_text())
     (record,) = record.values()
@@ -447,14 +447,14 @@ def test_capacity_is_profiled_once_and_cached(ctx, tmp_path, monkeypatch):
                                                                for r in rows]
     monkeypatch.setattr(profile, "forward_latency",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
-    assert profile.ensure_capacity(model, None, "fp") == cap  # cached
-    assert profile.ensure_capacity(model, 24, "fp") == (24, cap.latency)  # configured C_hw, the cached curve
+    assert profile.ensure_capacity(model, None) == cap  # cached
+    assert profile.ensure_capacity(model, 24) == (24, cap.latency)  # configured C_hw, the cached curve
     # C_hw comes from the cached curve by the rule in force (by the measured seconds at 0.5x; at 0x no
     # size is within it, whatever the timings: the least)
     seconds = tree_row_seconds(record["curve"])
-    assert profile.ensure_capacity(model, None, "fp", tolerance=0.5).c_hw == capacity_from_latency(tokens, seconds,
+    assert profile.ensure_capacity(model, None, tolerance=0.5).c_hw == capacity_from_latency(tokens, seconds,
                                                                                                    0.5)
-    assert profile.ensure_capacity(model, None, "fp", tolerance=0.0).c_hw == 1
+    assert profile.ensure_capacity(model, None, tolerance=0.0).c_hw == 1
 
 
 @pytest.mark.parametrize("knee, c_hw, measured", [(None, 2048, 12), (700, 512, 11), (100, 64, 8)])
@@ -477,7 +477,7 @@ def test_quick_profile_goes_on_while_the_curve_is_flat(ctx, tmp_path, monkeypatc
     monkeypatch.setattr(profile, "forward_latency", flat_until_knee)
     monkeypatch.setattr(profile, "forward_grid", lambda policy, c_hw, reps, **kw: {
         "rows": [1], "nodes": [1, 2], "contexts": [128], "seconds": [[[0.01, 0.01]]]})
-    cap = profile.ensure_capacity(make_policy(tiny_llama(), ctx), None, "fp")
+    cap = profile.ensure_capacity(make_policy(tiny_llama(), ctx), None)
     assert cap.c_hw == c_hw
     assert calls[0] == list(profile.QUICK_SIZES) and all(len(c) == 1 for c in calls[1:])
     (record,) = json.loads((tmp_path / "capacity_profiles.json").read_text()).values()
@@ -555,10 +555,10 @@ def test_a_profile_from_before_grids_sizes_trees_by_its_one_row_curve(ctx, tmp_p
 
     monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
     model = make_policy(tiny_llama(), ctx)
-    key = budget.profile_key("fp", profile.dtype_name(model), budget.hardware_name(), 1, 1)
-    budget.save_capacity(key, {"c_hw": 4, "curve": {"tokens": [1, 4, 8], "tree_row_s": [1.0, 1.5, 3.0]}})
+    budget.save_capacity(profile.capacity_key(model),
+                         {"c_hw": 4, "curve": {"tokens": [1, 4, 8], "tree_row_s": [1.0, 1.5, 3.0]}})
     monkeypatch.setattr(profile, "forward_grid", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
-    cap = profile.ensure_capacity(model, None, "fp")
+    cap = profile.ensure_capacity(model, None)
     assert cap == (4, LatencyCurve((1, 4, 8), (1.0, 1.5, 3.0)))  # (tools/profile_capacity.py measures a grid)
 
 
@@ -601,7 +601,7 @@ def test_a_profile_that_cannot_be_cached_is_used_and_named(ctx, tmp_path, monkey
     monkeypatch.setattr(profile, "measure_step_overhead", lambda *a, **k: record)
     curve = LatencyCurve((1, 4, 8), (1.0, 1.5, 3.0))
     with pytest.warns(UserWarning, match=warned):
-        latency = profile.with_step_overhead(model, SpecConfig(num_heads=2, c_hw=8), curve, "fp")
+        latency = profile.with_step_overhead(model, SpecConfig(num_heads=2, c_hw=8), curve)
     assert latency == StepCost(curve, StepOverhead.from_record(record))
     assert budget.load_profile("key") is None
     assert not (cache.is_dir() and any(cache.iterdir()))  # (no temporary file left behind)
@@ -625,13 +625,51 @@ def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
     monkeypatch.setattr(profile, "forward_latency", fake_latency)
     monkeypatch.setattr(profile, "forward_grid", lambda policy, c_hw, reps, **kw: {
         "rows": [1], "nodes": [1, 2], "contexts": [8], "seconds": [[[1.0, 1.1]]]})
-    fp32 = profile.ensure_capacity(make_policy(tiny_llama(), ctx), None, "fp")
-    bf16 = profile.ensure_capacity(make_policy(tiny_llama(params_dtype="bfloat16"), ctx), None, "fp")
+    fp32 = profile.ensure_capacity(make_policy(tiny_llama(), ctx), None)
+    bf16 = profile.ensure_capacity(make_policy(tiny_llama(params_dtype="bfloat16"), ctx), None)
     assert measured == [torch.float32, torch.bfloat16]  # the bfloat16 policy was profiled, not given float32's
-    assert profile.ensure_capacity(make_policy(tiny_llama(params_dtype="bfloat16"), ctx), None, "fp") == bf16
+    assert profile.ensure_capacity(make_policy(tiny_llama(params_dtype="bfloat16"), ctx), None) == bf16
     assert len(measured) == 2 and fp32.c_hw == bf16.c_hw
     records = json.loads((tmp_path / "capacity_profiles.json").read_text()).values()
     assert sorted(r["dtype"] for r in records) == ["bfloat16", "float32"]
+
+
+def test_capacity_profile_is_keyed_by_architecture_not_weights(ctx, tmp_path, monkeypatch):
+    """A policy trained from another (other weights, the same shapes) finds the profile measured for
+    it, as does one differing only in values its kernels compute with (RoPE base, norm epsilon);
+    another shape is profiled anew, and so is another pipeline split of the same layers."""
+    from conftest import make_policy
+    from specroll_mcore.config import tiny_llama
+    from specroll_mcore.rollout import profile
+    from specroll_mcore.tree import budget
+
+    monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
+    measured = []
+
+    def fake_latency(policy, sizes, reps, **kw):
+        measured.append(policy.config)
+        return {"tokens": list(sizes), "context": 8, "tree_row_s": [1.0 + n / 16 for n in sizes],
+                "decode_rows_s": [1.0 + n / 16 for n in sizes]}
+
+    monkeypatch.setattr(profile, "forward_latency", fake_latency)
+    monkeypatch.setattr(profile, "forward_grid", lambda policy, c_hw, reps, **kw: {
+        "rows": [1], "nodes": [1, 2], "contexts": [8], "seconds": [[[1.0, 1.1]]]})
+    base = profile.ensure_capacity(make_policy(tiny_llama(), ctx, seed=0), None)
+    for same_shapes in (make_policy(tiny_llama(), ctx, seed=1),
+                        make_policy(tiny_llama(rope_theta=5e5, norm_eps=1e-6, max_position_embeddings=512,
+                                               rope_scaling={"rope_type": "linear", "factor": 2.0}), ctx)):
+        assert profile.ensure_capacity(same_shapes, None) == base
+    assert len(measured) == 1
+    (record,) = json.loads((tmp_path / "capacity_profiles.json").read_text()).values()
+    assert record["architecture"] == profile.architecture(same_shapes) and record["stage_layers"] == [4]
+    for other in (tiny_llama(hidden_size=128), tiny_llama(num_layers=2), tiny_llama(vocab_size=600),
+                  tiny_llama(num_query_groups=4), tiny_llama(num_experts=4)):
+        profile.ensure_capacity(make_policy(other, ctx), None)
+        assert measured[-1] == other
+    assert len(measured) == 6
+    key = budget.profile_key("arch", "float32", "cpu", 1, 2, 1, [2, 2])
+    assert key != budget.profile_key("arch", "float32", "cpu", 1, 2, 1, [1, 3])  # the slowest stage differs
+    assert key != budget.profile_key("arch", "float32", "cpu", 1, 2, 2, [2, 2])
 
 
 def test_cpu_hardware_name_tells_cpu_generations_apart():
