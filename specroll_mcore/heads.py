@@ -298,22 +298,67 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int, vocab_si
     Each rank takes its local top-k; the tp x k candidates are all-gathered (a few numbers per row,
     never the vocabulary; values and ids in one float64 message, which holds both exactly) and
     reduced to the global top-k. Ties resolve to the lower id, as ``torch.topk`` on the gathered
-    logits would."""
-    logits = _mask_padding(logits, vocab_start, vocab_size)
-    values, idx = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)  # a shard may hold fewer than k
-    idx = idx + vocab_start
+    logits would. Several at once, in one exchange: :func:`vocab_parallel_topks`."""
+    (found,) = vocab_parallel_topks([TopK(logits, k)], vocab_start, vocab_size, ctx)
+    return found.values, found.ids
+
+
+@dataclass
+class TopK:
+    """One request of :func:`vocab_parallel_topks` and, once answered, its result."""
+
+    logits: torch.Tensor
+    """Vocab-parallel logits [n, V/tp]."""
+    k: int
+    with_logsumexp: bool = False
+    """Also the log-sum-exp of the logits over the full vocabulary (:func:`vocab_parallel_logsumexp`'s
+    value, without gradients)."""
+    values: Optional[torch.Tensor] = None
+    """[n, k], the logits' dtype."""
+    ids: Optional[torch.Tensor] = None
+    """[n, k], global ids."""
+    logsumexp: Optional[torch.Tensor] = None
+    """[n], float32 (float64 for float64 logits), where asked for."""
+
+
+def vocab_parallel_topks(requests: list[TopK], vocab_start: int, vocab_size: int, ctx: Any) -> list[TopK]:
+    """:func:`vocab_parallel_topk` of each request, and where it asks, the log-sum-exp of its logits,
+    with one all-gather over TP for all of them (a collective's latency, not its bytes, is what a
+    few numbers per row cost; drafting asks for up to four per step). A request's log-sum-exp comes
+    from each rank's own: the largest plus log sum exp(own - largest), the formula (and, over two
+    ranks, the very floats) of :func:`vocab_parallel_logsumexp`'s two all-reduces. Inference only:
+    no gradients. Returns the requests, filled in."""
+    parts = []
+    for r in requests:
+        x = _mask_padding(r.logits, vocab_start, vocab_size)
+        values, idx = torch.topk(x, min(r.k, x.shape[-1]), dim=-1)  # a shard may hold fewer than k
+        r.values, r.ids = values, idx + vocab_start
+        if r.with_logsumexp:
+            r.logsumexp = torch.logsumexp(upcast(x.detach()), dim=-1)
+        if ctx.tp_size == 1:
+            continue
+        if values.shape[-1] < r.k:  # every rank sends k: the missing ones are -inf at an id past the vocabulary
+            pad = r.k - values.shape[-1]
+            r.values = torch.cat([values, values.new_full((values.shape[0], pad), float("-inf"))], -1)
+            r.ids = torch.cat([r.ids, r.ids.new_full((r.ids.shape[0], pad), vocab_size)], -1)
+        # values, ids (below 2**53: exact in float64, as every value dtype is) and the shard's log-sum-exp
+        own = [r.values.double(), r.ids.double()] + ([r.logsumexp.double()[:, None]] if r.with_logsumexp else [])
+        parts.append(torch.cat(own, -1))
     if ctx.tp_size == 1:
-        return values, idx
-    if values.shape[-1] < k:  # every rank sends k: the missing ones are -inf at an id past the vocabulary
-        pad = k - values.shape[-1]
-        values = torch.cat([values, values.new_full((values.shape[0], pad), float("-inf"))], -1)
-        idx = torch.cat([idx, idx.new_full((idx.shape[0], pad), vocab_size)], -1)
-    # [tp, n, 2k], rank order = vocabulary order (ids below 2**53: exact in float64, as every value dtype is)
-    gathered = ctx.all_gather_tp(torch.cat([values.double(), idx.double()], -1))
-    values = gathered[..., :k].permute(1, 0, 2).reshape(values.shape[0], -1).to(values.dtype)
-    idx = gathered[..., k:].permute(1, 0, 2).reshape(idx.shape[0], -1).long()
-    order = torch.argsort(-values, dim=-1, stable=True)[:, :k]
-    return values.gather(-1, order), idx.gather(-1, order)
+        return requests
+    gathered = ctx.all_gather_tp(torch.cat([p.reshape(-1) for p in parts]))  # [tp, all parts]: rank order = vocab
+    for r, part in zip(requests, gathered.split([p.numel() for p in parts], dim=1)):
+        n, k = r.values.shape[0], r.k
+        part = part.reshape(ctx.tp_size, n, -1)
+        values = part[..., :k].permute(1, 0, 2).reshape(n, -1).to(r.values.dtype)
+        idx = part[..., k:2 * k].permute(1, 0, 2).reshape(n, -1).long()
+        order = torch.argsort(-values, dim=-1, stable=True)[:, :k]
+        r.values, r.ids = values.gather(-1, order), idx.gather(-1, order)
+        if r.with_logsumexp:
+            shards = part[..., 2 * k].to(r.logsumexp.dtype)  # [tp, n]
+            top = shards.amax(0)
+            r.logsumexp = top + torch.log(torch.exp(shards - top).sum(0))
+    return requests
 
 
 def vocab_parallel_filter(logits: torch.Tensor, top_p: float, top_k: int, vocab_start: int, vocab_size: int,
@@ -331,8 +376,10 @@ def vocab_parallel_filter(logits: torch.Tensor, top_p: float, top_k: int, vocab_
         kth = vocab_parallel_topk(x, top_k, vocab_start, vocab_size, ctx)[0][:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
-        values, _ = vocab_parallel_topk(x, min(window, vocab_size), vocab_start, vocab_size, ctx)
-        probs = torch.exp(values.float() - vocab_parallel_logsumexp(x, vocab_start, vocab_size, ctx)[:, None])
+        (found,) = vocab_parallel_topks([TopK(x, min(window, vocab_size), with_logsumexp=True)], vocab_start,
+                                        vocab_size, ctx)  # (one exchange for both)
+        values = found.values
+        probs = torch.exp(values.float() - found.logsumexp[:, None])
         kept = ((torch.cumsum(probs, dim=-1) - probs) < top_p).sum(-1, keepdim=True)  # >= 1
         cut = values.gather(-1, (kept - 1).clamp(max=values.shape[-1] - 1))
         cut = cut.masked_fill(kept >= values.shape[-1], float("-inf"))

@@ -36,8 +36,7 @@ import torch
 from specroll_mcore.config import SamplingConfig, SpecConfig, check_max_num_seqs, check_max_prefill_tokens
 from specroll_mcore import reflex
 from specroll_mcore.cpu_gemm import contents_key
-from specroll_mcore.heads import (DraftVocab, coupled_scores, support_logits, vocab_parallel_logsumexp,
-                                  vocab_parallel_topk, vocab_rows)
+from specroll_mcore.heads import DraftVocab, TopK, coupled_scores, support_logits, vocab_parallel_topks, vocab_rows
 from specroll_mcore.model import PolicyModel
 from specroll_mcore.rollout.base import (FinishRules, RolloutOutput, RolloutState, check_tokenizer_fits,
                                          keep_rows, nodes_per_row, num_groups, plan_rows, run_groups,
@@ -205,30 +204,34 @@ class SpeculativeEngine:
         if T > 0 and T != 1:  # (dividing by 1 changes no value: no copy)
             logits = logits / T
         flat = logits.reshape(D * b, -1)
-        # head 1, exactly
+        # head 1 exactly (its top-k of the sampler's scores where coupled, else of its logits, with their
+        # log-sum-exp; the Reflex's top ids of its logits) and heads 2..D's shortlists: one TP exchange.
+        # A shortlist ranks the path-free logits (/ T, + the noise where coupled) unfiltered: top-k, top-p
+        # and min-p cut relative to a distribution, which moves with the path; the path's own filter comes
+        # below (filtering the path-free ranking instead, SmolLM2 at min-p 0.1: depth-2 acceptance 0.38,
+        # not 0.65)
         if coupled:
             ranked = coupled_scores(flat[:b], keys.rows(0, b), sampling.top_p, sampling.top_k, start, vocab, ctx,
                                     columns, sampling.min_p)
-            values, cand = vocab_parallel_topk(ranked, k, start, vocab, ctx)
-            q_top = vocab_parallel_topk(flat[:b], kq, start, vocab, ctx)[1] if self.reflex_cfg else cand
+            asked = [TopK(ranked, k, with_logsumexp=True)] + ([TopK(flat[:b], kq)] if self.reflex_cfg else [])
         else:
-            ranked = flat[:b]
-            values, q_top = vocab_parallel_topk(ranked, kq, start, vocab, ctx)
-            values, cand = values[:, :k], q_top[:, :k]
-        logq = values.float() - vocab_parallel_logsumexp(ranked, start, vocab, ctx)[:, None]
+            asked = [TopK(flat[:b], kq, with_logsumexp=True)]
+        if D > 1:
+            deeper = (coupled_scores(flat[b:], keys.rows(b, D * b), 1.0, 0, start, vocab, ctx, columns)
+                      if coupled else flat[b:])
+            asked.append(TopK(deeper, S))
+        head1, *rest = vocab_parallel_topks(asked, start, vocab, ctx)
+        values, cand = head1.values[:, :k], head1.ids[:, :k]
+        q_top = rest[0].ids if coupled and self.reflex_cfg else head1.ids
+        logq = values.float() - head1.logsumexp[:, None]
         cand, q_top = to_ids(cand), to_ids(q_top)
         levels = [DraftLevel(torch.full((b, 1), ROOT, dtype=torch.long, device=hidden.device), cand[:, None],
                              logq[:, None])]
         q_tops, zs = [q_top[:, None]], [z[0][:, None]]
         if D == 1:
             return Proposal(levels, q_tops, zs)
-        # heads 2..D on their shortlists, under the expanded nodes of the level above. A shortlist ranks
-        # the path-free logits (/ T, + the noise where coupled) unfiltered: top-k, top-p and min-p cut
-        # relative to a distribution, which moves with the path; the path's own filter comes below
-        # (filtering the path-free ranking instead, SmolLM2 at min-p 0.1: depth-2 acceptance 0.38, not 0.65)
-        deeper = (coupled_scores(flat[b:], keys.rows(b, D * b), 1.0, 0, start, vocab, ctx, columns)
-                  if coupled else flat[b:])
-        short_index = vocab_parallel_topk(deeper, S, start, vocab, ctx)[1].reshape(D - 1, b, S)
+        # heads 2..D on their shortlists, under the expanded nodes of the level above
+        short_index = rest[-1].ids.reshape(D - 1, b, S)
         padding = short_index >= vocab  # (dead candidates, see to_ids)
         shortlist = to_ids(short_index)
         # the shortlists' rows of the vocab projection, from the draft vocabulary's own compact copy where

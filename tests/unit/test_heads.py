@@ -281,3 +281,53 @@ def test_vocab_parallel_topk_over_two_shards_equals_the_whole_vocabularys(dtype)
         for values, ids in got:
             assert values.dtype == dtype and ids.dtype == torch.long
             assert torch.equal(values, want) and torch.equal(ids[live], order[live]), (k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_several_vocab_parallel_topks_share_one_exchange(dtype):
+    """Requests of different rows and k, two with their log-sum-exp, answered over two vocabulary
+    shards with one all-gather: each the top-k of its own call, the log-sum-exp that of the whole
+    vocabulary (TP padding left out), the same on both ranks; at TP=1 the same results."""
+    import threading
+
+    from specroll_mcore.heads import TopK, vocab_parallel_topk, vocab_parallel_topks
+
+    g = torch.Generator().manual_seed(5)
+    vocab, split = 13, 5
+    fulls = [torch.randn(n, vocab, generator=g, dtype=torch.float64).mul(3).to(dtype) for n in (4, 2, 6)]
+    shards = [[f[:, :split], torch.cat([f[:, split:], torch.full((f.shape[0], 3), 50.0).to(dtype)], -1)]
+              for f in fulls]
+    asks = [(0, 3, True), (1, 7, False), (2, 2, True)]  # (logits, k, with its log-sum-exp)
+    got, single, meet, sent, exchanges = [None, None], [None, None], threading.Barrier(2, timeout=60), {}, []
+
+    class Counted(_ThreadedTP):
+        def all_gather_tp(self, tensor):
+            exchanges.append(self.tp_rank)
+            return super().all_gather_tp(tensor)
+
+    def rank(r):
+        ctx = Counted(r, sent, meet)
+        got[r] = vocab_parallel_topks([TopK(shards[i][r], k, lse) for i, k, lse in asks], (0, split)[r], vocab, ctx)
+        single[r] = [vocab_parallel_topk(shards[i][r], k, (0, split)[r], vocab, _ThreadedTP(r, sent, meet))
+                     for i, k, _ in asks]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(exchanges) == [0, 1]  # one all-gather on each rank for the three requests
+    whole = vocab_parallel_topks([TopK(fulls[i], k, lse) for i, k, lse in asks], 0, vocab,
+                                 type("OneRank", (), {"tp_size": 1})())
+    for r in range(2):
+        for (i, k, lse), found, (values, ids), alone in zip(asks, got[r], single[r], whole):
+            assert torch.equal(found.values, values) and torch.equal(found.ids, ids)
+            assert torch.equal(found.values, alone.values) and torch.equal(found.ids, alone.ids)
+            assert (found.logsumexp is None) == (alone.logsumexp is None) == (not lse)
+            if lse:
+                want = torch.logsumexp(fulls[i].double(), -1)
+                assert found.logsumexp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+                assert torch.allclose(found.logsumexp.double(), want, rtol=0, atol=1e-12 if dtype == torch.float64
+                                      else 1e-5)
+                assert torch.equal(found.logsumexp, got[0][asks.index((i, k, lse))].logsumexp)
+                assert torch.allclose(alone.logsumexp.double(), want, rtol=0, atol=1e-5)
