@@ -34,6 +34,25 @@ def test_bench_pipeline_rollout_smoke(tmp_path):
                                                                                         "last1/interleaved"}
 
 
+def test_bench_checkpoint_at_tp2_smoke(tmp_path):
+    """Both ranks run the trainer; rank 0 compares every rank's shards of the two modes' checkpoints,
+    reports, and removes what the runs wrote in --dir."""
+    ckpt = tiny_policy_checkpoint(tmp_path / "ckpt")
+    out, scratch = tmp_path / "c.json", tmp_path / "scratch"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tools" / "bench_checkpoint.py"), "--checkpoint", str(ckpt), "--steps", "2", "--reps", "2",
+           "--set", "sampling.max_new_tokens=6", "--set", "parallel.tensor_model_parallel_size=2", "--dir",
+           str(scratch), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["identical_checkpoints"] and report["checkpoint_bytes"] > 0 and report["world_size"] == 2
+    assert len(report["paired_ratios"]) == 2 and all(len(report["runs"][m]) == 2 for m in ("at_once", "background"))
+    assert report["median"]["background"]["run_s"] > 0
+    assert scratch.is_dir() and not any(scratch.iterdir())
+
+
 def test_specroll_generate_at_dp2_equals_one_process(tmp_path):
     """`specroll generate` under torchrun at DP=2 (the prompts dealt out to the replicas): every response
     of one process, and the printed statistics count every replica's tokens (they were the first

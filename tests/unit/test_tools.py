@@ -333,16 +333,22 @@ def test_bench_rollout_smoke(tmp_path):
     assert all(r["speed_ratio_ours_over_hf"] > 0 for r in report["throughput"])
 
 
-def test_bench_checkpoint_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
-    out = tmp_path / "c.json"
-    run_tool("bench_checkpoint.py", "--checkpoint", tiny_ckpt, "--steps", 2, "--reps", 2, "--set",
-             "sampling.max_new_tokens=6", "--out", out)
-    report = json.loads(out.read_text())
-    assert report["identical_checkpoints"] and report["checkpoint_bytes"] > 0
-    assert len(report["paired_ratios"]) == 2 and all(len(report["runs"][m]) == 2 for m in ("at_once", "background"))
-    assert report["median"]["background"]["run_s"] > 0
+def test_bench_checkpoint_bad_arguments_and_work_directory(tmp_path, capsys, monkeypatch):
+    """(Its runs: tests/dist/test_pipeline_tools.py, under torchrun.) In one process the runs go into a
+    fresh directory in --dir or the system's temporary one; under torchrun into one named by the
+    launch, the same on every rank."""
     code, err = refused(capsys, "bench_checkpoint.py", "--steps", "1")
     assert code != 0 and "--steps must be >= 2 (the last step's checkpoint is written at once)" in err
+    tool = import_tool("bench_checkpoint")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    one, two = tool.work_root(str(tmp_path)), tool.work_root(str(tmp_path))
+    assert one.parent == two.parent == tmp_path and one != two and one.is_dir()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert tool.work_root(str(tmp_path)) == tool.work_root(str(tmp_path)) == tmp_path / "bench_checkpoint.abc.29500"
+    monkeypatch.chdir(tmp_path / "bench_checkpoint.abc.29500")
+    assert tool.work_root(None) == tmp_path / "bench_checkpoint.abc.29500" / "bench_checkpoint.abc.29500"
 
 
 def test_bench_max_num_seqs_smoke_and_bad_arguments(tiny_ckpt, tmp_path, capsys):
