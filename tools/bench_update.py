@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import shutil
 import statistics
@@ -125,16 +126,14 @@ def main() -> int:
     if args.replicas > args.prompts:
         raise SystemExit(f"--replicas {args.replicas} exceeds --prompts {args.prompts}: every replica rolls out "
                          "whole groups, so it needs a prompt")
-    def config(out: str) -> TrainConfig:
-        return load_config(TrainConfig, args.config, [
-            f"checkpoint={args.checkpoint}", "engine=vanilla", f"prompts_per_step={args.prompts}",
-            f"sampling.num_samples={args.samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
-            f"micro_batch_size={args.micro_batch_size}", "micro_batch_tokens=0", f"output_dir={out}",
-            "tensorboard=false", "compare_vanilla_every=0", *args.set])
-
-    ctx = parallel.initialize(config("unused").parallel)  # (the trainer keeps these groups)
+    base = load_config(TrainConfig, args.config, [
+        f"checkpoint={args.checkpoint}", "engine=vanilla", f"prompts_per_step={args.prompts}",
+        f"sampling.num_samples={args.samples}", f"sampling.max_new_tokens={args.max_new_tokens}",
+        f"micro_batch_size={args.micro_batch_size}", "micro_batch_tokens=0", "tensorboard=false",
+        "compare_vanilla_every=0", *args.set])
+    ctx = parallel.initialize(base.parallel)  # (the trainer keeps these groups)
     with run_directory(ctx) as out:
-        cfg = config(out)
+        cfg = dataclasses.replace(base, output_dir=str(out))
         if args.compare_sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
             raise SystemExit("--compare-sequence-parallel splits the update's activations over the tensor-parallel "
                              "ranks: launch with torchrun and --set parallel.tensor_model_parallel_size=N (N > 1)")
