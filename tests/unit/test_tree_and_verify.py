@@ -607,6 +607,24 @@ def test_a_profile_that_cannot_be_cached_is_used_and_named(ctx, tmp_path, monkey
     assert not (cache.is_dir() and any(cache.iterdir()))  # (no temporary file left behind)
 
 
+def profiled(monkeypatch, noted) -> list:
+    """Capacity profiles measured by a fake of the forward's timing (a 1 s forward growing by 1/16 s a
+    token, one grid point): returns the list that ``noted(policy)`` of each policy profiled goes to."""
+    from specroll_mcore.rollout import profile
+
+    measured = []
+
+    def fake_latency(policy, sizes, reps, **kw):
+        measured.append(noted(policy))
+        return {"tokens": list(sizes), "context": 8, "tree_row_s": [1.0 + n / 16 for n in sizes],
+                "decode_rows_s": [1.0 + n / 16 for n in sizes]}
+
+    monkeypatch.setattr(profile, "forward_latency", fake_latency)
+    monkeypatch.setattr(profile, "forward_grid", lambda policy, c_hw, reps, **kw: {
+        "rows": [1], "nodes": [1, 2], "contexts": [8], "seconds": [[[1.0, 1.1]]]})
+    return measured
+
+
 def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
     """The same weights loaded in another dtype (TrainConfig / `specroll generate` params_dtype) have
     another latency curve: a float32 profile is not taken for a bfloat16 policy."""
@@ -615,16 +633,7 @@ def test_capacity_profile_is_keyed_by_dtype(ctx, tmp_path, monkeypatch):
     from specroll_mcore.rollout import profile
 
     monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
-    measured = []
-
-    def fake_latency(policy, sizes, reps, **kw):
-        measured.append(policy.dtype)
-        return {"tokens": list(sizes), "context": 8, "tree_row_s": [1.0 + n / 16 for n in sizes],
-                "decode_rows_s": [1.0 + n / 16 for n in sizes]}
-
-    monkeypatch.setattr(profile, "forward_latency", fake_latency)
-    monkeypatch.setattr(profile, "forward_grid", lambda policy, c_hw, reps, **kw: {
-        "rows": [1], "nodes": [1, 2], "contexts": [8], "seconds": [[[1.0, 1.1]]]})
+    measured = profiled(monkeypatch, lambda policy: policy.dtype)
     fp32 = profile.ensure_capacity(make_policy(tiny_llama(), ctx), None)
     bf16 = profile.ensure_capacity(make_policy(tiny_llama(params_dtype="bfloat16"), ctx), None)
     assert measured == [torch.float32, torch.bfloat16]  # the bfloat16 policy was profiled, not given float32's
@@ -644,16 +653,7 @@ def test_capacity_profile_is_keyed_by_architecture_not_weights(ctx, tmp_path, mo
     from specroll_mcore.tree import budget
 
     monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
-    measured = []
-
-    def fake_latency(policy, sizes, reps, **kw):
-        measured.append(policy.config)
-        return {"tokens": list(sizes), "context": 8, "tree_row_s": [1.0 + n / 16 for n in sizes],
-                "decode_rows_s": [1.0 + n / 16 for n in sizes]}
-
-    monkeypatch.setattr(profile, "forward_latency", fake_latency)
-    monkeypatch.setattr(profile, "forward_grid", lambda policy, c_hw, reps, **kw: {
-        "rows": [1], "nodes": [1, 2], "contexts": [8], "seconds": [[[1.0, 1.1]]]})
+    measured = profiled(monkeypatch, lambda policy: policy.config)
     base = profile.ensure_capacity(make_policy(tiny_llama(), ctx, seed=0), None)
     for same_shapes in (make_policy(tiny_llama(), ctx, seed=1),
                         make_policy(tiny_llama(rope_theta=5e5, norm_eps=1e-6, max_position_embeddings=512,
