@@ -202,6 +202,11 @@ def test_profile_capacity_smoke(tiny_ckpt, tmp_path):
     assert [r["c_hw"] for r in cached.values()] == [record["c_hw"]]
 
 
+def test_profile_capacity_refuses_a_split_without_a_pipeline(capsys):
+    code, err = refused(capsys, "profile_capacity.py", "--last-stage-layers", "2")
+    assert code == 2 and "num_layers_in_last_pipeline_stage is set (2) but pipeline_model_parallel_size is 1" in err
+
+
 def test_bench_cpu_gemm_smoke_and_nothing_to_compare(tiny_ckpt, tmp_path):
     out = tmp_path / "g.json"
     run_tool("bench_cpu_gemm.py", "--checkpoint", tiny_ckpt, "--rows", "1,5", "--reps", 1, "--out", out)
