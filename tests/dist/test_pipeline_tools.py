@@ -53,6 +53,27 @@ def test_bench_checkpoint_at_tp2_smoke(tmp_path):
     assert scratch.is_dir() and not any(scratch.iterdir())
 
 
+def test_bench_collectives_at_tp2_smoke(tmp_path):
+    """Both engines' collectives at TP=2 by call site: the tokens equal (else the tool fails), drafting
+    exchanges its top-ks once a step (head 1's, the Reflex's and the shortlists': one all-gather), and
+    the top-p filter its window and log-sum-exp once."""
+    out = tmp_path / "c.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tools" / "bench_collectives.py"), "--tp", "2", "--hidden", "64", "--vocab", "512",
+           "--max-new-tokens", "12", "--top-p", "0.9", "--reps", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["tp"] == 2 and set(report["engines"]) == {"vanilla", "specroll"}
+    vanilla, spec = report["engines"]["vanilla"], report["engines"]["specroll"]
+    assert vanilla["per_forward"] >= 2 * 4 and vanilla["by_kind"]["all_reduce"] > 0  # (2 a layer, 4 layers)
+    drafting = sum(n for site, n in spec["by_site"].items() if "vocab_parallel_topks < rollout/speculative" in site)
+    filtering = sum(n for site, n in spec["by_site"].items()
+                    if "vocab_parallel_topks < heads.py" in site and "vocab_parallel_filter" in site)
+    assert 0 < drafting <= spec["forwards"] and 0 < filtering <= spec["forwards"]
+
+
 def test_specroll_generate_at_dp2_equals_one_process(tmp_path):
     """`specroll generate` under torchrun at DP=2 (the prompts dealt out to the replicas): every response
     of one process, and the printed statistics count every replica's tokens (they were the first
