@@ -30,6 +30,7 @@ import math
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
@@ -42,6 +43,29 @@ _CPU_COMPAT_APPLIED = False
 _MEGATRON_COMPAT_APPLIED: list[str] = []
 _INITIALIZED: Optional[tuple] = None
 """(default process group, TP, PP, EP) of megatron's parallel state as :func:`initialize` last set it."""
+_IN_FLIGHT: list = []
+"""Every context's pipeline sends not waited for yet, (work, tensor) (:meth:`ParallelContext.post_forward`),
+held here too: a send must outlive the context that posted it (a gloo work dropped before the next
+stage receives never arrives there), and is waited for before the parallel state is set up again
+(:func:`wait_for_sends`)."""
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def wait_for_sends() -> None:
+    """Wait for every pipeline send still in flight, whichever context posted it (:func:`initialize`
+    and :func:`destroy` do first: a job that ends on a forward the next stage has yet to receive)."""
+    _wait(list(_IN_FLIGHT))
+
+
+def _wait(sends: Sequence[tuple]) -> None:
+    """Wait for each (work, tensor) of ``sends`` and drop it from :data:`_IN_FLIGHT`."""
+    for entry in sends:
+        entry[0].wait()
+        with _IN_FLIGHT_LOCK:  # (simulated stages are threads of one process)
+            for i, held in enumerate(_IN_FLIGHT):
+                if held is entry:
+                    del _IN_FLIGHT[i]
+                    break
 
 
 def apply_cpu_compat() -> list[str]:
@@ -270,12 +294,14 @@ class ParallelContext:
         (the next stage has long received them) but those of the same :meth:`forward_step`, and
         :meth:`flush_sends` waits for the last ones."""
         keep = len(self._sends) if self._step_start is None else self._step_start
-        for work, _ in self._sends[:keep]:
-            work.wait()
+        _wait(self._sends[:keep])
         self._sends = self._sends[keep:]
         if self._step_start is not None:
             self._step_start = 0
-        self._sends.append((dist.isend(tensor.contiguous(), dst=self.pp_ranks[self.pp_rank + 1]), tensor))
+        entry = (dist.isend(tensor.contiguous(), dst=self.pp_ranks[self.pp_rank + 1]), tensor)
+        self._sends.append(entry)
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.append(entry)
 
     @contextlib.contextmanager
     def forward_step(self) -> Iterator[None]:
@@ -290,8 +316,7 @@ class ParallelContext:
 
     def flush_sends(self) -> None:
         """Wait for the sends :meth:`post_forward` left in flight, if any."""
-        for work, _ in self._sends:
-            work.wait()
+        _wait(self._sends)
         self._sends = []
 
     def recv_forward(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -469,9 +494,11 @@ class ParallelContext:
 def initialize(parallel: ParallelConfig, model: Optional[ModelConfig] = None,
                timeout_minutes: int = 30) -> ParallelContext:
     """Initialise torch.distributed (from torchrun's environment, or a 1-process group) and
-    megatron-core's model-parallel state. Validates the layout against ``model`` when given."""
+    megatron-core's model-parallel state. Validates the layout against ``model`` when given. Pipeline
+    sends still in flight from an earlier context are waited for first (:func:`wait_for_sends`)."""
     from megatron.core import parallel_state as ps
 
+    wait_for_sends()
     apply_cpu_compat()
     apply_megatron_compat()
     use_cuda = torch.cuda.is_available() and parallel.backend != "gloo"
@@ -629,9 +656,11 @@ def clip_grads(params: Sequence[torch.nn.Parameter], norm: float, max_norm: floa
 
 
 def destroy() -> None:
-    """Tear down megatron's parallel state and the default process group."""
+    """Tear down megatron's parallel state and the default process group, once the pipeline sends in
+    flight have been received (:func:`wait_for_sends`)."""
     from megatron.core import parallel_state as ps
 
+    wait_for_sends()
     global _INITIALIZED
     if ps.model_parallel_is_initialized():
         _destroy_model_parallel()

@@ -1,7 +1,8 @@
 """megatron's parallel state initialised again in one process (the jobs of one launch, trainers and
 tools one after the other): the same layout keeps its process groups; another destroys the old ones
 (megatron-core's destroy_model_parallel only forgets them, which leaked ~75 file descriptors a
-re-initialisation at 2 processes)."""
+re-initialisation at 2 processes). A pipeline send still in flight when its job ends arrives (its
+gloo work, dropped with the job's context, never did: the next stage waited in its receive)."""
 
 import json
 import os
@@ -28,6 +29,9 @@ def test_layouts_one_after_another_keep_no_old_process_groups(tmp_path):
             tp, pp, dp, ep = row["sizes"]
             assert [tp, pp, ep] == list(map(int, row["layout"].split(","))) and tp * pp * dp == 2
             assert row["sums"] == {"tp_group": tp, "pp_group": pp, "dp_group": dp, "ep_group": ep}, row
+        # a job's send left in flight reached the next stage after the job's context was dropped
+        assert [r.get("received") for r in rows] == [[float(i)] * 4 if rank == 1 and r["layout"] == "1,2,1" else None
+                                                     for i, r in enumerate(rows)]
         # the same layout again at once (the fifth of each cycle): the same groups; another layout: new ones
         assert [r["same_groups_as_previous"] for r in rows] == [
             i > 0 and rows[i - 1]["layout"] == r["layout"] for i, r in enumerate(rows)]

@@ -51,7 +51,9 @@ def simulate(pp: int, k: int, lifetimes: list[int], prefills: frozenset = frozen
     links = [queue.Queue() for _ in range(pp)]  # links[s]: activations into stage s
     logs: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
     errors: list[BaseException] = []
-    if monkeypatch is not None:
+    if monkeypatch is not None:  # (the stages' sends in flight kept apart from the process's own)
+        monkeypatch.setattr(parallel, "_IN_FLIGHT", [])
+
         def isend(tensor, dst):
             work = _Send()
             links[dst].put((tuple(tensor.tolist()), work))
