@@ -30,7 +30,6 @@ import math
 import os
 import socket
 import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
@@ -43,29 +42,24 @@ _CPU_COMPAT_APPLIED = False
 _MEGATRON_COMPAT_APPLIED: list[str] = []
 _INITIALIZED: Optional[tuple] = None
 """(default process group, TP, PP, EP) of megatron's parallel state as :func:`initialize` last set it."""
-_IN_FLIGHT: list = []
-"""Every context's pipeline sends not waited for yet, (work, tensor) (:meth:`ParallelContext.post_forward`),
+_IN_FLIGHT: dict[int, tuple] = {}
+"""Every context's pipeline sends not waited for yet, (work, tensor) by id (:meth:`ParallelContext.post_forward`),
 held here too: a send must outlive the context that posted it (a gloo work dropped before the next
 stage receives never arrives there), and is waited for before the parallel state is set up again
 (:func:`wait_for_sends`)."""
-_IN_FLIGHT_LOCK = threading.Lock()
 
 
 def wait_for_sends() -> None:
     """Wait for every pipeline send still in flight, whichever context posted it (:func:`initialize`
     and :func:`destroy` do first: a job that ends on a forward the next stage has yet to receive)."""
-    _wait(list(_IN_FLIGHT))
+    _wait(list(_IN_FLIGHT.values()))
 
 
 def _wait(sends: Sequence[tuple]) -> None:
     """Wait for each (work, tensor) of ``sends`` and drop it from :data:`_IN_FLIGHT`."""
     for entry in sends:
         entry[0].wait()
-        with _IN_FLIGHT_LOCK:  # (simulated stages are threads of one process)
-            for i, held in enumerate(_IN_FLIGHT):
-                if held is entry:
-                    del _IN_FLIGHT[i]
-                    break
+        _IN_FLIGHT.pop(id(entry), None)
 
 
 def apply_cpu_compat() -> list[str]:
@@ -300,8 +294,7 @@ class ParallelContext:
             self._step_start = 0
         entry = (dist.isend(tensor.contiguous(), dst=self.pp_ranks[self.pp_rank + 1]), tensor)
         self._sends.append(entry)
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT.append(entry)
+        _IN_FLIGHT[id(entry)] = entry
 
     @contextlib.contextmanager
     def forward_step(self) -> Iterator[None]:

@@ -52,7 +52,7 @@ def simulate(pp: int, k: int, lifetimes: list[int], prefills: frozenset = frozen
     logs: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
     errors: list[BaseException] = []
     if monkeypatch is not None:  # (the stages' sends in flight kept apart from the process's own)
-        monkeypatch.setattr(parallel, "_IN_FLIGHT", [])
+        monkeypatch.setattr(parallel, "_IN_FLIGHT", {})
 
         def isend(tensor, dst):
             work = _Send()
