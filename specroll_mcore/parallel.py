@@ -131,7 +131,8 @@ def apply_megatron_compat() -> list[str]:
        megatron-core 0.16.1 imports it only when Transformer Engine is installed, yet the router's
        gating product (``RouterGatingLinearFunction``, every mixture-of-experts forward) tests it
        for None: without Transformer Engine that raises NameError. None is the value megatron-core
-       means for "not installed"; the router then computes its product with ``torch.mm``.
+       means for "not installed"; the router then computes its product with ``torch.mm``. (0.17 and
+       later define it as None themselves: nothing is applied there.)
 
     Returns the list of items applied (empty where megatron-core needs none of them).
     """
@@ -155,6 +156,10 @@ def defer_megatron_compiles() -> list[str]:
     Once megatron.core.jit is loaded its ``jit_fuser`` becomes a decorator that calls
     ``torch.compile`` with the kernel at its first call and runs the compiled kernel from then on:
     what torch.compile's wrapper does anyway, which compiles at the first call too.
+
+    megatron-core 0.17 and later also decorate two methods of their inference router with
+    ``torch.compile`` itself, which imports TorchDynamo as that module loads; left alone (it is a
+    decorator applied at import, not a setting).
 
     Returns the list of items in place (empty where megatron-core, imported first, chose another
     ``jit_fuser``).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
@@ -145,9 +146,30 @@ class SpecRollSequentialMLP(SequentialMLP):
         return (torch.cat(outputs) if outputs else permuted_local_hidden_states[:0]), None
 
 
-def _packed_mlp(mlp: ModuleSpec) -> ModuleSpec:
-    return dataclasses.replace(mlp, submodules=dataclasses.replace(
-        mlp.submodules, linear_fc1=PackedColumnParallelLinear, linear_fc2=PackedRowParallelLinear))
+def _submodules(spec: ModuleSpec | functools.partial) -> object:
+    """The submodules of a megatron-core module spec. megatron-core 0.16 gives an MLP, a mixture of
+    experts and its experts as a ``ModuleSpec``; 0.17 and later as a ``functools.partial`` of their
+    builder with ``submodules=`` bound."""
+    return spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+
+
+def _with_submodules(spec: ModuleSpec | functools.partial, **changes: object) -> ModuleSpec | functools.partial:
+    """``spec`` (either form, :func:`_submodules`) with some of its submodules replaced."""
+    submodules = dataclasses.replace(_submodules(spec), **changes)
+    if isinstance(spec, functools.partial):
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
+    return dataclasses.replace(spec, submodules=submodules)
+
+
+def _with_module(spec: ModuleSpec | functools.partial, module: type) -> ModuleSpec | functools.partial:
+    """``spec`` building ``module`` (a subclass of the one it built) with the same arguments."""
+    if isinstance(spec, functools.partial):
+        return functools.partial(module, *spec.args, **spec.keywords)
+    return dataclasses.replace(spec, module=module)
+
+
+def _packed_mlp(mlp: ModuleSpec | functools.partial) -> ModuleSpec | functools.partial:
+    return _with_submodules(mlp, linear_fc1=PackedColumnParallelLinear, linear_fc2=PackedRowParallelLinear)
 
 
 def layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None) -> ModuleSpec:
@@ -166,10 +188,9 @@ def layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None) ->
     if num_experts is None:
         new_mlp = _packed_mlp(mlp)
     else:
-        new_mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
-            mlp.submodules, experts=dataclasses.replace(_packed_mlp(mlp.submodules.experts),
-                                                        module=SpecRollSequentialMLP),
-            shared_experts=_packed_mlp(mlp.submodules.shared_experts)))
+        moe = _submodules(mlp)
+        new_mlp = _with_submodules(mlp, experts=_with_module(_packed_mlp(moe.experts), SpecRollSequentialMLP),
+                                   shared_experts=_packed_mlp(moe.shared_experts))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn,
                                                                    mlp=new_mlp))
 

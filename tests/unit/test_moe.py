@@ -220,3 +220,32 @@ def test_expert_shards_split_and_join_the_experts():
     assert all(torch.equal(joined[k], full[k]) for k in joined)
     with pytest.raises(KeyError, match="expert 4 of a model with 4 experts"):
         expert_shard({"decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight": torch.zeros(1)}, 4, 2, 0)
+
+
+@pytest.mark.parametrize("form", ["ModuleSpec", "partial"])
+def test_layer_spec_swaps_reach_both_forms_of_megatron_specs(form):
+    """megatron-core 0.16 gives MLP, mixture-of-experts and experts specs as ModuleSpecs, 0.17 and later
+    as functools.partial of their builders with submodules= bound. The layer spec's swaps (packed
+    linears, experts that skip the empty ones) reach both, keeping every other argument; the form
+    the installed megatron-core gives is built whole in the tests above."""
+    import functools
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from specroll_mcore.cpu_gemm import PackedColumnParallelLinear, PackedRowParallelLinear
+    from specroll_mcore.model import gpt
+
+    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    spec = (ModuleSpec(module=SequentialMLP, submodules=mlp, params={"gate": True}) if form == "ModuleSpec"
+            else functools.partial(SequentialMLP, submodules=mlp, gate=True))
+    swapped = gpt._with_module(gpt._packed_mlp(spec), SpecRollSequentialMLP)
+    assert type(swapped) is type(spec)
+    built, params = ((swapped.module, swapped.params) if form == "ModuleSpec"
+                     else (swapped.func, {k: v for k, v in swapped.keywords.items() if k != "submodules"}))
+    assert built is SpecRollSequentialMLP and params == {"gate": True}
+    assert gpt._submodules(swapped) == MLPSubmodules(linear_fc1=PackedColumnParallelLinear,
+                                                     linear_fc2=PackedRowParallelLinear)
+    assert gpt._submodules(spec) is mlp  # the spec given is left as it was
