@@ -17,8 +17,13 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
-                                                     get_moe_layer_wise_logging_tracker)
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+try:  # megatron-core 0.17 and later (which deprecate 0.16's functions below)
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+except ImportError:  # megatron-core 0.16
+    get_moe_metrics_tracker = None
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 from torch.utils.checkpoint import checkpoint
 
 from specroll_mcore.heads import vocab_parallel_entropy
@@ -392,12 +397,26 @@ def moe_aux_loss(policy: PolicyModel, micro_batches: int, recompute: bool) -> fl
     ``micro_batches`` (over all data-parallel replicas), from megatron-core's tracker, which it then
     clears; 0 without one. Every stage and replica calls it (the sum is all-reduced). With
     ``recompute`` each router ran twice a micro-batch (forward, and again in the backward)."""
-    tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
     ctx = policy.ctx
-    local = tracker["values"].sum().to(ctx.device) if tracker is not None else torch.zeros((), device=ctx.device)
-    total = ctx.all_reduce_dp(ctx.all_reduce_pp(local.clone()))
-    clear_aux_losses_tracker()
+    layers = _tracked_load_balancing_losses()
+    local = layers.sum().to(ctx.device) if layers is not None else torch.zeros((), device=ctx.device)
+    total = ctx.all_reduce_dp(ctx.all_reduce_pp(local))
     return float(total) / ((2 if recompute else 1) * micro_batches * policy.config.num_layers)
+
+
+def _tracked_load_balancing_losses() -> Optional[torch.Tensor]:
+    """The load-balancing losses megatron-core's routers added up since the last call, one a layer
+    (None where none was tracked yet), and its tracker cleared."""
+    if get_moe_metrics_tracker is None:
+        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        values = None if entry is None else entry["values"].clone()
+        clear_aux_losses_tracker()
+        return values
+    tracker = get_moe_metrics_tracker()
+    entry = tracker.metrics.get("load_balancing_loss")
+    values = None if entry is None else entry.values.clone()
+    tracker.clear()
+    return values
 
 
 Owners = Mapping[torch.nn.Parameter, int]  # a parameter -> the global rank of its owner
