@@ -46,17 +46,21 @@ class HorizonHeadsSubmodules:
 
 class HorizonHeads(MegatronModule):
     """H residual heads on the final hidden state; parameters ``layers.{i}.weight`` (W_i),
-    ``root_layers.{i}.weight`` (U_i) and ``path_layers.{i}.{j}.weight`` (V_{i,j+1}, j < i), [h/tp, h] each."""
+    ``root_layers.{i}.weight`` (U_i) and ``path_layers.{i}.{j}.weight`` (V_{i,j+1}, j < i), [h/tp, h] each.
+    ``tp_group``: the tensor-parallel group of their linears and gathers (the policy's)."""
 
-    def __init__(self, config: Any, submodules: HorizonHeadsSubmodules, num_heads: int, vocab_size: int = 0) -> None:
+    def __init__(self, config: Any, submodules: HorizonHeadsSubmodules, num_heads: int, vocab_size: int = 0,
+                 tp_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         super().__init__(config=config)
         self.num_heads = num_heads
+        self.tp_group = tp_group
         self.register_buffer("token_counts", torch.zeros(vocab_size, dtype=torch.long))
 
         def linears(n: int) -> torch.nn.ModuleList:
             return torch.nn.ModuleList(
                 build_module(submodules.linear, config.hidden_size, config.hidden_size, config=config,
-                             init_method=torch.nn.init.zeros_, bias=False, gather_output=False, skip_bias_add=True)
+                             init_method=torch.nn.init.zeros_, bias=False, gather_output=False, skip_bias_add=True,
+                             tp_group=tp_group)
                 for _ in range(n))
 
         self.layers = linears(num_heads)
@@ -95,7 +99,7 @@ class HorizonHeads(MegatronModule):
         if path is not None:
             for j, layer in enumerate(self.path_layers[index]):
                 y = y + layer(path[:, j])[0]
-        return x + gather_from_tensor_model_parallel_region(F.silu(y))
+        return x + gather_from_tensor_model_parallel_region(F.silu(y), group=self.tp_group)
 
     def head_parameters(self, index: int) -> list[torch.nn.Parameter]:
         """Head ``index``'s own parameters (W_i, U_i and its V_{i,j})."""
@@ -185,13 +189,13 @@ def _mask_padding(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> to
     return logits.masked_fill(~valid, float("-inf"))
 
 
-def _reduce_tp(x: torch.Tensor) -> torch.Tensor:
+def _reduce_tp(x: torch.Tensor, group: Optional[torch.distributed.ProcessGroup]) -> torch.Tensor:
     """Sum over TP with gradients (megatron's reduce-from-TP region: backward passes the gradient
     through). The region all-reduces its input in place, and only when it is contiguous: it gets a
     fresh contiguous copy, so no tensor that autograd saved (exp saves its output) is overwritten."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    return reduce_from_tensor_model_parallel_region(x.clone(memory_format=torch.contiguous_format))
+    return reduce_from_tensor_model_parallel_region(x.clone(memory_format=torch.contiguous_format), group=group)
 
 
 def vocab_parallel_logsumexp(logits: torch.Tensor, vocab_start: int, vocab_size: int, ctx: Any) -> torch.Tensor:
@@ -203,7 +207,7 @@ def vocab_parallel_logsumexp(logits: torch.Tensor, vocab_start: int, vocab_size:
     if ctx.tp_size == 1:
         return lse
     m = ctx.all_reduce_tp(lse.detach().clone(), "max")
-    return m + torch.log(_reduce_tp(torch.exp(lse - m)))
+    return m + torch.log(_reduce_tp(torch.exp(lse - m), ctx.tp_group))
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -287,7 +291,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, ids: torch.Tensor, vocab_star
     local = ids - vocab_start
     own = (local >= 0) & (local < logits.shape[-1])
     picked = torch.where(own, upcast(logits).gather(-1, local.clamp(0, logits.shape[-1] - 1)), 0.0)
-    picked = _reduce_tp(picked)
+    picked = _reduce_tp(picked, ctx.tp_group)
     return picked - vocab_parallel_logsumexp(logits, vocab_start, vocab_size, ctx)[..., None]
 
 

@@ -554,7 +554,9 @@ class SlowPath:
         if self.policy.ctx.tp_size > 1:
             from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                                 reduce_from_tensor_model_parallel_region)
-            return reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(z) @ rows.t())
+            group = self.policy.ctx.tp_group
+            return reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(z, group) @ rows.t(),
+                                                            group)
         return z @ rows.t()
 
     def loss(self, batch: EventBatch, head: int, prev: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:

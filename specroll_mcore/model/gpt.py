@@ -268,7 +268,8 @@ class PolicyModel(torch.nn.Module):
         self.heads: Optional[HorizonHeads] = None
         if num_heads > 0 and ctx.is_last_stage:
             with cpu_model_construction():
-                self.heads = build_module(horizon_heads_spec(num_heads, config.vocab_size), config=self.gpt.config)
+                self.heads = build_module(horizon_heads_spec(num_heads, config.vocab_size), config=self.gpt.config,
+                                          tp_group=ctx.tp_group)
             self.heads.to(device=ctx.device, dtype=config.torch_dtype)
         self.num_heads = num_heads
         self._packed_vocab = cpu_gemm.PackedWeight()  # (CPU inference, see vocab_projection)

@@ -17,6 +17,21 @@ def test_root_features_are_rows_of_the_vocab_projection(ctx):
     assert torch.equal(model.root_features(ids), model.output_weight()[ids])
 
 
+def test_heads_name_the_policys_tensor_parallel_group(ctx):
+    """megatron-core warns that leaving a linear's or a TP region's group to its global default
+    will soon be refused: the heads are built with the policy's TP group and pass it on."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PolicyModel(tiny_llama(), ctx, num_heads=2).eval()
+        with torch.no_grad():
+            model.head_logits(torch.randn(3, 64), torch.tensor([1, 2, 3]))
+    assert [str(w.message) for w in caught if "tp_group is None" in str(w.message)] == []
+    linears = [*model.heads.layers, *model.heads.root_layers, *model.heads.path_layers[1]]
+    assert model.heads.tp_group is ctx.tp_group and all(layer.tp_group is ctx.tp_group for layer in linears)
+
+
 def test_vocab_rows_of_a_shard_are_its_rows_and_zero_elsewhere():
     """This rank's rows for global ids (ids of other ranks zero, so a sum over ranks is the true
     product), also for a shard that holds none of them (a draft vocabulary's ids all on other ranks)."""
