@@ -18,13 +18,13 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from torch.utils.checkpoint import checkpoint
 
 try:  # megatron-core 0.17 and later (which deprecate 0.16's functions below)
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 except ImportError:  # megatron-core 0.16
     get_moe_metrics_tracker = None
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-from torch.utils.checkpoint import checkpoint
 
 from specroll_mcore.heads import vocab_parallel_entropy
 from specroll_mcore.model import PolicyModel
